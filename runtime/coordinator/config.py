@@ -1,0 +1,99 @@
+"""Policy preferences and scheduler resources (frozen; validated on construction)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+# Fields that must be strictly positive; every other numeric field must be
+# finite and non-negative (zero disables the corresponding preference).
+_POSITIVE = frozenset({"adaptation_ms", "estimate_ttl_ns", "adaptive_verification_alpha"})
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """The spec's policy preferences (spec, "Policy preferences").
+
+    Value is measured in prompt-token units: one consumed prompt token is worth 1.
+    """
+
+    output_token_value: float = 64.0  # prompt-value units per output token (beta)
+    token_fairness: float = 16.0  # f, value/ms
+    delivery_fairness: float = 4.0  # g, value/ms
+    decode_age_price: float = 0.1  # c, value/ms^2
+    terminal_value: float = 256.0  # value per terminal retirement
+    terminal_age_price: float = 1.0  # value/ms^2
+    adaptation_ms: float = 100.0  # service-price adaptation time (tau)
+    estimate_ttl_ns: int = 30_000_000_000  # timing freshness interval
+    adaptive_verification_alpha: float = 1.0  # exponent on prefix-survival estimates
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{f.name} must be a number, got {value!r}")
+            if not math.isfinite(value):
+                raise ConfigError(f"{f.name} must be finite, got {value!r}")
+            if f.name in _POSITIVE:
+                if value <= 0:
+                    raise ConfigError(f"{f.name} must be > 0, got {value!r}")
+            elif value < 0:
+                raise ConfigError(f"{f.name} must be >= 0, got {value!r}")
+        if not isinstance(self.estimate_ttl_ns, int):
+            if float(self.estimate_ttl_ns).is_integer():
+                object.__setattr__(self, "estimate_ttl_ns", int(self.estimate_ttl_ns))
+            else:
+                raise ConfigError(
+                    f"estimate_ttl_ns must be a whole number of ns, got {self.estimate_ttl_ns!r}"
+                )
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> PolicyConfig:
+        """A named preset, then overrides (e.g. terminal coefficients) on top."""
+        try:
+            base = PRESETS[name]
+        except KeyError:
+            raise ConfigError(
+                f"scheduler_policy must be one of {sorted(PRESETS)}, got {name!r}"
+            ) from None
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown policy field(s): {sorted(unknown)}")
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+# Presets are data, not branches.  `throughput` keeps token fairness and the
+# output-token value and drops delivery fairness and the output-age price.
+PRESETS: dict[str, PolicyConfig] = {
+    "balanced": PolicyConfig(),
+    "throughput": PolicyConfig(delivery_fairness=0.0, decode_age_price=0.0),
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Resources the coordinator owns.
+
+    ``max_slots`` resident request slots (selection is bounded to 64), and a KV
+    page pool of ``num_pages`` pages of ``page_size`` tokens.  A request becomes
+    resident only when its worst-case pages (prompt + output limit) can be
+    reserved, so admitted work can never deadlock on pages.
+    """
+
+    max_slots: int = 64
+    page_size: int = 16
+    num_pages: int = 65536
+
+    def __post_init__(self) -> None:
+        for name in ("max_slots", "page_size", "num_pages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_slots > 64:
+            raise ConfigError(f"max_slots must be <= 64 (selection bound), got {self.max_slots}")

@@ -1,0 +1,107 @@
+"""What selection produces: an immutable plan, and the trace record of a commit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from runtime.catalog import GraphDescriptor
+from runtime.coordinator.requests import RequestHandle
+
+
+class SelectionReason(str, Enum):
+    ORDINARY = "ordinary"  # the best value rate among measured candidates
+    DISCOVERY = "discovery"  # an indeterminate (never measured) graph
+    TIMING_REFRESH = "timing-refresh"  # a funded stale alternative displaced the winner
+    ACCEPTANCE_LEARNING = "acceptance-learning"  # a funded acceptance probe
+
+
+class LanePhase(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class LaneWork:
+    """One request's row in a plan, frozen with the epoch it was planned against.
+
+    ``prompt_start``/``prompt_tokens``: the prompt extent a prefill row consumes.
+    ``output_start``: committed output the row starts from (its epoch).
+    ``max_tokens``: the most tokens the row can commit; ``expected_tokens`` and
+    ``expected_deliveries`` are what selection scored.
+    """
+
+    handle: RequestHandle
+    slot: int
+    generation: int
+    phase: LanePhase
+    prompt_start: int
+    prompt_tokens: int
+    output_start: int
+    max_tokens: int
+    expected_tokens: float
+    expected_deliveries: float
+    value: float  # unscaled lane value (priced service plus age value)
+
+    @property
+    def finishes_prompt(self) -> bool:
+        return self.phase is LanePhase.PREFILL and self.max_tokens > 0
+
+
+@dataclass(frozen=True)
+class ScheduledPlan:
+    plan_id: int
+    graph: GraphDescriptor
+    lanes: tuple[LaneWork, ...]
+    estimated_duration_ns: int  # 0 = indeterminate
+    reason: SelectionReason
+    requires_empty_window: bool
+    planned_at_ns: int
+    expected_start_ns: int
+    value_rate_scaled: float  # selection score times the decision's scale factor
+    log_scale: float  # natural log of that positive factor
+    useful_value: float  # unscaled expected useful value (priced service + age value)
+    catalog_version: int
+
+    def selection_value_rate(self) -> float:
+        """The scaled selection score (value/ms for measured graphs, value if unknown)."""
+        return self.value_rate_scaled
+
+    def selection_log_scale(self) -> float:
+        return self.log_scale
+
+    def unscaled_value_rate(self) -> float:
+        return self.value_rate_scaled / math.exp(self.log_scale)
+
+    @property
+    def padding(self) -> int:
+        if self.graph.prompt_capacity:
+            used = sum(lane.prompt_tokens for lane in self.lanes)
+            return self.graph.prompt_capacity - used
+        return self.graph.batch_capacity - len(self.lanes)
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    fence: int
+    committed_at_ns: int
+    graph: str
+    kind: str
+    batch_capacity: int
+    token_capacity: int
+    proposal_depth: int
+    target_capacity: int
+    prompt_capacity: int
+    active_rows: int
+    selected_cost_ns: int
+    observation_age_ns: int | None
+    reason: str
+    refresh_credit_ns: float
+    learning_credit_ns: float
+    value_rate_scaled: float
+    log_scale: float
+    requests: tuple[int, ...]
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)

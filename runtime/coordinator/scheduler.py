@@ -1,0 +1,708 @@
+"""The coordinator's scheduler: plan, commit, complete, publish.
+
+Pure Python: no torch, no sockets, no clocks.  Time enters only through
+:meth:`Scheduler.advance_to`.  One decision is ``plan()`` (a pure function of
+state returning an immutable :class:`ScheduledPlan` or ``None``), then
+``commit(plan, fence)`` when the caller dispatches it, ``complete(fence, ...)``
+when the ranks report, and ``published_output(handle, fence)`` when the
+frontend makes output visible.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import replace
+
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.coordinator import policy as selection
+from runtime.coordinator.config import PolicyConfig, SchedulerConfig
+from runtime.coordinator.cost import CostCatalog, cost_sample_ns
+from runtime.coordinator.learning import acceptance_ledger
+from runtime.coordinator.plan import (
+    LanePhase,
+    LaneWork,
+    ScheduledPlan,
+    SelectionReason,
+    TraceRecord,
+)
+from runtime.coordinator.queue import ExecutionQueue, Frame, Participant
+from runtime.coordinator.records import (
+    FINISH_REASONS,
+    CompletionRecord,
+    ExecutionTiming,
+    GeneratedToken,
+)
+from runtime.coordinator.refresh import choose_refresh, timing_ledger
+from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestSpec
+from runtime.coordinator.resources import PagePool, SlotTable
+from runtime.coordinator.service import (
+    FALLBACK_NORMALIZER,
+    Normalizers,
+    catalog_normalizers,
+    starting_rate,
+    update_rate,
+)
+from runtime.coordinator.utility import (
+    decode_lane_value,
+    log_scale_for,
+    reference_interval_ms,
+)
+
+
+class SchedulerError(RuntimeError):
+    """Base class of the scheduler's refusals."""
+
+
+class CommitError(SchedulerError):
+    """A plan can no longer be committed as it stands; nothing changed."""
+
+
+class CompletionError(SchedulerError):
+    """A completion is malformed or out of order; nothing changed."""
+
+
+class PublicationError(SchedulerError):
+    """A publication names output that was never produced; nothing changed."""
+
+
+class Scheduler:
+    def __init__(
+        self,
+        catalog: Sequence[GraphDescriptor],
+        config: SchedulerConfig | None = None,
+        policy: PolicyConfig | None = None,
+    ) -> None:
+        self.config = config or SchedulerConfig()
+        self.policy = policy or PolicyConfig()
+        # Estimates start indeterminate whatever the descriptors carried.
+        descriptors = [replace(d, estimated_duration_ns=0) for d in catalog]
+        self.catalog = CostCatalog(descriptors, self.policy.estimate_ttl_ns)
+        self.now_ns = 0
+        self._queue = ExecutionQueue()
+        self._slots = SlotTable(self.config.max_slots)
+        self._pages = PagePool(self.config.num_pages, self.config.page_size)
+        self._requests: dict[int, Request] = {}  # admitted and not yet retired
+        self._waiting: list[Request] = []
+        self._resident: dict[int, Request] = {}
+        self._next_handle = 0
+        self._next_plan = 0
+        self._selection_seq = 0
+        self._last_fence: int | None = None
+        self._pending_corrections: list[Request] = []
+        self._admitted_any = False
+        self.refresh_ledger = timing_ledger()
+        self.learning_ledger = acceptance_ledger()
+        self.executions = {reason: 0 for reason in SelectionReason}
+        self.execution_ns = {reason: 0 for reason in SelectionReason}
+        self._trace: list[TraceRecord] = []
+        self._norm_cache: tuple[int, Normalizers] | None = None
+        self._sigma_cache: tuple[int, int, float] | None = None
+
+    # ------------------------------------------------------------------ setup
+    def configure_policy(self, policy: PolicyConfig) -> None:
+        """Replace the policy; allowed only before the first admission."""
+        if not isinstance(policy, PolicyConfig):
+            raise TypeError("configure_policy takes a PolicyConfig")
+        if self._admitted_any:
+            raise SchedulerError("configure_policy must be called before admission")
+        self.policy = policy
+        self.catalog.ttl_ns = policy.estimate_ttl_ns
+
+    def advance_to(self, now_ns: int) -> None:
+        if now_ns < self.now_ns:
+            raise SchedulerError(f"time cannot go backwards: {now_ns} < {self.now_ns}")
+        self.now_ns = now_ns
+        self._check_idle()
+
+    # ------------------------------------------------------------- admission
+    def admit(self, spec: RequestSpec) -> RequestHandle:
+        if not isinstance(spec, RequestSpec):
+            raise TypeError("admit takes a RequestSpec")
+        needed = -(-(spec.prompt_len + spec.max_output_tokens) // self.config.page_size)
+        if needed > self.config.num_pages:
+            raise SchedulerError(
+                f"request needs {needed} KV pages (prompt_len + max_output_tokens), "
+                f"the pool has {self.config.num_pages}"
+            )
+        handle = RequestHandle(self._next_handle)
+        self._next_handle += 1
+        request = Request(handle, spec, self.now_ns)
+        self._requests[handle.id] = request
+        self._waiting.append(request)
+        self._admitted_any = True
+        self._admit_waiting()
+        return handle
+
+    def _admit_waiting(self) -> None:
+        """Residency in arrival order while a slot and worst-case pages are free."""
+        while self._waiting and self._slots.free_count:
+            request = self._waiting[0]
+            needed = request.pages_needed(self.config.page_size)
+            if needed > self._pages.free_count:
+                return
+            self._waiting.pop(0)
+            request.slot, request.generation = self._slots.acquire()
+            request.pages = self._pages.reserve(needed)
+            request.resident = True
+            self._resident[request.handle.id] = request
+
+    def cancel(self, handle: RequestHandle) -> bool:
+        """Stop selecting ``handle`` now; resources stay owned through its last fence."""
+        request = self._requests.get(handle.id)
+        if request is None or request.cancelled or request.finished:
+            return False
+        request.cancelled = True
+        if not request.resident:
+            self._waiting.remove(request)
+            del self._requests[handle.id]
+        else:
+            self._retire_if_done(request)
+        self._check_idle()
+        return True
+
+    def _retire_if_done(self, request: Request) -> None:
+        if request.runnable or request.inflight_fences or not request.resident:
+            return
+        self._slots.release(request.slot)
+        self._pages.release(request.pages)
+        request.pages = []
+        request.resident = False
+        self._resident.pop(request.handle.id, None)
+        self._requests.pop(request.handle.id, None)
+        self._admit_waiting()
+
+    def _check_idle(self) -> None:
+        if self._queue.empty and not any(r.runnable for r in self._resident.values()):
+            self.refresh_ledger.idle()
+            self.learning_ledger.idle()
+
+    # ----------------------------------------------------------- selection
+    def _normalizers(self) -> Normalizers:
+        cache = self._norm_cache
+        if cache is None or cache[0] != self.catalog.version:
+            cache = (self.catalog.version, catalog_normalizers(self.catalog))
+            self._norm_cache = cache
+        return cache[1]
+
+    def _decode_sigma_ms(self, streams: int) -> float:
+        cache = self._sigma_cache
+        if cache is None or cache[0] != self.catalog.version or cache[1] != streams:
+            graphs = [
+                (e.estimate_ns / 1e6, e.descriptor.batch_capacity)
+                for e in self.catalog.entries(GraphKind.DECODE)
+                if e.known
+            ]
+            # The decode family serves every delivery-bearing stream, so k = K.
+            cache = (self.catalog.version, streams, reference_interval_ms(graphs, streams, streams))
+            self._sigma_cache = cache
+        return cache[2]
+
+    def _context(self) -> selection.SelectionContext | None:
+        now = self.now_ns
+        start = self._queue.expected_end_ns(now)
+        runnable = [r for r in self._resident.values() if r.runnable]
+        if not runnable:
+            return None
+        pol = self.policy
+        norms = self._normalizers()
+        population = len(runnable)
+        tau = pol.adaptation_ms
+        f, g, c, beta = pol.token_fairness, pol.delivery_fairness, pol.decode_age_price, (
+            pol.output_token_value
+        )
+
+        # Current dual rates (a request with no history starts at its fair share).
+        state: dict[int, list] = {}
+        for r in runnable:
+            decoding = r.consumed_prompt >= r.spec.prompt_len
+            x = r.token_rate
+            if x is None:
+                x = starting_rate(norms.token_ref(decoding) or FALLBACK_NORMALIZER, population)
+            z = r.delivery_rate
+            if z is None:
+                z = starting_rate(norms.deliveries or FALLBACK_NORMALIZER, population)
+            last_visible = r.last_visible_ns if r.last_visible_ns is not None else (
+                r.became_decoder_ns if r.became_decoder_ns is not None else start
+            )
+            state[r.handle.id] = [x, z, last_visible]
+
+        # Project queued frames' expected service into copies of the prices.
+        for frame in self._queue.frames:
+            dt_ms = frame.plan.estimated_duration_ns / 1e6
+            served: dict[int, LaneWork] = {lane.handle.id: lane for lane in frame.plan.lanes}
+            for p in frame.participants:
+                s = state.get(p.request.handle.id)
+                if s is None:
+                    continue
+                lane = served.get(p.request.handle.id)
+                tokens = (lane.prompt_tokens + lane.expected_tokens) if lane else 0.0
+                s[0] = update_rate(s[0], p.token_ref or FALLBACK_NORMALIZER, dt_ms, tokens, tau)
+                if p.decoding and p.request.delivery_rate is not None:
+                    deliveries = lane.expected_deliveries if lane else 0.0
+                    ref = p.delivery_ref or FALLBACK_NORMALIZER
+                    s[1] = update_rate(s[1], ref, dt_ms, deliveries, tau)
+                if lane is not None and lane.expected_deliveries > 0:
+                    s[2] = frame.expected_end_ns
+
+        decoders = [r for r in runnable if r.consumed_prompt >= r.spec.prompt_len]
+        n_decoders = len(decoders)
+        sigma = self._decode_sigma_ms(n_decoders) if n_decoders else 0.0
+        slope = c * sigma
+        prefill: list[selection.LaneView] = []
+        decode: list[selection.LaneView] = []
+        for r in runnable:
+            x, z, last_visible = state[r.handle.id]
+            token_price = f / x
+            if r.consumed_prompt < r.spec.prompt_len:
+                if r.inflight_fences:
+                    continue  # one prefill chunk at a time; its completion is feedback
+                pos = r.consumed_prompt
+                prefill.append(
+                    selection.LaneView(
+                        r, token_price, 0.0, pos, r.prefill_available(pos),
+                        r.distance_to_endpoint(pos), r.committed_output, 0.0, r.last_selected,
+                    )
+                )
+                continue
+            if r.inflight_fences and (
+                r.spec.host_stop or r.remaining_output - r.inflight_output < 1
+            ):
+                continue  # needs the in-flight completion first
+            delivery_price = g / z
+            age_ms = max(0, start - last_visible) / 1e6
+            value = decode_lane_value(1.0, 1.0, token_price, delivery_price, beta)
+            value += slope * age_ms
+            decode.append(
+                selection.LaneView(
+                    r, token_price, delivery_price, r.spec.prompt_len, 0, 0,
+                    r.committed_output + r.inflight_output, value, r.last_selected,
+                )
+            )
+        return selection.SelectionContext(
+            now_ns=now,
+            start_ns=start,
+            beta=beta,
+            ttl_ns=self.catalog.ttl_ns,
+            catalog=self.catalog,
+            prefill=prefill,
+            decode=decode,
+            decode_age_slope=slope,
+            active_age_price=c * n_decoders,
+        )
+
+    def plan(self) -> ScheduledPlan | None:
+        """The best next program, or ``None`` when nothing may be submitted now."""
+        queue = self._queue
+        if not queue.accepts_queued(self.now_ns):
+            return None
+        ctx = self._context()
+        if ctx is None:
+            return None
+        cands = selection.candidates(ctx)
+        winner = selection.best(cands)
+        if winner is None:
+            return None
+        reason = SelectionReason.DISCOVERY if winner.unknown else SelectionReason.ORDINARY
+        alternative = choose_refresh(cands, winner, self.refresh_ledger)
+        if alternative is not None:
+            winner, reason = alternative, SelectionReason.TIMING_REFRESH
+        requires_empty = winner.requires_feedback or reason is SelectionReason.TIMING_REFRESH
+        if requires_empty and not queue.empty:
+            return None  # the gate: submit nothing until queued work drains, then replan
+        magnitude = max(abs(c.value) for c in cands)
+        log_scale = log_scale_for(magnitude)
+        return self._build_plan(winner, reason, requires_empty, ctx, log_scale)
+
+    def _build_plan(
+        self,
+        winner: selection.Candidate,
+        reason: SelectionReason,
+        requires_empty: bool,
+        ctx: selection.SelectionContext,
+        log_scale: float,
+    ) -> ScheduledPlan:
+        desc = winner.entry.descriptor
+        lanes: list[LaneWork] = []
+        beta = ctx.beta
+        for view in winner.lanes:
+            r = view.request
+            if desc.kind is GraphKind.PREFILL:
+                tokens = winner.prompt_tokens
+                finishes = view.prompt_pos + tokens == r.spec.prompt_len
+                value = tokens * (1.0 + view.token_price)
+                if finishes:
+                    value += beta + view.token_price
+                lanes.append(
+                    LaneWork(
+                        r.handle, r.slot, r.generation, LanePhase.PREFILL, view.prompt_pos,
+                        tokens, view.output_start, 1 if finishes else 0,
+                        1.0 if finishes else 0.0, 0.0, value,
+                    )
+                )
+            else:
+                lanes.append(
+                    LaneWork(
+                        r.handle, r.slot, r.generation, LanePhase.DECODE, r.spec.prompt_len, 0,
+                        view.output_start, 1, 1.0, 1.0,
+                        view.decode_value + ctx.decode_age_slope * winner.t_ms,
+                    )
+                )
+        self._next_plan += 1
+        return ScheduledPlan(
+            plan_id=self._next_plan,
+            graph=desc,
+            lanes=tuple(lanes),
+            estimated_duration_ns=winner.entry.estimate_ns,
+            reason=reason,
+            requires_empty_window=requires_empty,
+            planned_at_ns=ctx.now_ns,
+            expected_start_ns=ctx.start_ns,
+            value_rate_scaled=winner.score * math.exp(log_scale),
+            log_scale=log_scale,
+            useful_value=winner.value + winner.age_slope * winner.t_ms,
+            catalog_version=self.catalog.version,
+        )
+
+    # --------------------------------------------------------------- commit
+    def commit(self, plan: ScheduledPlan, fence: int) -> None:
+        """Dispatch ``plan`` as ``fence``; rechecks without rerunning selection."""
+        if isinstance(fence, bool) or not isinstance(fence, int) or fence < 0:
+            raise CommitError(f"fence must be a non-negative integer, got {fence!r}")
+        if self._last_fence is not None and fence <= self._last_fence:
+            raise CommitError(f"fence {fence} is not newer than fence {self._last_fence}")
+        try:
+            entry = self.catalog.entry(plan.graph)
+        except KeyError as exc:
+            raise CommitError(str(exc)) from None
+        now = self.now_ns
+        queue = self._queue
+        # Freshness is rechecked: a saved plan can outlive its estimate's freshness.
+        exclusive = (
+            plan.requires_empty_window
+            or not plan.graph.queueable
+            or not entry.fresh(now, self.catalog.ttl_ns)
+        )
+        if not queue.empty:
+            if exclusive:
+                raise CommitError("plan needs an empty submission window (feedback) first")
+            if not queue.accepts_queued(now):
+                raise CommitError("the submission window accepts no queued frame now")
+        lane_requests = self._check_lanes(plan)
+
+        # -- nothing below may fail ---------------------------------------------
+        self._selection_seq += 1
+        expected_end = queue.expected_end_ns(now) + entry.estimate_ns
+        norms = self._normalizers()
+        participants = [
+            Participant(
+                r,
+                norms.token_ref(r.decoding),
+                norms.deliveries if r.decoding else None,
+                r.decoding,
+            )
+            for r in self._resident.values()
+            if r.runnable
+        ]
+        for lane, r in zip(plan.lanes, lane_requests):
+            r.inflight_prompt += lane.prompt_tokens
+            r.inflight_output += lane.max_tokens
+            r.inflight_fences.append(fence)
+            r.last_selected = self._selection_seq
+        entry.last_attempt_ns = now
+        if plan.reason is SelectionReason.TIMING_REFRESH:
+            self.refresh_ledger.open_episode()
+        queue.push(
+            Frame(
+                fence=fence,
+                plan=plan,
+                reason=plan.reason,
+                dispatch_ns=now,
+                expected_end_ns=expected_end,
+                exclusive=exclusive,
+                queued_behind=not queue.empty,
+                participants=participants,
+                lane_requests=lane_requests,
+            )
+        )
+        self._last_fence = fence
+        desc = plan.graph
+        self._trace.append(
+            TraceRecord(
+                fence=fence,
+                committed_at_ns=now,
+                graph=desc.describe(),
+                kind=desc.kind.value,
+                batch_capacity=desc.batch_capacity,
+                token_capacity=desc.token_capacity,
+                proposal_depth=desc.proposal_depth,
+                target_capacity=desc.target_capacity,
+                prompt_capacity=desc.prompt_capacity,
+                active_rows=len(plan.lanes),
+                selected_cost_ns=entry.estimate_ns,
+                observation_age_ns=entry.observation_age_ns(now),
+                reason=plan.reason.value,
+                refresh_credit_ns=self.refresh_ledger.balance_ns,
+                learning_credit_ns=self.learning_ledger.balance_ns,
+                value_rate_scaled=plan.value_rate_scaled,
+                log_scale=plan.log_scale,
+                requests=tuple(lane.handle.id for lane in plan.lanes),
+            )
+        )
+
+    def _check_lanes(self, plan: ScheduledPlan) -> list[Request]:
+        if plan.reason is SelectionReason.TIMING_REFRESH and not self.refresh_ledger.can_open():
+            raise CommitError("timing refresh plan without full refresh credit")
+        if not plan.lanes:
+            raise CommitError("plan has no lanes")
+        if len(plan.lanes) > plan.graph.batch_capacity:
+            raise CommitError("plan has more lanes than its batch capacity")
+        seen: set[int] = set()
+        out: list[Request] = []
+        for lane in plan.lanes:
+            r = self._requests.get(lane.handle.id)
+            if r is None or not r.runnable:
+                raise CommitError(f"request {lane.handle.id} is no longer runnable")
+            if lane.handle.id in seen:
+                raise CommitError(f"request {lane.handle.id} appears twice in the plan")
+            seen.add(lane.handle.id)
+            if (lane.slot, lane.generation) != (r.slot, r.generation):
+                raise CommitError(f"request {lane.handle.id}: slot epoch changed")
+            if lane.phase is LanePhase.PREFILL:
+                if r.phase is not Phase.PREFILL or r.inflight_fences:
+                    raise CommitError(f"request {lane.handle.id} cannot run a prefill chunk now")
+                if lane.prompt_start != r.consumed_prompt:
+                    raise CommitError(f"request {lane.handle.id}: prompt epoch changed")
+                if not 0 < lane.prompt_tokens <= r.prefill_available(lane.prompt_start):
+                    raise CommitError(f"request {lane.handle.id}: prompt extent out of range")
+                if lane.prompt_tokens > plan.graph.prompt_capacity:
+                    raise CommitError(f"request {lane.handle.id}: chunk exceeds prompt capacity")
+            else:
+                if r.phase is not Phase.DECODE:
+                    raise CommitError(f"request {lane.handle.id} is not decoding")
+                if lane.output_start != r.committed_output + r.inflight_output:
+                    raise CommitError(f"request {lane.handle.id}: output epoch changed")
+                if r.inflight_fences and r.spec.host_stop:
+                    raise CommitError(f"request {lane.handle.id} needs completion feedback")
+                if r.remaining_output - r.inflight_output < lane.max_tokens:
+                    raise CommitError(f"request {lane.handle.id}: output limit reached")
+            out.append(r)
+        return out
+
+    # ----------------------------------------------------------- completion
+    def complete(
+        self, fence: int, records: Sequence[CompletionRecord], timing: ExecutionTiming
+    ) -> list[GeneratedToken]:
+        """Apply the head frame's results; validates everything before any change."""
+        head = self._queue.head
+        if head is None or head.fence != fence:
+            expected = None if head is None else head.fence
+            raise CompletionError(f"completion for fence {fence}, expected fence {expected}")
+        self._validate_timing(timing)
+        self._validate_records(head, records)
+
+        # -- validated: apply ----------------------------------------------------
+        frame = self._queue.pop_head()
+        now = self.now_ns
+        for r in self._pending_corrections:
+            r.pending_delivery = None  # publication must precede the next completion
+        self._pending_corrections = []
+
+        raw = timing.raw_device_ns
+        credited = timing.credited_ns
+        sample = cost_sample_ns(timing.rank_device_ns, timing.readiness_delay_ns)
+        self.catalog.observe(frame.plan.graph, sample, now)
+        self._account_execution(frame.reason, raw, credited, timing.host_wall_ns)
+
+        # Committed-counter snapshot for service differences, then the results.
+        before = {p.request.handle.id: self._served_counter(p.request) for p in frame.participants}
+        generated: list[GeneratedToken] = []
+        frame_ms = credited / 1e6
+        for lane, r, record in zip(frame.plan.lanes, frame.lane_requests, records):
+            r.inflight_fences.remove(fence)
+            r.inflight_prompt -= lane.prompt_tokens
+            r.inflight_output -= lane.max_tokens
+            if not r.runnable:
+                self._retire_if_done(r)
+                continue  # cancelled or already finished: results are discarded
+            first = r.committed_output == 0
+            if lane.phase is LanePhase.PREFILL:
+                r.consumed_prompt += lane.prompt_tokens
+                if r.consumed_prompt >= r.spec.prompt_len:
+                    r.became_decoder_ns = now
+            tokens = tuple(record.tokens)
+            if tokens:
+                r.committed_output += len(tokens)
+                r.unpublished[fence] = frame_ms
+                if record.finish_reason is not None:
+                    r.finish_reason = record.finish_reason
+                elif r.committed_output >= r.spec.max_output_tokens:
+                    r.finish_reason = "length"
+                generated.append(
+                    GeneratedToken(r.handle, fence, tokens, first, r.finished, r.finish_reason)
+                )
+        if raw > 0:
+            self._account_service(frame, before, credited)
+        for r in frame.lane_requests:
+            self._retire_if_done(r)
+        self._check_idle()
+        return generated
+
+    @staticmethod
+    def _served_counter(r: Request) -> int:
+        return r.consumed_prompt + r.committed_output
+
+    def _account_service(self, frame: Frame, before: dict[int, int], credited_ns: int) -> None:
+        """One measured interval of service history for every participant."""
+        dt_ms = credited_ns / 1e6
+        tau = self.policy.adaptation_ms
+        population = len(frame.participants)
+        served_lanes = {r.handle.id for r in frame.lane_requests}
+        for p in frame.participants:
+            r = p.request
+            if r.cancelled:
+                continue
+            served = self._served_counter(r) - before[r.handle.id]
+            ref = p.token_ref
+            if ref is None:  # family unmeasured at commit: this frame's own rate
+                ref = max(served, 1) / dt_ms
+            if r.token_rate is None:
+                r.token_rate = starting_rate(ref, population)
+            r.token_rate = update_rate(r.token_rate, ref, dt_ms, served, tau)
+            if p.decoding and r.delivery_rate is not None:
+                dref = p.delivery_ref if p.delivery_ref is not None else 1.0 / dt_ms
+                # Completion records zero deliveries; publication may correct it.
+                r.delivery_rate = update_rate(r.delivery_rate, dref, dt_ms, 0.0, tau)
+            if r.handle.id in served_lanes and frame.fence in r.unpublished:
+                dref = p.delivery_ref if p.delivery_ref is not None else 1.0 / dt_ms
+                r.pending_delivery = (frame.fence, dref if p.decoding else None)
+                self._pending_corrections.append(r)
+
+    def _account_execution(
+        self, reason: SelectionReason, raw_ns: int, credited_ns: int, wall_ns: int
+    ) -> None:
+        charged = credited_ns if raw_ns > 0 else wall_ns
+        self.executions[reason] += 1
+        self.execution_ns[reason] += charged
+        if reason is SelectionReason.ORDINARY and raw_ns > 0:
+            self.refresh_ledger.earn(credited_ns)
+            self.learning_ledger.earn(credited_ns)
+        elif reason is SelectionReason.TIMING_REFRESH:
+            self.refresh_ledger.close_episode(charged)
+        elif reason is SelectionReason.ACCEPTANCE_LEARNING:
+            self.learning_ledger.close_episode(charged)
+
+    @staticmethod
+    def _validate_timing(timing: ExecutionTiming) -> None:
+        if not isinstance(timing, ExecutionTiming):
+            raise CompletionError("timing must be an ExecutionTiming")
+        ranks = timing.rank_device_ns
+        if not isinstance(ranks, tuple) or not ranks:
+            raise CompletionError("timing.rank_device_ns must be a non-empty tuple")
+        for name, value in [("rank_device_ns", v) for v in ranks] + [
+            ("readiness_delay_ns", timing.readiness_delay_ns),
+            ("host_wall_ns", timing.host_wall_ns),
+        ]:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CompletionError(f"timing.{name} must be non-negative integers, got {value!r}")
+
+    @staticmethod
+    def _validate_records(frame: Frame, records: Sequence[CompletionRecord]) -> None:
+        lanes = frame.plan.lanes
+        if len(records) != len(lanes):
+            raise CompletionError(
+                f"fence {frame.fence}: {len(records)} records for {len(lanes)} lanes"
+            )
+        for i, (lane, record) in enumerate(zip(lanes, records)):
+            if not isinstance(record, CompletionRecord):
+                raise CompletionError(f"fence {frame.fence} lane {i}: not a CompletionRecord")
+            if (record.slot, record.generation) != (lane.slot, lane.generation):
+                raise CompletionError(
+                    f"fence {frame.fence} lane {i}: record names slot {record.slot} "
+                    f"generation {record.generation}, lane is slot {lane.slot} "
+                    f"generation {lane.generation}"
+                )
+            tokens = record.tokens
+            if not isinstance(tokens, (tuple, list)):
+                raise CompletionError(f"fence {frame.fence} lane {i}: tokens must be a sequence")
+            for t in tokens:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise CompletionError(f"fence {frame.fence} lane {i}: bad token id {t!r}")
+            if len(tokens) != lane.max_tokens:
+                raise CompletionError(
+                    f"fence {frame.fence} lane {i}: {len(tokens)} tokens, "
+                    f"lane commits exactly {lane.max_tokens}"
+                )
+            if record.finish_reason is not None and (
+                record.finish_reason not in FINISH_REASONS or not tokens
+            ):
+                raise CompletionError(
+                    f"fence {frame.fence} lane {i}: bad finish_reason {record.finish_reason!r}"
+                )
+
+    # ---------------------------------------------------------- publication
+    def published_output(
+        self, handle: RequestHandle, fence: int, at_ns: int | None = None
+    ) -> bool:
+        """The frontend made ``fence``'s output for ``handle`` visible at ``at_ns``.
+
+        The first visible publication of the latest completion's burst replaces
+        that interval's zero delivery with one delivery.  Returns False for a
+        request that is gone (retired or cancelled).
+        """
+        at = self.now_ns if at_ns is None else at_ns
+        r = self._requests.get(handle.id)
+        if r is None or r.cancelled:
+            return False
+        if fence not in r.unpublished:
+            raise PublicationError(f"request {handle.id} has no unpublished output at fence {fence}")
+        frame_ms = r.unpublished[fence]
+        for f in [f for f in r.unpublished if f <= fence]:
+            del r.unpublished[f]
+        tau = self.policy.adaptation_ms
+        if r.delivery_rate is None:
+            # A first published burst: one delivery over its measured frame duration.
+            if frame_ms > 0:
+                r.delivery_rate = 1.0 / frame_ms
+        elif r.pending_delivery is not None and r.pending_delivery[0] == fence:
+            dref = r.pending_delivery[1]
+            if dref:
+                r.delivery_rate *= math.exp(min(60.0, 1.0 / (tau * dref)))
+        r.pending_delivery = None
+        r.last_visible_ns = at
+        return True
+
+    # ---------------------------------------------------------- inspection
+    def drain_trace(self) -> list[TraceRecord]:
+        out, self._trace = self._trace, []
+        return out
+
+    def request(self, handle: RequestHandle) -> Request | None:
+        return self._requests.get(handle.id)
+
+    def page_table(self, handle: RequestHandle) -> list[int]:
+        r = self._requests.get(handle.id)
+        return list(r.pages) if r is not None else []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queue)
+
+    @property
+    def queue_fences(self) -> list[int]:
+        return [f.fence for f in self._queue.frames]
+
+    @property
+    def running(self) -> int:
+        return sum(1 for r in self._resident.values() if r.runnable)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def free_pages(self) -> int:
+        return self._pages.free_count
+
+    def active_requests(self) -> Iterable[Request]:
+        return list(self._requests.values())

@@ -1,0 +1,28 @@
+"""Packaging for the flare tensor-parallel serving runtime."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="flare-runtime",
+    version="0.1.0",
+    description=(
+        "Tensor-parallel LLM serving runtime whose coordinator chooses prepared "
+        "programs by expected useful value per execution time."
+    ),
+    python_requires=">=3.10",
+    packages=find_packages(include=["runtime", "runtime.*", "kernels", "kernels.*"]),
+    install_requires=[
+        # A range, not a pin: GPU users get their CUDA build. CI installs the
+        # CPU build (torch==2.13.0) first, which satisfies this range.
+        "torch>=2.4",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "psutil>=5.9",
+        # Triton ships for Linux x86-64/aarch64 only; the CPU path never imports
+        # it outside kernels/triton.
+        "triton>=3.0; platform_system == 'Linux'",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "ruff>=0.6"],
+    },
+)
