@@ -2,7 +2,13 @@
 
 from runtime.catalog import CatalogError, GraphDescriptor, GraphKind
 from runtime.coordinator.config import ConfigError, PolicyConfig, SchedulerConfig
-from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan, SelectionReason, TraceRecord
+from runtime.coordinator.plan import (
+    LanePhase,
+    LaneWork,
+    ScheduledPlan,
+    SelectionReason,
+    TraceRecord,
+)
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming, GeneratedToken
 from runtime.coordinator.requests import AdmissionError, Phase, RequestHandle, RequestSpec
 from runtime.coordinator.scheduler import (

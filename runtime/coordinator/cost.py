@@ -62,7 +62,7 @@ class CostEntry:
             self.estimate_ns = sample_ns
         else:
             self.samples.append(sample_ns)
-            self.estimate_ns = int(round(median(self.samples)))
+            self.estimate_ns = round(median(self.samples))
         self.last_valid_ns = now_ns
         return True
 

@@ -13,7 +13,7 @@ CAP_NS = 5_000_000  # 5 ms
 
 
 class CreditLedger:
-    __slots__ = ("balance_ns", "cap_ns", "episode_open", "rate", "spent_ns", "earned_basis_ns")
+    __slots__ = ("balance_ns", "cap_ns", "earned_basis_ns", "episode_open", "rate", "spent_ns")
 
     def __init__(self, rate: float, cap_ns: int = CAP_NS) -> None:
         self.rate = rate

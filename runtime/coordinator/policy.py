@@ -59,6 +59,7 @@ class Candidate:
     """One physical program with its best cohort (a decode prefix, or one prefill row)."""
 
     __slots__ = (
+        "age_slope",
         "entry",
         "index",
         "lanes",
@@ -70,7 +71,6 @@ class Candidate:
         "t_ms",
         "unknown",
         "value",
-        "age_slope",
     )
 
     def __init__(
@@ -145,7 +145,9 @@ def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
             finishes = tokens == remaining
             value = tokens * a + (finish_bonus if finishes else 0.0)
             out.append(
-                Candidate(entry, index, [lane], value, 0.0, capacity - tokens, lane.lru, tokens, ctx)
+                Candidate(
+                    entry, index, [lane], value, 0.0, capacity - tokens, lane.lru, tokens, ctx
+                )
             )
             previous_capacity = capacity
 

@@ -14,17 +14,16 @@ from dataclasses import dataclass
 
 from runtime.coordinator.plan import ScheduledPlan, SelectionReason
 from runtime.coordinator.requests import Request
+from runtime.coordinator.service import Normalizers
 
 FRAME_SLOTS = 2
 
 
 @dataclass(slots=True)
 class Participant:
-    """A resident runnable request at commit, with the normalizers that apply to it."""
+    """A resident runnable request at commit, and whether it was a stream then."""
 
     request: Request
-    token_ref: float | None
-    delivery_ref: float | None
     decoding: bool
 
 
@@ -39,6 +38,7 @@ class Frame:
     queued_behind: bool
     participants: list[Participant]
     lane_requests: list[Request]
+    normalizers: Normalizers  # of the measured catalog at commit
 
 
 class ExecutionQueue:

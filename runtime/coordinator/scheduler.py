@@ -205,31 +205,35 @@ class Scheduler:
         if not runnable:
             return None
         pol = self.policy
-        norms = self._normalizers()
         population = len(runnable)
         tau = pol.adaptation_ms
-        f, g, c, beta = pol.token_fairness, pol.delivery_fairness, pol.decode_age_price, (
-            pol.output_token_value
+        f, g, c, beta = (
+            pol.token_fairness,
+            pol.delivery_fairness,
+            pol.decode_age_price,
+            (pol.output_token_value),
         )
 
         # Current dual rates (a request with no history starts at its fair share).
+        x0 = starting_rate(self._decode_sigma_ms(population), population)
         state: dict[int, list] = {}
         for r in runnable:
-            decoding = r.consumed_prompt >= r.spec.prompt_len
-            x = r.token_rate
-            if x is None:
-                x = starting_rate(norms.token_ref(decoding) or FALLBACK_NORMALIZER, population)
-            z = r.delivery_rate
-            if z is None:
-                z = starting_rate(norms.deliveries or FALLBACK_NORMALIZER, population)
-            last_visible = r.last_visible_ns if r.last_visible_ns is not None else (
-                r.became_decoder_ns if r.became_decoder_ns is not None else start
+            last_visible = (
+                r.last_visible_ns
+                if r.last_visible_ns is not None
+                else (r.became_decoder_ns if r.became_decoder_ns is not None else start)
             )
-            state[r.handle.id] = [x, z, last_visible]
+            state[r.handle.id] = [
+                x0 if r.token_rate is None else r.token_rate,
+                x0 if r.delivery_rate is None else r.delivery_rate,
+                last_visible,
+            ]
 
         # Project queued frames' expected service into copies of the prices.
         for frame in self._queue.frames:
             dt_ms = frame.plan.estimated_duration_ns / 1e6
+            tref = frame.normalizers.tokens or FALLBACK_NORMALIZER
+            dref = frame.normalizers.deliveries or FALLBACK_NORMALIZER
             served: dict[int, LaneWork] = {lane.handle.id: lane for lane in frame.plan.lanes}
             for p in frame.participants:
                 s = state.get(p.request.handle.id)
@@ -237,11 +241,10 @@ class Scheduler:
                     continue
                 lane = served.get(p.request.handle.id)
                 tokens = (lane.prompt_tokens + lane.expected_tokens) if lane else 0.0
-                s[0] = update_rate(s[0], p.token_ref or FALLBACK_NORMALIZER, dt_ms, tokens, tau)
+                s[0] = update_rate(s[0], tref, dt_ms, tokens, tau)
                 if p.decoding and p.request.delivery_rate is not None:
                     deliveries = lane.expected_deliveries if lane else 0.0
-                    ref = p.delivery_ref or FALLBACK_NORMALIZER
-                    s[1] = update_rate(s[1], ref, dt_ms, deliveries, tau)
+                    s[1] = update_rate(s[1], dref, dt_ms, deliveries, tau)
                 if lane is not None and lane.expected_deliveries > 0:
                     s[2] = frame.expected_end_ns
 
@@ -260,8 +263,15 @@ class Scheduler:
                 pos = r.consumed_prompt
                 prefill.append(
                     selection.LaneView(
-                        r, token_price, 0.0, pos, r.prefill_available(pos),
-                        r.distance_to_endpoint(pos), r.committed_output, 0.0, r.last_selected,
+                        r,
+                        token_price,
+                        0.0,
+                        pos,
+                        r.prefill_available(pos),
+                        r.distance_to_endpoint(pos),
+                        r.committed_output,
+                        0.0,
+                        r.last_selected,
                     )
                 )
                 continue
@@ -275,8 +285,15 @@ class Scheduler:
             value += slope * age_ms
             decode.append(
                 selection.LaneView(
-                    r, token_price, delivery_price, r.spec.prompt_len, 0, 0,
-                    r.committed_output + r.inflight_output, value, r.last_selected,
+                    r,
+                    token_price,
+                    delivery_price,
+                    r.spec.prompt_len,
+                    0,
+                    0,
+                    r.committed_output + r.inflight_output,
+                    value,
+                    r.last_selected,
                 )
             )
         return selection.SelectionContext(
@@ -335,16 +352,32 @@ class Scheduler:
                     value += beta + view.token_price
                 lanes.append(
                     LaneWork(
-                        r.handle, r.slot, r.generation, LanePhase.PREFILL, view.prompt_pos,
-                        tokens, view.output_start, 1 if finishes else 0,
-                        1.0 if finishes else 0.0, 0.0, value,
+                        r.handle,
+                        r.slot,
+                        r.generation,
+                        LanePhase.PREFILL,
+                        view.prompt_pos,
+                        tokens,
+                        view.output_start,
+                        1 if finishes else 0,
+                        1.0 if finishes else 0.0,
+                        0.0,
+                        value,
                     )
                 )
             else:
                 lanes.append(
                     LaneWork(
-                        r.handle, r.slot, r.generation, LanePhase.DECODE, r.spec.prompt_len, 0,
-                        view.output_start, 1, 1.0, 1.0,
+                        r.handle,
+                        r.slot,
+                        r.generation,
+                        LanePhase.DECODE,
+                        r.spec.prompt_len,
+                        0,
+                        view.output_start,
+                        1,
+                        1.0,
+                        1.0,
                         view.decode_value + ctx.decode_age_slope * winner.t_ms,
                     )
                 )
@@ -393,17 +426,7 @@ class Scheduler:
         # -- nothing below may fail ---------------------------------------------
         self._selection_seq += 1
         expected_end = queue.expected_end_ns(now) + entry.estimate_ns
-        norms = self._normalizers()
-        participants = [
-            Participant(
-                r,
-                norms.token_ref(r.decoding),
-                norms.deliveries if r.decoding else None,
-                r.decoding,
-            )
-            for r in self._resident.values()
-            if r.runnable
-        ]
+        participants = [Participant(r, r.decoding) for r in self._resident.values() if r.runnable]
         for lane, r in zip(plan.lanes, lane_requests):
             r.inflight_prompt += lane.prompt_tokens
             r.inflight_output += lane.max_tokens
@@ -423,6 +446,7 @@ class Scheduler:
                 queued_behind=not queue.empty,
                 participants=participants,
                 lane_requests=lane_requests,
+                normalizers=self._normalizers(),
             )
         )
         self._last_fence = fence
@@ -553,28 +577,33 @@ class Scheduler:
         return r.consumed_prompt + r.committed_output
 
     def _account_service(self, frame: Frame, before: dict[int, int], credited_ns: int) -> None:
-        """One measured interval of service history for every participant."""
+        """One measured interval of service history for every participant.
+
+        Normalizers are those recorded at commit; a family still unmeasured then
+        uses the catalog as this completion left it, and while none is measured
+        the interval enters no participant's history.
+        """
+        norms = frame.normalizers
+        if norms.tokens is None:
+            norms = self._normalizers()
+        tref, dref = norms.tokens, norms.deliveries
         dt_ms = credited_ns / 1e6
         tau = self.policy.adaptation_ms
         population = len(frame.participants)
+        x0 = starting_rate(self._decode_sigma_ms(population), population)
         served_lanes = {r.handle.id for r in frame.lane_requests}
         for p in frame.participants:
             r = p.request
             if r.cancelled:
                 continue
-            served = self._served_counter(r) - before[r.handle.id]
-            ref = p.token_ref
-            if ref is None:  # family unmeasured at commit: this frame's own rate
-                ref = max(served, 1) / dt_ms
-            if r.token_rate is None:
-                r.token_rate = starting_rate(ref, population)
-            r.token_rate = update_rate(r.token_rate, ref, dt_ms, served, tau)
-            if p.decoding and r.delivery_rate is not None:
-                dref = p.delivery_ref if p.delivery_ref is not None else 1.0 / dt_ms
+            if tref is not None:
+                served = self._served_counter(r) - before[r.handle.id]
+                rate = x0 if r.token_rate is None else r.token_rate
+                r.token_rate = update_rate(rate, tref, dt_ms, served, tau)
+            if p.decoding and r.delivery_rate is not None and dref is not None:
                 # Completion records zero deliveries; publication may correct it.
                 r.delivery_rate = update_rate(r.delivery_rate, dref, dt_ms, 0.0, tau)
             if r.handle.id in served_lanes and frame.fence in r.unpublished:
-                dref = p.delivery_ref if p.delivery_ref is not None else 1.0 / dt_ms
                 r.pending_delivery = (frame.fence, dref if p.decoding else None)
                 self._pending_corrections.append(r)
 
@@ -641,9 +670,7 @@ class Scheduler:
                 )
 
     # ---------------------------------------------------------- publication
-    def published_output(
-        self, handle: RequestHandle, fence: int, at_ns: int | None = None
-    ) -> bool:
+    def published_output(self, handle: RequestHandle, fence: int, at_ns: int | None = None) -> bool:
         """The frontend made ``fence``'s output for ``handle`` visible at ``at_ns``.
 
         The first visible publication of the latest completion's burst replaces
@@ -655,7 +682,9 @@ class Scheduler:
         if r is None or r.cancelled:
             return False
         if fence not in r.unpublished:
-            raise PublicationError(f"request {handle.id} has no unpublished output at fence {fence}")
+            raise PublicationError(
+                f"request {handle.id} has no unpublished output at fence {fence}"
+            )
         frame_ms = r.unpublished[fence]
         for f in [f for f in r.unpublished if f <= fence]:
             del r.unpublished[f]

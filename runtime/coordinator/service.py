@@ -36,44 +36,42 @@ def update_rate(rate: float, ref: float, dt_ms: float, served: float, tau_ms: fl
     return math.exp(min(_MAX_EXPONENT, served / (tau_ms * ref))) / inv
 
 
-def starting_rate(ref: float, population: int) -> float:
-    """A request with no history starts at its fair share of the reference rate."""
-    return ref / max(1, population)
+def starting_rate(sigma_ms: float, population: int) -> float:
+    """The rate a request with no history starts from (f/x is unbounded at x = 0).
+
+    Its fair share: one unit per reference interval sigma, the interval at which
+    each of the resident requests would be served if the fastest measured
+    rotation served them all.  Without a measured family, one unit per ms shared
+    by the population.
+    """
+    if sigma_ms > 0:
+        return 1.0 / sigma_ms
+    return FALLBACK_NORMALIZER / max(1, population)
 
 
 @dataclass(frozen=True)
 class Normalizers:
-    """Reference per-request rates of the measured catalog, per ms.
+    """Reference per-stream rates of the applicable measured catalog, per ms.
 
-    * ``prefill_tokens``: the best prompt tokens/ms of any measured prefill graph.
-    * ``decode_tokens``: the best tokens/ms one stream gets from a measured decode
-      graph (W / T at the fastest).
-    * ``deliveries``: the best deliveries/ms of one stream (1 / T at the fastest).
-    ``None`` where the family has no measured graph.
+    Both come from the generation family (ordinary decode, and complete
+    speculative programs once they are measured), the graphs that serve a
+    request as a stream: ``tokens`` is the best committed tokens/ms one stream
+    gets (W / T at the fastest; 1 / T for ordinary decode), ``deliveries`` the
+    best deliveries/ms (1 / T).  One token normalizer serves every phase, so a
+    prompt token and an output token move the same dual rate x by the same
+    amount.  ``None`` while the family has no measured graph.
     """
 
-    prefill_tokens: float | None
-    decode_tokens: float | None
+    tokens: float | None
     deliveries: float | None
-
-    def token_ref(self, decoding: bool) -> float | None:
-        return self.decode_tokens if decoding else self.prefill_tokens
 
 
 def catalog_normalizers(catalog: CostCatalog) -> Normalizers:
-    prefill = None
-    for entry in catalog.entries(GraphKind.PREFILL):
-        if entry.known:
-            rate = entry.descriptor.prompt_capacity / (entry.estimate_ns / 1e6)
-            prefill = rate if prefill is None or rate > prefill else prefill
-    decode = None
+    tokens = None
     deliveries = None
-    for kind in (GraphKind.DECODE, GraphKind.SPECULATIVE):
-        for entry in catalog.entries(kind):
-            if entry.known:
-                t_ms = entry.estimate_ns / 1e6
-                d = 1.0 / t_ms
-                deliveries = d if deliveries is None or d > deliveries else deliveries
-                if kind is GraphKind.DECODE:
-                    decode = d if decode is None or d > decode else decode
-    return Normalizers(prefill, decode, deliveries)
+    for entry in catalog.entries(GraphKind.DECODE):
+        if entry.known:
+            rate = 1.0 / (entry.estimate_ns / 1e6)
+            tokens = rate if tokens is None or rate > tokens else tokens
+            deliveries = tokens
+    return Normalizers(tokens, deliveries)

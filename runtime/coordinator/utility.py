@@ -57,9 +57,7 @@ def reference_interval_ms(graphs: Iterable[tuple[float, int]], streams: int, tot
     return 0.0 if best == math.inf else total * best
 
 
-def value_rate(
-    value: float, age_slope: float, t_ms: float, active_age_price: float
-) -> float:
+def value_rate(value: float, age_slope: float, t_ms: float, active_age_price: float) -> float:
     """The selection objective for a measured graph.
 
     ``value``: priced service plus the T-independent age value (sum c*sigma*A);

@@ -1,0 +1,19 @@
+"""Discrete-event simulator that drives the production scheduler, unchanged.
+
+``python -m scripts.scheduling_sim --help`` for the command line; tests import
+:class:`Simulation` directly.
+"""
+
+from scripts.scheduling_sim.catalogs import PROFILES, CostProfile, build_catalog
+from scripts.scheduling_sim.engine import Simulation
+from scripts.scheduling_sim.workload import Arrival, WorkloadConfig, make_workload
+
+__all__ = [
+    "PROFILES",
+    "Arrival",
+    "CostProfile",
+    "Simulation",
+    "WorkloadConfig",
+    "build_catalog",
+    "make_workload",
+]
