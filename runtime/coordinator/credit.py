@@ -9,23 +9,31 @@ keeps debt.  Together these give: spent <= rate * earned_basis + one episode.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 CAP_NS = 5_000_000  # 5 ms
 
 
 class CreditLedger:
-    __slots__ = ("balance_ns", "cap_ns", "earned_basis_ns", "episode_open", "rate", "spent_ns")
+    __slots__ = ("_balance", "cap_ns", "earned_basis_ns", "episode_open", "rate", "spent_ns")
 
-    def __init__(self, rate: float, cap_ns: int = CAP_NS) -> None:
-        self.rate = rate
+    def __init__(self, rate: Fraction, cap_ns: int = CAP_NS) -> None:
+        # Exact arithmetic: 2,495 ms of credited time must reach the cap however
+        # it is split into frames, which binary floating point does not give.
+        self.rate = Fraction(rate)
         self.cap_ns = cap_ns
-        self.balance_ns = 0.0
+        self._balance = Fraction(0)
         self.episode_open = False
         self.spent_ns = 0
         self.earned_basis_ns = 0
 
     @property
+    def balance_ns(self) -> float:
+        return float(self._balance)
+
+    @property
     def full(self) -> bool:
-        return self.balance_ns >= self.cap_ns
+        return self._balance >= self.cap_ns
 
     def can_open(self) -> bool:
         return self.full and not self.episode_open
@@ -34,7 +42,7 @@ class CreditLedger:
         if credited_ns <= 0:
             return
         self.earned_basis_ns += credited_ns
-        self.balance_ns = min(float(self.cap_ns), self.balance_ns + self.rate * credited_ns)
+        self._balance = min(Fraction(self.cap_ns), self._balance + self.rate * credited_ns)
 
     def open_episode(self) -> None:
         if not self.can_open():
@@ -43,10 +51,10 @@ class CreditLedger:
 
     def close_episode(self, spent_ns: int) -> None:
         spent_ns = max(0, spent_ns)
-        self.balance_ns -= spent_ns
+        self._balance -= spent_ns
         self.spent_ns += spent_ns
         self.episode_open = False
 
     def idle(self) -> None:
-        if self.balance_ns > 0:
-            self.balance_ns = 0.0
+        if self._balance > 0:
+            self._balance = Fraction(0)

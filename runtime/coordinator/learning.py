@@ -10,9 +10,11 @@ the start so its balance and the execution classes are already accounted.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from runtime.coordinator.credit import CreditLedger
 
-ACCEPTANCE_LEARNING_RATE = 0.01 / 0.99
+ACCEPTANCE_LEARNING_RATE = Fraction(1, 99)  # 0.01 / 0.99
 
 
 def acceptance_ledger() -> CreditLedger:

@@ -10,10 +10,12 @@ ranking.  The refresh spends its actual duration once, into debt if need be.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 from runtime.coordinator.credit import CreditLedger
 from runtime.coordinator.policy import Candidate
 
-TIMING_REFRESH_RATE = 0.002 / 0.998
+TIMING_REFRESH_RATE = Fraction(2, 998)  # 0.002 / 0.998
 
 
 def timing_ledger() -> CreditLedger:

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from runtime.catalog import GraphKind
 from runtime.coordinator.cost import CostCatalog
 
-# exp() argument bound: keeps a huge served/normalizer ratio from overflowing.
+# Bounds that keep a rate positive and finite whatever the inputs.
 _MAX_EXPONENT = 60.0
+_MIN_RATE = 1e-12
+_MAX_RATE = 1e12
 # Fallback normalizer (per ms) when the applicable family has no measurement.
 FALLBACK_NORMALIZER = 1.0
 
@@ -33,7 +35,8 @@ FALLBACK_NORMALIZER = 1.0
 def update_rate(rate: float, ref: float, dt_ms: float, served: float, tau_ms: float) -> float:
     """One entropy-dual step of a physical rate; always positive and finite."""
     inv = 1.0 / rate + dt_ms / (tau_ms * ref)
-    return math.exp(min(_MAX_EXPONENT, served / (tau_ms * ref))) / inv
+    new = math.exp(min(_MAX_EXPONENT, served / (tau_ms * ref))) / inv
+    return min(_MAX_RATE, max(_MIN_RATE, new))
 
 
 def starting_rate(sigma_ms: float, population: int) -> float:
@@ -53,9 +56,9 @@ def starting_rate(sigma_ms: float, population: int) -> float:
 class Normalizers:
     """Reference per-stream rates of the applicable measured catalog, per ms.
 
-    Both come from the generation family (ordinary decode, and complete
-    speculative programs once they are measured), the graphs that serve a
-    request as a stream: ``tokens`` is the best committed tokens/ms one stream
+    Both come from the generation family, the graphs that serve a request as a
+    stream (ordinary decode; complete speculative programs join with the
+    speculative rounds): ``tokens`` is the best committed tokens/ms one stream
     gets (W / T at the fastest; 1 / T for ordinary decode), ``deliveries`` the
     best deliveries/ms (1 / T).  One token normalizer serves every phase, so a
     prompt token and an output token move the same dual rate x by the same

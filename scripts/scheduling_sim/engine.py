@@ -134,6 +134,13 @@ class Simulation:
             self._complete(self.inflight.pop(0))
         return True
 
+    def step_completion(self) -> None:
+        """Advance to the next completion and apply it, dispatching nothing."""
+        frame = self.inflight.pop(0)
+        self.now_ns = max(self.now_ns, frame.end_ns + self.host_delay_ns)
+        self.scheduler.advance_to(self.now_ns)
+        self._complete(frame)
+
     def _complete(self, frame: InFlight) -> None:
         plan = frame.plan
         records = []

@@ -1,0 +1,126 @@
+"""Benchmark: latency of ``Scheduler.plan()`` over a ~200-descriptor catalog.
+
+Usage: ``python scripts/bench_scheduler.py [--iterations N] [--seed S]``
+
+For 8, 32 and 64 active requests (the simulator drives the scheduler until
+three quarters decode; the rest are still prefilling), every graph measured and
+fresh, it times ``plan()`` on one pinned core and prints median and p99 in
+microseconds.  Before each timed call the catalog version is bumped, so the
+per-catalog caches (normalizers, reference interval) are rebuilt as they are
+after every real completion.  The last line is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.coordinator import Scheduler, SchedulerConfig
+from scripts.scheduling_sim.catalogs import PROFILES
+from scripts.scheduling_sim.engine import Simulation
+from scripts.scheduling_sim.workload import WorkloadConfig, make_workload
+
+POPULATIONS = (8, 32, 64)
+
+
+def bench_catalog() -> list[GraphDescriptor]:
+    out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in range(64, 4097, 64)]
+    batches = (1, 2, 4, 8, 16, 32, 64)
+    out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
+    for b in batches:
+        for w in range(2, 9):
+            out.append(GraphDescriptor(GraphKind.SPECULATIVE, b, w, w - 1))
+            if b >= 2:  # a ragged variant with half the aggregate target rows
+                out.append(GraphDescriptor(GraphKind.SPECULATIVE, b, w, w - 1, b * w // 2))
+    for b in batches[1:]:
+        for c in (256, 512, 1024, 2048, 4096):
+            out.append(GraphDescriptor(GraphKind.MIXED, b, 1, 0, 0, c))
+    return out
+
+
+def measured_scheduler(population: int, seed: int) -> Scheduler:
+    """A scheduler in a state the simulator drove it to: every graph measured,
+    ``population`` active requests, most decoding and some still prefilling."""
+    catalog = bench_catalog()
+    profile = PROFILES["llama1b-h100"]
+    sched = Scheduler(catalog, SchedulerConfig(max_slots=64))
+    sched.advance_to(1)
+    for desc in sched.catalog.descriptors:  # measured catalog: every graph fresh
+        sched.catalog.observe(desc, profile.duration_ns(desc), 1)
+    workload = make_workload(
+        WorkloadConfig(
+            requests=population,
+            arrival_rate_per_s=400.0,
+            prompt_len=(64, 4096),
+            output_len=(4096, 4096),  # nobody finishes while we measure
+            seed=seed,
+        )
+    )
+    sim = Simulation(sched, profile.duration_ns, workload, seed=seed)
+    decoders = population * 3 // 4
+    sim.run(
+        stop=lambda s: (
+            not s.pending and sum(1 for r in sched.active_requests() if r.decoding) >= decoders
+        )
+    )
+    while sim.inflight:  # plan() then sees an empty window, as after a completion
+        sim.step_completion()
+    return sched
+
+
+def time_plan(sched: Scheduler, iterations: int) -> list[float]:
+    samples = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(iterations):
+            sched.catalog.version += 1  # as after a real completion
+            t0 = time.perf_counter_ns()
+            plan = sched.plan()
+            samples.append((time.perf_counter_ns() - t0) / 1e3)
+            assert plan is not None
+    finally:
+        gc.enable()
+    return samples
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.iterations < 10:
+        parser.error("--iterations must be >= 10")
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    result: dict = {"catalog_descriptors": len(bench_catalog()), "iterations": args.iterations}
+    print(f"catalog: {result['catalog_descriptors']} descriptors; one pinned core")
+    print(f"{'active':>6}  {'prefill':>7}  {'decode':>6}  {'median us':>9}  {'p99 us':>8}")
+    for population in POPULATIONS:
+        sched = measured_scheduler(population, args.seed)
+        time_plan(sched, 50)  # warm-up
+        samples = sorted(time_plan(sched, args.iterations))
+        median = statistics.median(samples)
+        p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+        prefilling = sum(1 for r in sched.active_requests() if r.runnable and not r.decoding)
+        decoding = sum(1 for r in sched.active_requests() if r.runnable and r.decoding)
+        print(f"{population:>6}  {prefilling:>7}  {decoding:>6}  {median:>9.1f}  {p99:>8.1f}")
+        result[f"plan_us_median_{population}"] = round(median, 1)
+        result[f"plan_us_p99_{population}"] = round(p99, 1)
+    result["goal_median_us_at_64"] = 500
+    result["goal_met"] = result["plan_us_median_64"] < 500
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
