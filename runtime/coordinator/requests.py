@@ -78,6 +78,8 @@ def _next_point(points: tuple[int, ...], position: int, end: int) -> int:
 
 class Request:
     __slots__ = (
+        "accounted_output",
+        "accounted_prompt",
         "arrival_ns",
         "became_decoder_ns",
         "cancelled",
@@ -114,6 +116,9 @@ class Request:
         self.inflight_prompt = 0  # prompt tokens scheduled in submitted frames
         self.inflight_output = 0  # output tokens submitted frames may still add
         self.inflight_fences: list[int] = []
+        # Committed prompt and output already entered into the token history.
+        self.accounted_prompt = 0
+        self.accounted_output = 0
         self.token_rate: float | None = None  # x, tokens/ms (physical units)
         self.delivery_rate: float | None = None  # z, deliveries/ms
         self.became_decoder_ns: int | None = None

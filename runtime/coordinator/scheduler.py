@@ -240,8 +240,10 @@ class Scheduler:
                 if s is None:
                     continue
                 lane = served.get(p.request.handle.id)
-                tokens = (lane.prompt_tokens + lane.expected_tokens) if lane else 0.0
-                s[0] = update_rate(s[0], tref, dt_ms, tokens, tau)
+                tokens = lane.expected_tokens if lane else 0.0
+                prompt = lane.prompt_tokens if lane else 0
+                pref = frame.normalizers.prefill_tokens
+                s[0] = update_rate(s[0], tref, dt_ms, tokens, tau, prompt, pref)
                 if p.decoding and p.request.delivery_rate is not None:
                     deliveries = lane.expected_deliveries if lane else 0.0
                     s[1] = update_rate(s[1], dref, dt_ms, deliveries, tau)
@@ -538,8 +540,6 @@ class Scheduler:
         self.catalog.observe(frame.plan.graph, sample, now)
         self._account_execution(frame.reason, raw, credited, timing.host_wall_ns)
 
-        # Committed-counter snapshot for service differences, then the results.
-        before = {p.request.handle.id: self._served_counter(p.request) for p in frame.participants}
         generated: list[GeneratedToken] = []
         frame_ms = credited / 1e6
         for lane, r, record in zip(frame.plan.lanes, frame.lane_requests, records):
@@ -566,27 +566,26 @@ class Scheduler:
                     GeneratedToken(r.handle, fence, tokens, first, r.finished, r.finish_reason)
                 )
         if raw > 0:
-            self._account_service(frame, before, credited)
+            self._account_service(frame, credited)
         for r in frame.lane_requests:
             self._retire_if_done(r)
         self._check_idle()
         return generated
 
-    @staticmethod
-    def _served_counter(r: Request) -> int:
-        return r.consumed_prompt + r.committed_output
-
-    def _account_service(self, frame: Frame, before: dict[int, int], credited_ns: int) -> None:
+    def _account_service(self, frame: Frame, credited_ns: int) -> None:
         """One measured interval of service history for every participant.
 
-        Normalizers are those recorded at commit; a family still unmeasured then
-        uses the catalog as this completion left it, and while none is measured
-        the interval enters no participant's history.
+        Service is the difference of committed counters against the counters
+        last entered into the request's history.  Normalizers are those recorded
+        at commit; a family still unmeasured then uses the catalog as this
+        completion left it.  While none is measured the interval enters no
+        history, and its service is carried into the first interval that does.
         """
         norms = frame.normalizers
         if norms.tokens is None:
             norms = self._normalizers()
         tref, dref = norms.tokens, norms.deliveries
+        pref = self._normalizers().prefill_tokens
         dt_ms = credited_ns / 1e6
         tau = self.policy.adaptation_ms
         population = len(frame.participants)
@@ -597,9 +596,14 @@ class Scheduler:
             if r.cancelled:
                 continue
             if tref is not None:
-                served = self._served_counter(r) - before[r.handle.id]
+                output = r.committed_output - r.accounted_output
+                r.accounted_output = r.committed_output
+                prompt = 0
+                if pref is not None:  # prompt service waits for a prefill measurement
+                    prompt = r.consumed_prompt - r.accounted_prompt
+                    r.accounted_prompt = r.consumed_prompt
                 rate = x0 if r.token_rate is None else r.token_rate
-                r.token_rate = update_rate(rate, tref, dt_ms, served, tau)
+                r.token_rate = update_rate(rate, tref, dt_ms, output, tau, prompt, pref)
             if p.decoding and r.delivery_rate is not None and dref is not None:
                 # Completion records zero deliveries; publication may correct it.
                 r.delivery_rate = update_rate(r.delivery_rate, dref, dt_ms, 0.0, tau)

@@ -32,10 +32,25 @@ _MAX_RATE = 1e12
 FALLBACK_NORMALIZER = 1.0
 
 
-def update_rate(rate: float, ref: float, dt_ms: float, served: float, tau_ms: float) -> float:
-    """One entropy-dual step of a physical rate; always positive and finite."""
+def update_rate(
+    rate: float,
+    ref: float,
+    dt_ms: float,
+    served: float,
+    tau_ms: float,
+    prompt: float = 0.0,
+    prompt_ref: float | None = None,
+) -> float:
+    """One entropy-dual step of a physical rate; always positive and finite.
+
+    ``served`` units are normalized by ``ref``; ``prompt`` tokens (from prefill
+    programs) by ``prompt_ref``, the best prompt rate of the measured catalog.
+    """
     inv = 1.0 / rate + dt_ms / (tau_ms * ref)
-    new = math.exp(min(_MAX_EXPONENT, served / (tau_ms * ref))) / inv
+    exponent = served / (tau_ms * ref)
+    if prompt:
+        exponent += prompt / (tau_ms * (prompt_ref or ref))
+    new = math.exp(min(_MAX_EXPONENT, exponent)) / inv
     return min(_MAX_RATE, max(_MIN_RATE, new))
 
 
@@ -67,6 +82,7 @@ class Normalizers:
 
     tokens: float | None
     deliveries: float | None
+    prefill_tokens: float | None = None
 
 
 def catalog_normalizers(catalog: CostCatalog) -> Normalizers:
@@ -77,4 +93,9 @@ def catalog_normalizers(catalog: CostCatalog) -> Normalizers:
             rate = 1.0 / (entry.estimate_ns / 1e6)
             tokens = rate if tokens is None or rate > tokens else tokens
             deliveries = tokens
-    return Normalizers(tokens, deliveries)
+    prefill = None
+    for entry in catalog.entries(GraphKind.PREFILL):
+        if entry.known:
+            rate = entry.descriptor.prompt_capacity / (entry.estimate_ns / 1e6)
+            prefill = rate if prefill is None or rate > prefill else prefill
+    return Normalizers(tokens, deliveries, prefill)
