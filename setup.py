@@ -18,6 +18,7 @@ setup(
         "pyzmq>=25",
         "msgpack>=1.0",
         "psutil>=5.9",
+        "tomli>=2.0; python_version < '3.11'",
         # Triton ships for Linux x86-64/aarch64 only; the CPU path never imports
         # it outside kernels/triton.
         "triton>=3.0; platform_system == 'Linux'",

@@ -1,0 +1,1 @@
+"""Compute kernels used by the ranks."""

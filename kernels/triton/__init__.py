@@ -1,0 +1,1 @@
+"""Triton kernels, each with a launcher, a torch reference and a test."""

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
 
 
 class ConfigError(ValueError):
@@ -66,6 +73,25 @@ class PolicyConfig:
         if unknown:
             raise ConfigError(f"unknown policy field(s): {sorted(unknown)}")
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> PolicyConfig:
+        """``[scheduler] preset = ...`` then ``[scheduler.policy]`` overrides."""
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        section = data.get("scheduler", {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{path}: [scheduler] must be a table")
+        unknown = set(section) - {"preset", "policy"}
+        if unknown:
+            raise ConfigError(f"{path}: unknown [scheduler] key(s) {sorted(unknown)}")
+        overrides = section.get("policy", {})
+        if not isinstance(overrides, dict):
+            raise ConfigError(f"{path}: [scheduler.policy] must be a table")
+        return cls.preset(section.get("preset", "balanced"), **overrides)
 
 
 # Presets are data, not branches.  `throughput` keeps token fairness and the

@@ -1,0 +1,2 @@
+"""Coordinator <-> rank transport: ZeroMQ with versioned msgpack schemas
+(built with the ranks/transport issue)."""
