@@ -24,6 +24,6 @@ setup(
         "triton>=3.0; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff>=0.6"],
+        "test": ["pytest>=8", "ruff==0.17.6"],
     },
 )
