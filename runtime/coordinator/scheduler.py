@@ -49,6 +49,9 @@ from runtime.coordinator.utility import (
     reference_interval_ms,
 )
 
+# Bursts kept per request awaiting publication (oldest dropped beyond this).
+MAX_UNPUBLISHED = 64
+
 
 class SchedulerError(RuntimeError):
     """Base class of the scheduler's refusals."""
@@ -558,6 +561,8 @@ class Scheduler:
             if tokens:
                 r.committed_output += len(tokens)
                 r.unpublished[fence] = frame_ms
+                if len(r.unpublished) > MAX_UNPUBLISHED:  # a frontend that never publishes
+                    del r.unpublished[next(iter(r.unpublished))]
                 if record.finish_reason is not None:
                     r.finish_reason = record.finish_reason
                 elif r.committed_output >= r.spec.max_output_tokens:
