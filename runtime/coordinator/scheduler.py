@@ -66,7 +66,7 @@ class CompletionError(SchedulerError):
 
 
 class PublicationError(SchedulerError):
-    """A publication names output that was never produced; nothing changed."""
+    """A publication names output never produced or already published; nothing changed."""
 
 
 class Scheduler:
@@ -544,7 +544,7 @@ class Scheduler:
         self._account_execution(frame.reason, raw, credited, timing.host_wall_ns)
 
         generated: list[GeneratedToken] = []
-        frame_ms = credited / 1e6
+        frame_ms = credited / 1e6 if raw > 0 else 0.0  # no device interval: not measured
         for lane, r, record in zip(frame.plan.lanes, frame.lane_requests, records):
             r.inflight_fences.remove(fence)
             r.inflight_prompt -= lane.prompt_tokens
@@ -590,7 +590,9 @@ class Scheduler:
         if norms.tokens is None:
             norms = self._normalizers()
         tref, dref = norms.tokens, norms.deliveries
-        pref = self._normalizers().prefill_tokens
+        pref = frame.normalizers.prefill_tokens
+        if pref is None:
+            pref = self._normalizers().prefill_tokens
         dt_ms = credited_ns / 1e6
         tau = self.policy.adaptation_ms
         population = len(frame.participants)
@@ -692,7 +694,8 @@ class Scheduler:
             return False
         if fence not in r.unpublished:
             raise PublicationError(
-                f"request {handle.id} has no unpublished output at fence {fence}"
+                f"request {handle.id} has no unpublished output at fence {fence} "
+                "(never produced, or already published)"
             )
         frame_ms = r.unpublished[fence]
         for f in [f for f in r.unpublished if f <= fence]:
@@ -706,7 +709,8 @@ class Scheduler:
             dref = r.pending_delivery[1]
             if dref:
                 r.delivery_rate *= math.exp(min(60.0, 1.0 / (tau * dref)))
-        r.pending_delivery = None
+        if r.pending_delivery is not None and r.pending_delivery[0] <= fence:
+            r.pending_delivery = None
         r.last_visible_ns = at
         return True
 
