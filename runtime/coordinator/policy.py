@@ -131,25 +131,23 @@ def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
         remaining = request.spec.prompt_len - lane.prompt_pos
         a = 1.0 + lane.token_price
         finish_bonus = beta + lane.token_price
-        previous_capacity = 0
+        included = 0  # largest capacity kept as a candidate so far
+        previous = 0  # largest smaller capacity seen, kept or not
         for index, entry in enumerate(entries):
             capacity = entry.descriptor.prompt_capacity
-            if previous_capacity >= avail:
-                break  # a smaller shape already consumes everything this one could
-            if not entry.known and previous_capacity >= to_end:
+            if included >= avail:
+                break  # a kept smaller shape already consumes everything: padding only
+            if not entry.known and previous >= to_end:
                 # Exploration: a larger unmeasured graph is excluded when a smaller
                 # capacity consumes the same tokens up to the next endpoint.
-                previous_capacity = capacity
+                previous = capacity
                 continue
             tokens = capacity if capacity < avail else avail
             finishes = tokens == remaining
             value = tokens * a + (finish_bonus if finishes else 0.0)
-            out.append(
-                Candidate(
-                    entry, index, [lane], value, 0.0, capacity - tokens, lane.lru, tokens, ctx
-                )
-            )
-            previous_capacity = capacity
+            padding = capacity - tokens
+            out.append(Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx))
+            included = previous = capacity
 
 
 def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
