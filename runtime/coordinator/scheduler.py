@@ -497,6 +497,8 @@ class Scheduler:
             seen.add(lane.handle.id)
             if (lane.slot, lane.generation) != (r.slot, r.generation):
                 raise CommitError(f"request {lane.handle.id}: slot epoch changed")
+            if len(r.pages) < r.pages_needed(self.config.page_size):
+                raise CommitError(f"request {lane.handle.id} holds no page reservation")
             if lane.phase is LanePhase.PREFILL:
                 if r.phase is not Phase.PREFILL or r.inflight_fences:
                     raise CommitError(f"request {lane.handle.id} cannot run a prefill chunk now")
