@@ -24,6 +24,7 @@ from runtime.coordinator.credit import CAP_NS
 from runtime.coordinator.refresh import TIMING_REFRESH_RATE
 from runtime.coordinator.service import update_rate
 from scripts.scheduling_sim import Simulation, WorkloadConfig, make_workload
+from tests.coordinator.rig import BaseRig
 
 MS = 1_000_000
 TOKEN = 7
@@ -53,32 +54,15 @@ def credited_ns(timing: ExecutionTiming) -> int:
     return device if timing.queued else max(device, timing.host_wall_ns)
 
 
-class Rig:
+class Rig(BaseRig):
     """A Scheduler with a clock and fences; tallies what each completion should charge."""
 
     def __init__(self, catalog, costs_ms=None, policy=None, max_slots: int = 8) -> None:
-        config = SchedulerConfig(max_slots=max_slots, page_size=16, num_pages=4096)
-        self.s = Scheduler(list(catalog), config, policy)
+        super().__init__(catalog, policy, max_slots, num_pages=4096)
         self.costs_ms = dict(COSTS_MS if costs_ms is None else costs_ms)
-        self.fence = 0
-        self.now = 0
         self.charged = {reason: 0 for reason in SelectionReason}
         self.counts = {reason: 0 for reason in SelectionReason}
         self.ordinary_credit_ns = 0  # credited ordinary time with a positive device interval
-
-    def tick(self, ns: int) -> None:
-        self.now += ns
-        self.s.advance_to(self.now)
-
-    def plan(self):
-        plan = self.s.plan()
-        assert plan is not None
-        return plan
-
-    def commit(self, plan) -> int:
-        self.fence += 1
-        self.s.commit(plan, self.fence)
-        return self.fence
 
     def complete(self, fence, plan, timing=None, *, publish=True):
         """Advance by the frame's wall time, complete it, publish its output at once."""

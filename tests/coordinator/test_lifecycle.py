@@ -20,10 +20,10 @@ from runtime.coordinator import (
     PublicationError,
     RequestSpec,
     Scheduler,
-    SchedulerConfig,
     SchedulerError,
     SelectionReason,
 )
+from tests.coordinator.rig import BaseRig
 
 MS = 1_000_000
 TOKEN = 7
@@ -42,28 +42,14 @@ def records_for(plan, token: int = TOKEN) -> list[CompletionRecord]:
     ]
 
 
-class Harness:
+class Harness(BaseRig):
     """Drives a Scheduler with well-formed plans, fences and completions."""
 
     def __init__(self, catalog=CATALOG, max_slots: int = 4) -> None:
-        config = SchedulerConfig(max_slots=max_slots, page_size=16, num_pages=256)
-        self.s = Scheduler(list(catalog), config)
-        self.fence = 0
-        self.now = 0
+        super().__init__(catalog, None, max_slots, num_pages=256)
 
     def tick(self, ns: int = 3 * MS) -> None:
-        self.now += ns
-        self.s.advance_to(self.now)
-
-    def plan(self):
-        plan = self.s.plan()
-        assert plan is not None
-        return plan
-
-    def commit(self, plan) -> int:
-        self.fence += 1
-        self.s.commit(plan, self.fence)
-        return self.fence
+        super().tick(ns)
 
     def complete(self, fence: int, plan, timing: ExecutionTiming = TIMING, publish: bool = True):
         self.tick()

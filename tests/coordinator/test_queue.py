@@ -13,12 +13,11 @@ from runtime.coordinator import (
     ExecutionTiming,
     PolicyConfig,
     RequestSpec,
-    Scheduler,
-    SchedulerConfig,
     SelectionReason,
 )
 from runtime.coordinator.service import update_rate
 from runtime.coordinator.utility import decode_lane_value
+from tests.coordinator.rig import BaseRig
 
 MS = 1_000_000
 TOKEN = 7
@@ -44,32 +43,15 @@ def records_for(plan) -> list[CompletionRecord]:
     ]
 
 
-class Rig:
+class Rig(BaseRig):
     """A Scheduler with a clock, fences, and frames that take ``costs_ms`` of device time."""
 
     def __init__(self, catalog, costs_ms=None, policy=None, max_slots: int = 8) -> None:
-        config = SchedulerConfig(max_slots=max_slots, page_size=16, num_pages=1024)
-        self.s = Scheduler(list(catalog), config, policy)
+        super().__init__(catalog, policy, max_slots, num_pages=1024)
         self.costs_ms = dict(COSTS_MS if costs_ms is None else costs_ms)
-        self.fence = 0
-        self.now = 0
 
     def cost_ns(self, graph) -> int:
         return self.costs_ms[graph] * MS
-
-    def tick(self, ns: int) -> None:
-        self.now += ns
-        self.s.advance_to(self.now)
-
-    def plan(self):
-        plan = self.s.plan()
-        assert plan is not None
-        return plan
-
-    def commit(self, plan) -> int:
-        self.fence += 1
-        self.s.commit(plan, self.fence)
-        return self.fence
 
     def complete(self, fence, plan, *, device=None, wall=None, queued=False, publish=True):
         """Advance by the frame's wall time, complete it, publish its output at once."""
