@@ -46,6 +46,8 @@ class RequestSpec:
       and (later) checkpoint anchors.  The prompt end is always an endpoint.
     * ``host_stop``: stop strings are evaluated on the host, so each decode step
       needs the previous step's completion first.
+    * ``grammar``: constrained decoding whose mask the host computes from the
+      previous token; the same dependency.
     """
 
     prompt_len: int
@@ -53,6 +55,12 @@ class RequestSpec:
     boundaries: tuple[int, ...] = ()
     message_endpoints: tuple[int, ...] = ()
     host_stop: bool = False
+    grammar: bool = False
+
+    @property
+    def step_feedback(self) -> bool:
+        """Each decode step depends on the previous step's completion."""
+        return self.host_stop or self.grammar
 
     def __post_init__(self) -> None:
         for name in ("prompt_len", "max_output_tokens"):

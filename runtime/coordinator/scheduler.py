@@ -281,7 +281,7 @@ class Scheduler:
                 )
                 continue
             if r.inflight_fences and (
-                r.spec.host_stop or r.remaining_output - r.inflight_output < 1
+                r.spec.step_feedback or r.remaining_output - r.inflight_output < 1
             ):
                 continue  # needs the in-flight completion first
             delivery_price = g / z
@@ -513,7 +513,7 @@ class Scheduler:
                     raise CommitError(f"request {lane.handle.id} is not decoding")
                 if lane.output_start != r.committed_output + r.inflight_output:
                     raise CommitError(f"request {lane.handle.id}: output epoch changed")
-                if r.inflight_fences and r.spec.host_stop:
+                if r.inflight_fences and r.spec.step_feedback:
                     raise CommitError(f"request {lane.handle.id} needs completion feedback")
                 if r.remaining_output - r.inflight_output < lane.max_tokens:
                     raise CommitError(f"request {lane.handle.id}: output limit reached")

@@ -337,9 +337,10 @@ def decoder_then_limited(spec: RequestSpec):
     return rig, steady, special, plan
 
 
-def test_host_stop_request_waits_for_its_in_flight_frame():
+@pytest.mark.parametrize("flag", ["host_stop", "grammar"])
+def test_host_stop_request_waits_for_its_in_flight_frame(flag):
     rig, steady, special, first = decoder_then_limited(
-        RequestSpec(prompt_len=64, max_output_tokens=64, host_stop=True)
+        RequestSpec(prompt_len=64, max_output_tokens=64, **{flag: True})
     )
     fence = rig.commit(first)
     second = rig.plan()
