@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", choices=sorted(PROFILES), default="llama1b-h100")
     p.add_argument(
         "--scheduler",
-        choices=["helios", "fcfs"],
-        default="helios",
+        choices=["flare", "fcfs"],
+        default="flare",
         help="the production scheduler, or the plain FCFS baseline",
     )
     p.add_argument("--scheduler-policy", choices=["balanced", "throughput"], default="balanced")

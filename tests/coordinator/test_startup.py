@@ -103,5 +103,5 @@ def test_fcfs_breaks_a_limit_on_the_same_catalog():
     # Specifically, the streams outside the first decode batch make no progress.
     assert min(fcfs["progress"]) == 0
     assert fcfs["final_spread"] > BURST
-    helios = run_trace(production(True), 16)
-    assert within_limits(helios)
+    ours = run_trace(production(True), 16)
+    assert within_limits(ours)
