@@ -72,5 +72,15 @@ class ExecutionQueue:
     def push(self, frame: Frame) -> None:
         self.frames.append(frame)
 
-    def pop_head(self) -> Frame:
-        return self.frames.popleft()
+    def pop_head(self, now_ns: int) -> Frame:
+        """Remove the completed head; the frames behind it now start from ``now_ns``.
+
+        Expected ends are rebased on the observed completion, so early or late
+        frames neither accumulate drift nor make the next frame look overrun.
+        """
+        head = self.frames.popleft()
+        end = now_ns
+        for frame in self.frames:
+            end += frame.plan.estimated_duration_ns
+            frame.expected_end_ns = end
+        return head

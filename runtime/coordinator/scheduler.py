@@ -11,6 +11,7 @@ frontend makes output visible.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -51,6 +52,8 @@ from runtime.coordinator.utility import (
 
 # Bursts kept per request awaiting publication (oldest dropped beyond this).
 MAX_UNPUBLISHED = 64
+# Trace records kept between drains.
+TRACE_LIMIT = 65536
 
 
 class SchedulerError(RuntimeError):
@@ -98,7 +101,10 @@ class Scheduler:
         self.learning_ledger = acceptance_ledger()
         self.executions = {reason: 0 for reason in SelectionReason}
         self.execution_ns = {reason: 0 for reason in SelectionReason}
-        self._trace: list[TraceRecord] = []
+        # Trace records since the last drain_trace(); bounded so a runtime that
+        # never drains cannot grow without limit (trace_dropped counts the loss).
+        self._trace: deque[TraceRecord] = deque(maxlen=TRACE_LIMIT)
+        self.trace_dropped = 0
         self._norm_cache: tuple[int, Normalizers] | None = None
         self._sigma_cache: tuple[int, int, float] | None = None
 
@@ -456,6 +462,8 @@ class Scheduler:
         )
         self._last_fence = fence
         desc = plan.graph
+        if len(self._trace) == TRACE_LIMIT:
+            self.trace_dropped += 1
         self._trace.append(
             TraceRecord(
                 fence=fence,
@@ -533,7 +541,7 @@ class Scheduler:
         self._validate_records(head, records)
 
         # -- validated: apply ----------------------------------------------------
-        frame = self._queue.pop_head()
+        frame = self._queue.pop_head(self.now_ns)
         now = self.now_ns
         for r in self._pending_corrections:
             r.pending_delivery = None  # publication must precede the next completion
@@ -585,17 +593,17 @@ class Scheduler:
         Service is the difference of committed counters against the counters
         last entered into the request's history.  Normalizers are those recorded
         at commit; a family still unmeasured then uses the catalog as this
-        completion left it.  While none is measured the interval enters no
-        history, and its service is carried into the first interval that does.
+        completion left it, and before any generation graph is measured the
+        frame's own duration stands in (one unit per frame).  Prompt tokens wait
+        for a prefill measurement and are charged in the first interval that has
+        one.
         """
+        current = self._normalizers()
         norms = frame.normalizers
-        if norms.tokens is None:
-            norms = self._normalizers()
-        tref, dref = norms.tokens, norms.deliveries
-        pref = frame.normalizers.prefill_tokens
-        if pref is None:
-            pref = self._normalizers().prefill_tokens
         dt_ms = credited_ns / 1e6
+        tref = norms.tokens or current.tokens or 1.0 / dt_ms
+        dref = norms.deliveries or current.deliveries or 1.0 / dt_ms
+        pref = norms.prefill_tokens or current.prefill_tokens
         tau = self.policy.adaptation_ms
         population = len(frame.participants)
         x0 = starting_rate(self._decode_sigma_ms(population), population)
@@ -604,16 +612,15 @@ class Scheduler:
             r = p.request
             if r.cancelled:
                 continue
-            if tref is not None:
-                output = r.committed_output - r.accounted_output
-                r.accounted_output = r.committed_output
-                prompt = 0
-                if pref is not None:  # prompt service waits for a prefill measurement
-                    prompt = r.consumed_prompt - r.accounted_prompt
-                    r.accounted_prompt = r.consumed_prompt
-                rate = x0 if r.token_rate is None else r.token_rate
-                r.token_rate = update_rate(rate, tref, dt_ms, output, tau, prompt, pref)
-            if p.decoding and r.delivery_rate is not None and dref is not None:
+            output = r.committed_output - r.accounted_output
+            r.accounted_output = r.committed_output
+            prompt = 0
+            if pref is not None:
+                prompt = r.consumed_prompt - r.accounted_prompt
+                r.accounted_prompt = r.consumed_prompt
+            rate = x0 if r.token_rate is None else r.token_rate
+            r.token_rate = update_rate(rate, tref, dt_ms, output, tau, prompt, pref)
+            if p.decoding and r.delivery_rate is not None:
                 # Completion records zero deliveries; publication may correct it.
                 r.delivery_rate = update_rate(r.delivery_rate, dref, dt_ms, 0.0, tau)
             if r.handle.id in served_lanes and frame.fence in r.unpublished:
@@ -628,7 +635,7 @@ class Scheduler:
         self.execution_ns[reason] += charged
         if reason is SelectionReason.ORDINARY and raw_ns > 0:
             self.refresh_ledger.earn(credited_ns)
-            self.learning_ledger.earn(credited_ns)
+            self.learning_ledger.earn(raw_ns)  # exploration budgets use raw physical time
         elif reason is SelectionReason.TIMING_REFRESH:
             self.refresh_ledger.close_episode(charged)
         elif reason is SelectionReason.ACCEPTANCE_LEARNING:
@@ -639,6 +646,8 @@ class Scheduler:
         if not isinstance(timing, ExecutionTiming):
             raise CompletionError("timing must be an ExecutionTiming")
         ranks = timing.rank_device_ns
+        if not isinstance(timing.queued, bool):
+            raise CompletionError(f"timing.queued must be a bool, got {timing.queued!r}")
         if not isinstance(ranks, tuple) or not ranks:
             raise CompletionError("timing.rank_device_ns must be a non-empty tuple")
         for name, value in [("rank_device_ns", v) for v in ranks] + [
@@ -651,6 +660,8 @@ class Scheduler:
     @staticmethod
     def _validate_records(frame: Frame, records: Sequence[CompletionRecord]) -> None:
         lanes = frame.plan.lanes
+        if not isinstance(records, (list, tuple)):
+            raise CompletionError(f"fence {frame.fence}: records must be a list or tuple")
         if len(records) != len(lanes):
             raise CompletionError(
                 f"fence {frame.fence}: {len(records)} records for {len(lanes)} lanes"
@@ -675,12 +686,11 @@ class Scheduler:
                     f"fence {frame.fence} lane {i}: {len(tokens)} tokens, "
                     f"lane commits exactly {lane.max_tokens}"
                 )
-            if record.finish_reason is not None and (
-                record.finish_reason not in FINISH_REASONS or not tokens
+            reason = record.finish_reason
+            if reason is not None and (
+                not isinstance(reason, str) or reason not in FINISH_REASONS or not tokens
             ):
-                raise CompletionError(
-                    f"fence {frame.fence} lane {i}: bad finish_reason {record.finish_reason!r}"
-                )
+                raise CompletionError(f"fence {frame.fence} lane {i}: bad finish_reason {reason!r}")
 
     # ---------------------------------------------------------- publication
     def published_output(self, handle: RequestHandle, fence: int, at_ns: int | None = None) -> bool:
@@ -690,6 +700,8 @@ class Scheduler:
         that interval's zero delivery with one delivery.  Returns False for a
         request that is gone (retired or cancelled).
         """
+        if at_ns is not None and (isinstance(at_ns, bool) or not isinstance(at_ns, int)):
+            raise PublicationError(f"at_ns must be an integer of nanoseconds, got {at_ns!r}")
         at = self.now_ns if at_ns is None else at_ns
         r = self._requests.get(handle.id)
         if r is None or r.cancelled:
@@ -718,7 +730,8 @@ class Scheduler:
 
     # ---------------------------------------------------------- inspection
     def drain_trace(self) -> list[TraceRecord]:
-        out, self._trace = self._trace, []
+        out = list(self._trace)
+        self._trace.clear()
         return out
 
     def request(self, handle: RequestHandle) -> Request | None:

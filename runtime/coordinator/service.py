@@ -75,9 +75,10 @@ class Normalizers:
     stream (ordinary decode; complete speculative programs join with the
     speculative rounds): ``tokens`` is the best committed tokens/ms one stream
     gets (W / T at the fastest; 1 / T for ordinary decode), ``deliveries`` the
-    best deliveries/ms (1 / T).  One token normalizer serves every phase, so a
-    prompt token and an output token move the same dual rate x by the same
-    amount.  ``None`` while the family has no measured graph.
+    best deliveries/ms (1 / T).  ``prefill_tokens`` is the best prompt tokens/ms
+    of a measured prefill graph (C / T): prompt service is normalized by it, so
+    a prompt chunk moves a price about as much as the device time it took.
+    ``None`` while the family has no measured graph.
     """
 
     tokens: float | None

@@ -768,3 +768,27 @@ def test_trace_of_discovery_and_failed_commit():
     with pytest.raises(CommitError):
         rig.s.commit(stale, fence + 1)
     assert rig.s.drain_trace() == []
+
+
+def test_prefill_frames_enter_history_before_any_decode_graph_is_measured():
+    """Every measured frame is one interval for every participant, even before a
+    generation graph is measured: the unserved request is starved and charged
+    nothing; the served one is charged exactly its chunk."""
+    rig = Rig([PREFILL_64, DECODE_1])
+    a = rig.s.admit(RequestSpec(prompt_len=256, max_output_tokens=8))
+    b = rig.s.admit(RequestSpec(prompt_len=256, max_output_tokens=8))
+    plan = rig.plan()
+    assert plan.graph == PREFILL_64
+    served = plan.lanes[0].handle
+    idle = b if served == a else a
+    rig.complete(rig.commit(plan), plan)
+    rs, ri = rig.s.request(served), rig.s.request(idle)
+    assert rs.token_rate is not None and ri.token_rate is not None
+    assert (rs.accounted_prompt, ri.accounted_prompt) == (64, 0)
+    assert rs.token_rate > ri.token_rate
+    before = ri.token_rate
+    plan = rig.plan()
+    rig.complete(rig.commit(plan), plan)
+    if plan.lanes[0].handle != idle:
+        assert rig.s.request(idle).token_rate < before  # starved again, charged nothing
+        assert rig.s.request(idle).accounted_prompt == 0

@@ -197,6 +197,9 @@ MALFORMED = {
     "timing-wall-float": lambda p, f, r: (f, r, ExecutionTiming((2 * MS,), host_wall_ns=1.5)),
     "timing-not-timing": lambda p, f, r: (f, r, {"rank_device_ns": (2 * MS,)}),
     "timing-none": lambda p, f, r: (f, r, None),
+    "finish-unhashable": lambda p, f, r: (f, _swap(r, 1, finish_reason=["stop"]), TIMING),
+    "records-iterator": lambda p, f, r: (f, iter(r), TIMING),
+    "timing-queued-not-bool": lambda p, f, r: (f, r, ExecutionTiming((2 * MS,), queued="yes")),
 }
 
 

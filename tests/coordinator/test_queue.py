@@ -521,3 +521,19 @@ def test_commit_rechecks_freshness_of_a_saved_plan():
     rig.s.commit(saved, fence + 1)
     assert rig.s.queue_fences == [fence + 1]
     assert rig.s.plan() is None
+
+
+def test_completion_rebases_expected_ends_so_an_early_overrun_does_not_suspend_the_next():
+    """The head overran by 3 ms; once it completes, the frame behind it has only
+    just started, so queueing resumes (no false overrun, no accumulated drift)."""
+    rig, _ = single_decoder(max_output=200)
+    first = rig.plan()
+    f1 = rig.commit(first)
+    second = rig.plan()
+    f2 = rig.commit(second)
+    estimate = second.estimated_duration_ns
+    rig.complete(f1, first, device=estimate + 3 * MS, wall=estimate + 3 * MS)
+    head = rig.s._queue.head
+    assert head.fence == f2
+    assert head.expected_end_ns == rig.now + estimate
+    assert rig.s.plan() is not None  # queueing behind the new head is allowed
