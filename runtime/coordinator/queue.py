@@ -13,18 +13,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from runtime.coordinator.plan import ScheduledPlan, SelectionReason
-from runtime.coordinator.requests import Request
+from runtime.coordinator.requests import Participant, Request
 from runtime.coordinator.service import Normalizers
 
 FRAME_SLOTS = 2
-
-
-@dataclass(slots=True)
-class Participant:
-    """A resident runnable request at commit, and whether it was a stream then."""
-
-    request: Request
-    decoding: bool
 
 
 @dataclass(slots=True)
@@ -35,7 +27,6 @@ class Frame:
     dispatch_ns: int
     expected_end_ns: int
     exclusive: bool  # needs an empty window and blocks queueing behind it
-    queued_behind: bool
     participants: list[Participant]
     lane_requests: list[Request]
     normalizers: Normalizers  # of the measured catalog at commit

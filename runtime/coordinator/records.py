@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from runtime.coordinator.errors import CompletionError
 from runtime.coordinator.requests import RequestHandle
+
+if TYPE_CHECKING:
+    from runtime.coordinator.plan import LaneWork
 
 FINISH_REASONS = frozenset({"stop", "length"})
 
@@ -60,3 +66,55 @@ class GeneratedToken:
     first: bool  # the request's first output
     finished: bool
     finish_reason: str | None
+
+
+def validate_timing(timing: ExecutionTiming) -> None:
+    """Raise CompletionError unless ``timing`` is well formed."""
+    if not isinstance(timing, ExecutionTiming):
+        raise CompletionError("timing must be an ExecutionTiming")
+    ranks = timing.rank_device_ns
+    if not isinstance(timing.queued, bool):
+        raise CompletionError(f"timing.queued must be a bool, got {timing.queued!r}")
+    if not isinstance(ranks, tuple) or not ranks:
+        raise CompletionError("timing.rank_device_ns must be a non-empty tuple")
+    for name, value in [("rank_device_ns", v) for v in ranks] + [
+        ("readiness_delay_ns", timing.readiness_delay_ns),
+        ("host_wall_ns", timing.host_wall_ns),
+    ]:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CompletionError(f"timing.{name} must be non-negative integers, got {value!r}")
+
+
+def validate_records(
+    fence: int, lanes: Sequence[LaneWork], records: Sequence[CompletionRecord]
+) -> None:
+    """Raise CompletionError unless ``records`` match ``lanes`` one for one."""
+    if not isinstance(records, (list, tuple)):
+        raise CompletionError(f"fence {fence}: records must be a list or tuple")
+    if len(records) != len(lanes):
+        raise CompletionError(f"fence {fence}: {len(records)} records for {len(lanes)} lanes")
+    for i, (lane, record) in enumerate(zip(lanes, records)):
+        if not isinstance(record, CompletionRecord):
+            raise CompletionError(f"fence {fence} lane {i}: not a CompletionRecord")
+        if (record.slot, record.generation) != (lane.slot, lane.generation):
+            raise CompletionError(
+                f"fence {fence} lane {i}: record names slot {record.slot} "
+                f"generation {record.generation}, lane is slot {lane.slot} "
+                f"generation {lane.generation}"
+            )
+        tokens = record.tokens
+        if not isinstance(tokens, (tuple, list)):
+            raise CompletionError(f"fence {fence} lane {i}: tokens must be a sequence")
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise CompletionError(f"fence {fence} lane {i}: bad token id {t!r}")
+        if len(tokens) != lane.max_tokens:
+            raise CompletionError(
+                f"fence {fence} lane {i}: {len(tokens)} tokens, "
+                f"lane commits exactly {lane.max_tokens}"
+            )
+        reason = record.finish_reason
+        if reason is not None and (
+            not isinstance(reason, str) or reason not in FINISH_REASONS or not tokens
+        ):
+            raise CompletionError(f"fence {fence} lane {i}: bad finish_reason {reason!r}")

@@ -183,3 +183,11 @@ class Request:
     def pages_needed(self, page_size: int) -> int:
         total = self.spec.prompt_len + self.spec.max_output_tokens
         return -(-total // page_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Participant:
+    """A resident runnable request at a commit, and whether it was a stream then."""
+
+    request: Request
+    decoding: bool

@@ -19,6 +19,12 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator import policy as selection
 from runtime.coordinator.config import PolicyConfig, SchedulerConfig
 from runtime.coordinator.cost import CostCatalog, cost_sample_ns
+from runtime.coordinator.errors import (
+    CommitError,
+    CompletionError,
+    PublicationError,
+    SchedulerError,
+)
 from runtime.coordinator.learning import acceptance_ledger
 from runtime.coordinator.plan import (
     LanePhase,
@@ -27,49 +33,25 @@ from runtime.coordinator.plan import (
     SelectionReason,
     TraceRecord,
 )
+from runtime.coordinator.projection import CatalogView, build_context
 from runtime.coordinator.queue import ExecutionQueue, Frame, Participant
 from runtime.coordinator.records import (
-    FINISH_REASONS,
     CompletionRecord,
     ExecutionTiming,
     GeneratedToken,
+    validate_records,
+    validate_timing,
 )
 from runtime.coordinator.refresh import choose_refresh, timing_ledger
 from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestSpec
 from runtime.coordinator.resources import PagePool, SlotTable
-from runtime.coordinator.service import (
-    FALLBACK_NORMALIZER,
-    Normalizers,
-    catalog_normalizers,
-    starting_rate,
-    update_rate,
-)
-from runtime.coordinator.utility import (
-    decode_lane_value,
-    log_scale_for,
-    reference_interval_ms,
-)
+from runtime.coordinator.service import account_interval, starting_rate
+from runtime.coordinator.utility import log_scale_for
 
 # Bursts kept per request awaiting publication (oldest dropped beyond this).
 MAX_UNPUBLISHED = 64
 # Trace records kept between drains.
 TRACE_LIMIT = 65536
-
-
-class SchedulerError(RuntimeError):
-    """Base class of the scheduler's refusals."""
-
-
-class CommitError(SchedulerError):
-    """A plan can no longer be committed as it stands; nothing changed."""
-
-
-class CompletionError(SchedulerError):
-    """A completion is malformed or out of order; nothing changed."""
-
-
-class PublicationError(SchedulerError):
-    """A publication names output never produced or already published; nothing changed."""
 
 
 class Scheduler:
@@ -105,8 +87,7 @@ class Scheduler:
         # never drains cannot grow without limit (trace_dropped counts the loss).
         self._trace: deque[TraceRecord] = deque(maxlen=TRACE_LIMIT)
         self.trace_dropped = 0
-        self._norm_cache: tuple[int, Normalizers] | None = None
-        self._sigma_cache: tuple[int, int, float] | None = None
+        self._view = CatalogView(self.catalog)
 
     # ------------------------------------------------------------------ setup
     def configure_policy(self, policy: PolicyConfig) -> None:
@@ -187,136 +168,10 @@ class Scheduler:
             self.learning_ledger.idle()
 
     # ----------------------------------------------------------- selection
-    def _normalizers(self) -> Normalizers:
-        cache = self._norm_cache
-        if cache is None or cache[0] != self.catalog.version:
-            cache = (self.catalog.version, catalog_normalizers(self.catalog))
-            self._norm_cache = cache
-        return cache[1]
-
-    def _decode_sigma_ms(self, streams: int) -> float:
-        cache = self._sigma_cache
-        if cache is None or cache[0] != self.catalog.version or cache[1] != streams:
-            graphs = [
-                (e.estimate_ns / 1e6, e.descriptor.batch_capacity)
-                for e in self.catalog.entries(GraphKind.DECODE)
-                if e.known
-            ]
-            # The decode family serves every delivery-bearing stream, so k = K.
-            cache = (self.catalog.version, streams, reference_interval_ms(graphs, streams, streams))
-            self._sigma_cache = cache
-        return cache[2]
-
     def _context(self) -> selection.SelectionContext | None:
-        now = self.now_ns
-        start = self._queue.expected_end_ns(now)
         runnable = [r for r in self._resident.values() if r.runnable]
-        if not runnable:
-            return None
-        pol = self.policy
-        population = len(runnable)
-        tau = pol.adaptation_ms
-        f, g, c, beta = (
-            pol.token_fairness,
-            pol.delivery_fairness,
-            pol.decode_age_price,
-            (pol.output_token_value),
-        )
-
-        # Current dual rates (a request with no history starts at its fair share).
-        x0 = starting_rate(self._decode_sigma_ms(population), population)
-        state: dict[int, list] = {}
-        for r in runnable:
-            last_visible = (
-                r.last_visible_ns
-                if r.last_visible_ns is not None
-                else (r.became_decoder_ns if r.became_decoder_ns is not None else start)
-            )
-            state[r.handle.id] = [
-                x0 if r.token_rate is None else r.token_rate,
-                x0 if r.delivery_rate is None else r.delivery_rate,
-                last_visible,
-            ]
-
-        # Project queued frames' expected service into copies of the prices.
-        for frame in self._queue.frames:
-            dt_ms = frame.plan.estimated_duration_ns / 1e6
-            tref = frame.normalizers.tokens or FALLBACK_NORMALIZER
-            dref = frame.normalizers.deliveries or FALLBACK_NORMALIZER
-            served: dict[int, LaneWork] = {lane.handle.id: lane for lane in frame.plan.lanes}
-            for p in frame.participants:
-                s = state.get(p.request.handle.id)
-                if s is None:
-                    continue
-                lane = served.get(p.request.handle.id)
-                tokens = lane.expected_tokens if lane else 0.0
-                prompt = lane.prompt_tokens if lane else 0
-                pref = frame.normalizers.prefill_tokens
-                s[0] = update_rate(s[0], tref, dt_ms, tokens, tau, prompt, pref)
-                if p.decoding and p.request.delivery_rate is not None:
-                    deliveries = lane.expected_deliveries if lane else 0.0
-                    s[1] = update_rate(s[1], dref, dt_ms, deliveries, tau)
-                if lane is not None and lane.expected_deliveries > 0:
-                    s[2] = frame.expected_end_ns
-
-        decoders = [r for r in runnable if r.consumed_prompt >= r.spec.prompt_len]
-        n_decoders = len(decoders)
-        sigma = self._decode_sigma_ms(n_decoders) if n_decoders else 0.0
-        slope = c * sigma
-        prefill: list[selection.LaneView] = []
-        decode: list[selection.LaneView] = []
-        for r in runnable:
-            x, z, last_visible = state[r.handle.id]
-            token_price = f / x
-            if r.consumed_prompt < r.spec.prompt_len:
-                if r.inflight_fences:
-                    continue  # one prefill chunk at a time; its completion is feedback
-                pos = r.consumed_prompt
-                prefill.append(
-                    selection.LaneView(
-                        r,
-                        token_price,
-                        0.0,
-                        pos,
-                        r.prefill_available(pos),
-                        r.distance_to_endpoint(pos),
-                        r.committed_output,
-                        0.0,
-                        r.last_selected,
-                    )
-                )
-                continue
-            if r.inflight_fences and (
-                r.spec.step_feedback or r.remaining_output - r.inflight_output < 1
-            ):
-                continue  # needs the in-flight completion first
-            delivery_price = g / z
-            age_ms = max(0, start - last_visible) / 1e6
-            value = decode_lane_value(1.0, 1.0, token_price, delivery_price, beta)
-            value += slope * age_ms
-            decode.append(
-                selection.LaneView(
-                    r,
-                    token_price,
-                    delivery_price,
-                    r.spec.prompt_len,
-                    0,
-                    0,
-                    r.committed_output + r.inflight_output,
-                    value,
-                    r.last_selected,
-                )
-            )
-        return selection.SelectionContext(
-            now_ns=now,
-            start_ns=start,
-            beta=beta,
-            ttl_ns=self.catalog.ttl_ns,
-            catalog=self.catalog,
-            prefill=prefill,
-            decode=decode,
-            decode_age_slope=slope,
-            active_age_price=c * n_decoders,
+        return build_context(
+            self.now_ns, runnable, self._queue, self.policy, self.catalog, self._view
         )
 
     def plan(self) -> ScheduledPlan | None:
@@ -454,10 +309,9 @@ class Scheduler:
                 dispatch_ns=now,
                 expected_end_ns=expected_end,
                 exclusive=exclusive,
-                queued_behind=not queue.empty,
                 participants=participants,
                 lane_requests=lane_requests,
-                normalizers=self._normalizers(),
+                normalizers=self._view.normalizers(),
             )
         )
         self._last_fence = fence
@@ -537,8 +391,8 @@ class Scheduler:
         if head is None or head.fence != fence:
             expected = None if head is None else head.fence
             raise CompletionError(f"completion for fence {fence}, expected fence {expected}")
-        self._validate_timing(timing)
-        self._validate_records(head, records)
+        validate_timing(timing)
+        validate_records(head.fence, head.plan.lanes, records)
 
         # -- validated: apply ----------------------------------------------------
         frame = self._queue.pop_head(self.now_ns)
@@ -581,51 +435,21 @@ class Scheduler:
                     GeneratedToken(r.handle, fence, tokens, first, r.finished, r.finish_reason)
                 )
         if raw > 0:
-            self._account_service(frame, credited)
+            population = len(frame.participants)
+            self._pending_corrections = account_interval(
+                frame.participants,
+                {r.handle.id for r in frame.lane_requests},
+                frame.fence,
+                frame.normalizers,
+                self._view.normalizers(),
+                credited,
+                self.policy.adaptation_ms,
+                starting_rate(self._view.decode_sigma_ms(population), population),
+            )
         for r in frame.lane_requests:
             self._retire_if_done(r)
         self._check_idle()
         return generated
-
-    def _account_service(self, frame: Frame, credited_ns: int) -> None:
-        """One measured interval of service history for every participant.
-
-        Service is the difference of committed counters against the counters
-        last entered into the request's history.  Normalizers are those recorded
-        at commit; a family still unmeasured then uses the catalog as this
-        completion left it, and before any generation graph is measured the
-        frame's own duration stands in (one unit per frame).  Prompt tokens wait
-        for a prefill measurement and are charged in the first interval that has
-        one.
-        """
-        current = self._normalizers()
-        norms = frame.normalizers
-        dt_ms = credited_ns / 1e6
-        tref = norms.tokens or current.tokens or 1.0 / dt_ms
-        dref = norms.deliveries or current.deliveries or 1.0 / dt_ms
-        pref = norms.prefill_tokens or current.prefill_tokens
-        tau = self.policy.adaptation_ms
-        population = len(frame.participants)
-        x0 = starting_rate(self._decode_sigma_ms(population), population)
-        served_lanes = {r.handle.id for r in frame.lane_requests}
-        for p in frame.participants:
-            r = p.request
-            if r.cancelled:
-                continue
-            output = r.committed_output - r.accounted_output
-            r.accounted_output = r.committed_output
-            prompt = 0
-            if pref is not None:
-                prompt = r.consumed_prompt - r.accounted_prompt
-                r.accounted_prompt = r.consumed_prompt
-            rate = x0 if r.token_rate is None else r.token_rate
-            r.token_rate = update_rate(rate, tref, dt_ms, output, tau, prompt, pref)
-            if p.decoding and r.delivery_rate is not None:
-                # Completion records zero deliveries; publication may correct it.
-                r.delivery_rate = update_rate(r.delivery_rate, dref, dt_ms, 0.0, tau)
-            if r.handle.id in served_lanes and frame.fence in r.unpublished:
-                r.pending_delivery = (frame.fence, dref if p.decoding else None)
-                self._pending_corrections.append(r)
 
     def _account_execution(
         self, reason: SelectionReason, raw_ns: int, credited_ns: int, wall_ns: int
@@ -640,57 +464,6 @@ class Scheduler:
             self.refresh_ledger.close_episode(charged)
         elif reason is SelectionReason.ACCEPTANCE_LEARNING:
             self.learning_ledger.close_episode(charged)
-
-    @staticmethod
-    def _validate_timing(timing: ExecutionTiming) -> None:
-        if not isinstance(timing, ExecutionTiming):
-            raise CompletionError("timing must be an ExecutionTiming")
-        ranks = timing.rank_device_ns
-        if not isinstance(timing.queued, bool):
-            raise CompletionError(f"timing.queued must be a bool, got {timing.queued!r}")
-        if not isinstance(ranks, tuple) or not ranks:
-            raise CompletionError("timing.rank_device_ns must be a non-empty tuple")
-        for name, value in [("rank_device_ns", v) for v in ranks] + [
-            ("readiness_delay_ns", timing.readiness_delay_ns),
-            ("host_wall_ns", timing.host_wall_ns),
-        ]:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise CompletionError(f"timing.{name} must be non-negative integers, got {value!r}")
-
-    @staticmethod
-    def _validate_records(frame: Frame, records: Sequence[CompletionRecord]) -> None:
-        lanes = frame.plan.lanes
-        if not isinstance(records, (list, tuple)):
-            raise CompletionError(f"fence {frame.fence}: records must be a list or tuple")
-        if len(records) != len(lanes):
-            raise CompletionError(
-                f"fence {frame.fence}: {len(records)} records for {len(lanes)} lanes"
-            )
-        for i, (lane, record) in enumerate(zip(lanes, records)):
-            if not isinstance(record, CompletionRecord):
-                raise CompletionError(f"fence {frame.fence} lane {i}: not a CompletionRecord")
-            if (record.slot, record.generation) != (lane.slot, lane.generation):
-                raise CompletionError(
-                    f"fence {frame.fence} lane {i}: record names slot {record.slot} "
-                    f"generation {record.generation}, lane is slot {lane.slot} "
-                    f"generation {lane.generation}"
-                )
-            tokens = record.tokens
-            if not isinstance(tokens, (tuple, list)):
-                raise CompletionError(f"fence {frame.fence} lane {i}: tokens must be a sequence")
-            for t in tokens:
-                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                    raise CompletionError(f"fence {frame.fence} lane {i}: bad token id {t!r}")
-            if len(tokens) != lane.max_tokens:
-                raise CompletionError(
-                    f"fence {frame.fence} lane {i}: {len(tokens)} tokens, "
-                    f"lane commits exactly {lane.max_tokens}"
-                )
-            reason = record.finish_reason
-            if reason is not None and (
-                not isinstance(reason, str) or reason not in FINISH_REASONS or not tokens
-            ):
-                raise CompletionError(f"fence {frame.fence} lane {i}: bad finish_reason {reason!r}")
 
     # ---------------------------------------------------------- publication
     def published_output(self, handle: RequestHandle, fence: int, at_ns: int | None = None) -> bool:

@@ -19,10 +19,12 @@ rate r is rate ~= r, so the price tends to f / r.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.cost import CostCatalog
+from runtime.coordinator.requests import Participant, Request
 
 # Bounds that keep a rate positive and finite whatever the inputs.
 _MAX_EXPONENT = 60.0
@@ -100,3 +102,49 @@ def catalog_normalizers(catalog: CostCatalog) -> Normalizers:
             rate = entry.descriptor.prompt_capacity / (entry.estimate_ns / 1e6)
             prefill = rate if prefill is None or rate > prefill else prefill
     return Normalizers(tokens, deliveries, prefill)
+
+
+def account_interval(
+    participants: Iterable[Participant],
+    served_ids: set[int],
+    fence: int,
+    at_commit: Normalizers,
+    now: Normalizers,
+    credited_ns: int,
+    tau_ms: float,
+    x0: float,
+) -> list[Request]:
+    """One measured interval of service history for every participant.
+
+    Service is the difference of committed counters against the counters last
+    entered into the request's history.  Normalizers are those recorded at
+    commit; a family still unmeasured then uses the catalog as the completion
+    left it (``now``), and before any generation graph is measured the frame's
+    own duration stands in (one unit per frame).  Prompt tokens wait for a
+    prefill measurement and are charged in the first interval that has one.
+    Returns the served requests whose delivery a publication may still correct.
+    """
+    dt_ms = credited_ns / 1e6
+    tref = at_commit.tokens or now.tokens or 1.0 / dt_ms
+    dref = at_commit.deliveries or now.deliveries or 1.0 / dt_ms
+    pref = at_commit.prefill_tokens or now.prefill_tokens
+    correctable: list[Request] = []
+    for p in participants:
+        r = p.request
+        if r.cancelled:
+            continue
+        output = r.committed_output - r.accounted_output
+        r.accounted_output = r.committed_output
+        prompt = 0
+        if pref is not None:
+            prompt = r.consumed_prompt - r.accounted_prompt
+            r.accounted_prompt = r.consumed_prompt
+        rate = x0 if r.token_rate is None else r.token_rate
+        r.token_rate = update_rate(rate, tref, dt_ms, output, tau_ms, prompt, pref)
+        if p.decoding and r.delivery_rate is not None:
+            # Completion records zero deliveries; publication may correct it.
+            r.delivery_rate = update_rate(r.delivery_rate, dref, dt_ms, 0.0, tau_ms)
+        if r.handle.id in served_ids and fence in r.unpublished:
+            r.pending_delivery = (fence, dref if p.decoding else None)
+            correctable.append(r)
+    return correctable

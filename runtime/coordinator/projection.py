@@ -1,0 +1,168 @@
+"""The selection context: prices and ages projected to the planning start.
+
+Selection scores every candidate at the time the plan would start: now, or the
+queue's expected end.  This module copies each runnable request's dual rates,
+advances the copies through every queued frame (its estimated duration, its
+lanes' expected service, every other participant starved), measures output ages
+from the projected last delivery, and builds the lane views the candidate
+builders consume.  Stored state never changes here.
+"""
+
+from __future__ import annotations
+
+from runtime.catalog import GraphKind
+from runtime.coordinator.config import PolicyConfig
+from runtime.coordinator.cost import CostCatalog
+from runtime.coordinator.plan import LaneWork
+from runtime.coordinator.policy import LaneView, SelectionContext
+from runtime.coordinator.queue import ExecutionQueue
+from runtime.coordinator.requests import Request
+from runtime.coordinator.service import (
+    FALLBACK_NORMALIZER,
+    Normalizers,
+    catalog_normalizers,
+    starting_rate,
+    update_rate,
+)
+from runtime.coordinator.utility import decode_lane_value, reference_interval_ms
+
+
+class CatalogView:
+    """Quantities derived from the measured catalog, cached per catalog version."""
+
+    def __init__(self, catalog: CostCatalog) -> None:
+        self.catalog = catalog
+        self._norms: tuple[int, Normalizers] | None = None
+        self._sigma: tuple[int, int, float] | None = None
+
+    def normalizers(self) -> Normalizers:
+        cache = self._norms
+        if cache is None or cache[0] != self.catalog.version:
+            cache = (self.catalog.version, catalog_normalizers(self.catalog))
+            self._norms = cache
+        return cache[1]
+
+    def decode_sigma_ms(self, streams: int) -> float:
+        """The decode family's reference interval for ``streams`` streams (k = K)."""
+        cache = self._sigma
+        if cache is None or cache[0] != self.catalog.version or cache[1] != streams:
+            graphs = [
+                (e.estimate_ns / 1e6, e.descriptor.batch_capacity)
+                for e in self.catalog.entries(GraphKind.DECODE)
+                if e.known
+            ]
+            sigma = reference_interval_ms(graphs, streams, streams)
+            cache = (self.catalog.version, streams, sigma)
+            self._sigma = cache
+        return cache[2]
+
+
+def _project_queue(state: dict[int, list], queue: ExecutionQueue, tau: float) -> None:
+    """Advance copies of (x, z, last delivery) through every queued frame."""
+    for frame in queue.frames:
+        dt_ms = frame.plan.estimated_duration_ns / 1e6
+        norms = frame.normalizers
+        tref = norms.tokens or FALLBACK_NORMALIZER
+        dref = norms.deliveries or FALLBACK_NORMALIZER
+        served: dict[int, LaneWork] = {lane.handle.id: lane for lane in frame.plan.lanes}
+        for p in frame.participants:
+            s = state.get(p.request.handle.id)
+            if s is None:
+                continue
+            lane = served.get(p.request.handle.id)
+            tokens = lane.expected_tokens if lane else 0.0
+            prompt = lane.prompt_tokens if lane else 0
+            s[0] = update_rate(s[0], tref, dt_ms, tokens, tau, prompt, norms.prefill_tokens)
+            if p.decoding and p.request.delivery_rate is not None:
+                deliveries = lane.expected_deliveries if lane else 0.0
+                s[1] = update_rate(s[1], dref, dt_ms, deliveries, tau)
+            if lane is not None and lane.expected_deliveries > 0:
+                s[2] = frame.expected_end_ns
+
+
+def build_context(
+    now_ns: int,
+    runnable: list[Request],
+    queue: ExecutionQueue,
+    policy: PolicyConfig,
+    catalog: CostCatalog,
+    view: CatalogView,
+) -> SelectionContext | None:
+    if not runnable:
+        return None
+    start = queue.expected_end_ns(now_ns)
+    population = len(runnable)
+    f, g, c = policy.token_fairness, policy.delivery_fairness, policy.decode_age_price
+    beta = policy.output_token_value
+
+    # Current dual rates; a request with no history starts at its fair share.
+    x0 = starting_rate(view.decode_sigma_ms(population), population)
+    state: dict[int, list] = {}
+    for r in runnable:
+        if r.last_visible_ns is not None:
+            last_visible = r.last_visible_ns
+        elif r.became_decoder_ns is not None:
+            last_visible = r.became_decoder_ns
+        else:
+            last_visible = start
+        x = x0 if r.token_rate is None else r.token_rate
+        z = x0 if r.delivery_rate is None else r.delivery_rate
+        state[r.handle.id] = [x, z, last_visible]
+    _project_queue(state, queue, policy.adaptation_ms)
+
+    n_decoders = sum(1 for r in runnable if r.consumed_prompt >= r.spec.prompt_len)
+    slope = c * view.decode_sigma_ms(n_decoders) if n_decoders else 0.0
+    prefill: list[LaneView] = []
+    decode: list[LaneView] = []
+    for r in runnable:
+        x, z, last_visible = state[r.handle.id]
+        token_price = f / x
+        if r.consumed_prompt < r.spec.prompt_len:
+            if r.inflight_fences:
+                continue  # one prefill chunk at a time; its completion is feedback
+            pos = r.consumed_prompt
+            prefill.append(
+                LaneView(
+                    r,
+                    token_price,
+                    0.0,
+                    pos,
+                    r.prefill_available(pos),
+                    r.distance_to_endpoint(pos),
+                    r.committed_output,
+                    0.0,
+                    r.last_selected,
+                )
+            )
+            continue
+        if r.inflight_fences and (
+            r.spec.step_feedback or r.remaining_output - r.inflight_output < 1
+        ):
+            continue  # needs the in-flight completion first
+        delivery_price = g / z
+        age_ms = max(0, start - last_visible) / 1e6
+        value = decode_lane_value(1.0, 1.0, token_price, delivery_price, beta) + slope * age_ms
+        decode.append(
+            LaneView(
+                r,
+                token_price,
+                delivery_price,
+                r.spec.prompt_len,
+                0,
+                0,
+                r.committed_output + r.inflight_output,
+                value,
+                r.last_selected,
+            )
+        )
+    return SelectionContext(
+        now_ns=now_ns,
+        start_ns=start,
+        beta=beta,
+        ttl_ns=catalog.ttl_ns,
+        catalog=catalog,
+        prefill=prefill,
+        decode=decode,
+        decode_age_slope=slope,
+        active_age_price=c * n_decoders,
+    )
