@@ -18,12 +18,15 @@ setup(
         "pyzmq>=25",
         "msgpack>=1.0",
         "psutil>=5.9",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "tqdm>=4.60",
         "tomli>=2.0; python_version < '3.11'",
         # Triton ships for Linux x86-64/aarch64 only; the CPU path never imports
         # it outside kernels/triton.
         "triton>=3.0; platform_system == 'Linux'",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff==0.17.6"],
+        "test": ["pytest>=8", "ruff==0.17.6", "transformers>=4.45"],
     },
 )
