@@ -1,0 +1,459 @@
+"""ZeroMQ channels between the coordinator and the ranks.
+
+Socket pattern
+--------------
+* frames: the coordinator binds a PUB socket, every rank connects a SUB socket
+  subscribed to everything.  All ranks run the same program on the same frame,
+  so one serialization and one send reach every rank, and ZeroMQ keeps each
+  subscriber's stream in publication order.
+* completions: the coordinator binds a PULL socket, every rank connects a PUSH
+  socket (completions, catalog reports, handshake replies).
+
+Why PUB/SUB and not one PUSH per rank: per-rank sockets would cost N encodes or
+N sends per frame, N endpoints, and a way to keep N streams in the same order;
+PUB/SUB gives a single ordered broadcast.  Its two ways of losing messages are
+closed here: (1) the high-water marks are 0 (unlimited) on both ends, so a slow
+rank makes its queue grow instead of dropping frames, which is safe because the
+coordinator keeps at most two frames in flight; (2) the slow-joiner loss (a PUB
+drops what it sends before a SUB's subscription arrives) is closed by
+:meth:`CoordinatorChannel.handshake`: the coordinator publishes
+``Control("ping", nonce)`` again and again until every rank has answered
+``Control("ready", rank, nonce)`` on the PULL socket, so every SUB has provably
+received a publication before the first frame.  What remains is a rank that
+dies: it misses frames, which the coordinator sees as missing completions.
+
+Receiving
+---------
+``recv(timeout_ms)`` returns the next valid message or None when the timeout
+(None: forever, 0: do not wait) runs out.  Every received message is decoded
+and validated; a malformed, wrong-version or misdirected message is logged on
+the ``runtime.transport`` logger with its reason, counted in ``rejected``, and
+skipped, and the channel keeps serving.  Handshake traffic is handled inside
+the channels: a rank answers pings as they arrive, the coordinator drops late
+``ready`` replies.
+
+Endpoints default to ``ipc://`` sockets in a private run directory (mode 0700,
+removed on close); TCP binds only loopback addresses unless ``allow_remote``.
+A channel is not thread-safe: use it from one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import math
+import os
+import secrets
+import tempfile
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import TypeVar
+
+import zmq
+
+from runtime.transport.codec import decode, encode
+from runtime.transport.schema import (
+    COORDINATOR_RANK,
+    MAX_WORLD_SIZE,
+    CatalogReport,
+    Completion,
+    Control,
+    Frame,
+    Message,
+    ProtocolError,
+)
+
+logger = logging.getLogger("runtime.transport")
+
+PING_INTERVAL_S = (0.005, 0.1)  # the handshake's first and longest ping interval
+MAX_IPC_PATH = 100  # sockaddr_un holds 108 bytes on Linux, fewer elsewhere
+
+
+class TransportError(RuntimeError):
+    """The transport cannot do what was asked."""
+
+
+class EndpointError(TransportError, ValueError):
+    """An endpoint is malformed or not allowed."""
+
+
+class HandshakeTimeout(TransportError, TimeoutError):
+    """The handshake did not finish in time; ``missing_ranks`` never answered."""
+
+    def __init__(self, message: str, missing_ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing_ranks = missing_ranks
+
+
+@dataclass(frozen=True)
+class ChannelEndpoints:
+    """Where ranks connect: ``frames`` (coordinator PUB) and ``completions`` (PULL)."""
+
+    frames: str
+    completions: str
+
+    def __post_init__(self) -> None:
+        for name in ("frames", "completions"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.startswith(("ipc://", "tcp://")):
+                raise EndpointError(f"{name} endpoint must be ipc:// or tcp://, got {value!r}")
+
+
+def _deadline(timeout_ms: int | None) -> float | None:
+    if timeout_ms is None:
+        return None
+    if timeout_ms < 0:
+        raise ValueError(f"timeout_ms must be >= 0 or None, got {timeout_ms}")
+    return time.monotonic() + timeout_ms / 1000
+
+
+def _remaining_ms(deadline: float | None) -> int | None:
+    if deadline is None:
+        return None
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))
+
+
+def _socket(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
+    sock = context.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # 0 = no limit: never drop, never block
+    sock.setsockopt(zmq.RCVHWM, 0)
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    return sock
+
+
+_C = TypeVar("_C", bound="_Channel")
+
+
+class _Channel:
+    """Receive loop, pending messages, rejection logging and teardown."""
+
+    inbound: tuple[type, ...] = ()
+
+    def __init__(self, name: str, context: zmq.Context | None) -> None:
+        self.name = name
+        self.rejected = 0  # messages dropped with a logged reason
+        self._own_context = context is None
+        self._context = zmq.Context() if context is None else context
+        self._sockets: list[zmq.Socket] = []
+        self._inbox: zmq.Socket | None = None
+        self._pending: deque[Message] = deque()
+        self._closed = False
+
+    def _open(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
+        sock = _socket(self._context, kind, endpoint)
+        self._sockets.append(sock)
+        try:
+            sock.bind(endpoint) if bind else sock.connect(endpoint)
+        except zmq.ZMQError as exc:
+            verb = "bind" if bind else "connect"
+            raise TransportError(f"{self.name}: cannot {verb} {endpoint}: {exc}") from exc
+        return sock
+
+    def _reject(self, reason: str) -> None:
+        self.rejected += 1
+        logger.warning("%s: rejected message: %s", self.name, reason)
+
+    def _admit(self, message: Message) -> Message | None:
+        """The message for the caller, or None after ``_reject``."""
+        raise NotImplementedError
+
+    def _next(self, deadline: float | None) -> Message | None:
+        """The next admitted message from the socket, or None at the deadline."""
+        if self._closed or self._inbox is None:
+            raise TransportError(f"{self.name} is closed")
+        while True:
+            if not self._inbox.poll(_remaining_ms(deadline), zmq.POLLIN):
+                return None
+            parts = self._inbox.recv_multipart(zmq.NOBLOCK)
+            if len(parts) != 1:
+                self._reject(f"multipart message ({len(parts)} parts)")
+                continue
+            try:
+                message = decode(parts[0])
+            except ProtocolError as exc:
+                self._reject(str(exc))
+                continue
+            if not isinstance(message, self.inbound):
+                self._reject(f"unexpected {type(message).__name__} on this channel")
+                continue
+            admitted = self._admit(message)
+            if admitted is not None:
+                return admitted
+
+    def close(self) -> None:
+        """Close the sockets at once (linger 0) and the context if the channel made it."""
+        if self._closed:
+            return
+        self._closed = True
+        for sock in self._sockets:
+            sock.close(linger=0)
+        if self._own_context:
+            self._context.term()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------ coordinator
+
+
+def _loopback_host(host: str, allow_remote: bool) -> str:
+    """``host`` as a ZeroMQ bind address; refuse non-loopback unless allowed."""
+    text = "0.0.0.0" if host in ("*", "") else "127.0.0.1" if host == "localhost" else host
+    try:
+        ip = ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        raise EndpointError(f"host must be an IP address or 'localhost', got {host!r}") from None
+    if not ip.is_loopback and not allow_remote:
+        raise EndpointError(
+            f"refusing to bind {host!r}: not a loopback address; "
+            "pass allow_remote=True to accept connections from other hosts"
+        )
+    return f"[{ip}]" if ip.version == 6 else str(ip)
+
+
+def _remove_run_dir(path: str, files: tuple[str, ...]) -> None:
+    for file in files:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(file)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("could not remove transport run directory %s: %s", path, exc)
+
+
+class CoordinatorChannel(_Channel):
+    """The coordinator's end: binds PUB (frames, control) and PULL (from ranks).
+
+    ``transport``: "ipc" (default: sockets in a fresh 0700 directory under
+    ``run_dir`` or the system temp dir) or "tcp" on ``host`` (loopback unless
+    ``allow_remote``) with ``frame_port``/``completion_port`` (0: any free
+    port).  Ranks connect to :attr:`endpoints`.
+    """
+
+    inbound = (Completion, CatalogReport, Control)
+
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        transport: str = "ipc",
+        host: str = "127.0.0.1",
+        frame_port: int = 0,
+        completion_port: int = 0,
+        allow_remote: bool = False,
+        run_dir: str | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise ValueError(f"world_size must lie in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
+        if transport not in ("ipc", "tcp"):
+            raise EndpointError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        for name, port in (("frame_port", frame_port), ("completion_port", completion_port)):
+            if type(port) is not int or not 0 <= port <= 65535:
+                raise EndpointError(f"{name} must lie in [0, 65535], got {port!r}")
+        # Refuse a non-loopback host before creating anything.
+        address = _loopback_host(host, allow_remote) if transport == "tcp" else ""
+        super().__init__("coordinator channel", context)
+        self.world_size = world_size
+        self.run_dir: str | None = None
+        self._finalizer: weakref.finalize | None = None
+        try:
+            if transport == "ipc":
+                self.run_dir = tempfile.mkdtemp(prefix="flare-transport-", dir=run_dir)
+                paths = tuple(os.path.join(self.run_dir, n) for n in ("frames", "completions"))
+                self._finalizer = weakref.finalize(self, _remove_run_dir, self.run_dir, paths)
+                if len(paths[1]) > MAX_IPC_PATH:
+                    raise EndpointError(f"ipc path too long ({len(paths[1])} bytes): {paths[1]}")
+                wanted = tuple(f"ipc://{p}" for p in paths)
+            else:
+                ports = (frame_port or "*", completion_port or "*")
+                wanted = tuple(f"tcp://{address}:{p}" for p in ports)
+            self._pub = self._open(zmq.PUB, wanted[0], bind=True)
+            self._inbox = self._open(zmq.PULL, wanted[1], bind=True)
+            self.endpoints = ChannelEndpoints(
+                frames=self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
+                completions=self._inbox.getsockopt_string(zmq.LAST_ENDPOINT),
+            )
+        except BaseException:
+            self.close()
+            raise
+        self.name = f"coordinator channel ({self.endpoints.completions})"
+
+    def publish(self, message: Frame | Control) -> None:
+        """Send a frame or a control message to every rank."""
+        if not isinstance(message, (Frame, Control)):
+            raise TypeError(f"the coordinator publishes Frame or Control, not {type(message)}")
+        if isinstance(message, Control) and message.rank != COORDINATOR_RANK:
+            raise ValueError(f"coordinator control messages carry rank {COORDINATOR_RANK}")
+        if self._closed:
+            raise TransportError(f"{self.name} is closed")
+        self._pub.send(encode(message))
+
+    def shutdown_ranks(self) -> None:
+        self.publish(Control("shutdown"))
+
+    def handshake(self, timeout_s: float = 30.0) -> None:
+        """Ping until every rank 0..world_size-1 has answered; HandshakeTimeout otherwise.
+
+        Messages other than this handshake's replies that arrive meanwhile (a
+        catalog report sent straight after answering) are kept for ``recv``.
+        """
+        nonce = secrets.randbits(63)
+        waiting = set(range(self.world_size))
+        deadline = time.monotonic() + timeout_s
+        interval, next_ping = PING_INTERVAL_S[0], 0.0
+        while waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = tuple(sorted(waiting))
+                raise HandshakeTimeout(
+                    f"transport handshake timed out after {timeout_s:g} s: "
+                    f"no ready from rank(s) {list(missing)} of {self.world_size} "
+                    f"(ranks connect to {self.endpoints.frames})",
+                    missing,
+                )
+            if now >= next_ping:
+                self.publish(Control("ping", COORDINATOR_RANK, nonce))
+                next_ping = now + interval
+                interval = min(2 * interval, PING_INTERVAL_S[1])
+            message = self._next(min(next_ping, deadline))
+            if message is None:
+                continue
+            if isinstance(message, Control) and message.command == "ready":
+                if message.nonce == nonce:
+                    waiting.discard(message.rank)
+                continue
+            self._pending.append(message)
+
+    def recv(self, timeout_ms: int | None = None) -> Completion | CatalogReport | Control | None:
+        """The next valid message from any rank, or None after ``timeout_ms``."""
+        if self._pending:
+            return self._pending.popleft()  # type: ignore[return-value]
+        deadline = _deadline(timeout_ms)
+        while True:
+            message = self._next(deadline)
+            if isinstance(message, Control) and message.command == "ready":
+                logger.debug("%s: late ready from rank %d", self.name, message.rank)
+                continue
+            return message  # type: ignore[return-value]
+
+    def _admit(self, message: Message) -> Message | None:
+        if isinstance(message, Control) and not 0 <= message.rank < self.world_size:
+            self._reject(f"Control from rank {message.rank} of world size {self.world_size}")
+            return None
+        if isinstance(message, (Completion, CatalogReport)) and (
+            message.world_size != self.world_size
+        ):
+            self._reject(
+                f"{type(message).__name__} from rank {message.rank} says world size "
+                f"{message.world_size}, expected {self.world_size}"
+            )
+            return None
+        return message
+
+    def close(self) -> None:
+        """Close the sockets and remove the ipc run directory."""
+        super().close()
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+# ------------------------------------------------------------------ ranks
+
+
+class RankChannel(_Channel):
+    """A rank's end: SUB to the coordinator's frames, PUSH to its completions.
+
+    Pings are answered as they arrive (in ``handshake`` and in ``recv``), so a
+    rank only ever sees frames and shutdown/other control from ``recv``.
+    """
+
+    inbound = (Frame, Control)
+
+    def __init__(
+        self,
+        endpoints: ChannelEndpoints,
+        rank: int,
+        *,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if not isinstance(endpoints, ChannelEndpoints):
+            raise TypeError("endpoints must be a ChannelEndpoints")
+        if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
+            raise ValueError(f"rank must lie in [0, {MAX_WORLD_SIZE}), got {rank!r}")
+        super().__init__(f"rank {rank} channel", context)
+        self.rank = rank
+        self.endpoints = endpoints
+        try:
+            self._push = self._open(zmq.PUSH, endpoints.completions, bind=False)
+            self._inbox = self._open(zmq.SUB, endpoints.frames, bind=False)
+            self._inbox.setsockopt(zmq.SUBSCRIBE, b"")
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, message: Completion | CatalogReport | Control) -> None:
+        """Queue a message for the coordinator (never blocks: no high-water mark)."""
+        if not isinstance(message, (Completion, CatalogReport, Control)):
+            raise TypeError(f"a rank sends Completion, CatalogReport or Control, not {message!r}")
+        if message.rank != self.rank:
+            raise ValueError(f"{self.name} cannot send a message for rank {message.rank}")
+        if self._closed:
+            raise TransportError(f"{self.name} is closed")
+        self._push.send(encode(message))
+
+    def handshake(self, timeout_ms: int = 30_000) -> None:
+        """Wait for the coordinator's first ping and answer it; HandshakeTimeout otherwise."""
+        deadline = _deadline(timeout_ms)
+        while True:
+            message = self._next(deadline)
+            if message is None:
+                raise HandshakeTimeout(
+                    f"{self.name}: no ping from the coordinator at {self.endpoints.frames} "
+                    f"within {timeout_ms} ms"
+                )
+            if isinstance(message, Control) and message.command == "ping":
+                return
+            self._pending.append(message)
+
+    def recv(self, timeout_ms: int | None = None) -> Frame | Control | None:
+        """The next frame or coordinator control message, or None after ``timeout_ms``."""
+        if self._pending:
+            return self._pending.popleft()  # type: ignore[return-value]
+        deadline = _deadline(timeout_ms)
+        while True:
+            message = self._next(deadline)
+            if isinstance(message, Control) and message.command == "ping":
+                continue
+            return message  # type: ignore[return-value]
+
+    def _admit(self, message: Message) -> Message | None:
+        if isinstance(message, Control):
+            if message.rank != COORDINATOR_RANK or message.command == "ready":
+                self._reject(f"Control {message.command!r} from rank {message.rank}")
+                return None
+            if message.command == "ping":
+                self.send(Control("ready", self.rank, message.nonce))
+        return message
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close at once; ``linger_ms`` > 0 first gives queued sends that long to leave."""
+        if not self._closed and linger_ms > 0:
+            self._push.setsockopt(zmq.LINGER, linger_ms)
+            self._push.close()
+        super().close()

@@ -1,0 +1,109 @@
+"""Valid example messages shared by the transport tests."""
+
+from __future__ import annotations
+
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.transport.schema import (
+    CatalogReport,
+    Completion,
+    Control,
+    Frame,
+    FrameLane,
+    LaneResult,
+    SamplingParams,
+    Tensor,
+)
+
+MIXED = GraphDescriptor(GraphKind.MIXED, batch_capacity=4, token_capacity=1, prompt_capacity=64)
+DECODE = GraphDescriptor(GraphKind.DECODE, batch_capacity=4)
+
+
+def sampling() -> SamplingParams:
+    return SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**63 - 1)
+
+
+def prefill_lane() -> FrameLane:
+    return FrameLane(
+        slot=3,
+        generation=2,
+        phase="prefill",
+        prompt_start=0,
+        prompt_tokens=(1, 2, 3, 151_643),
+        position=0,
+        page_table=(5, 6),
+        max_tokens=1,
+        sampling=sampling(),
+    )
+
+
+def decode_lane(slot: int = 4) -> FrameLane:
+    return FrameLane(
+        slot=slot,
+        generation=1,
+        phase="decode",
+        prompt_start=7,
+        prompt_tokens=(),
+        position=17,
+        page_table=(7, 0),
+        max_tokens=1,
+    )
+
+
+def frame() -> Frame:
+    return Frame(
+        fence=9,
+        program=MIXED,
+        lanes=(prefill_lane(), decode_lane()),
+        prompt_row=0,
+        release_slots=(1, 2),
+    )
+
+
+def confidence() -> Tensor:
+    """FP32 [2, 3, 4], values -1.0, -0.75, ... in row-major order."""
+    return Tensor.from_values("float32", (2, 3, 4), [i * 0.25 - 1.0 for i in range(24)])
+
+
+def lane_result() -> LaneResult:
+    return LaneResult(slot=3, generation=2, tokens=(42,), finish_reason="stop")
+
+
+def completion() -> Completion:
+    return Completion(
+        fence=9,
+        rank=0,
+        world_size=2,
+        device_ns=1_234_567,
+        readiness_delay_ns=10,
+        lanes=(lane_result(), LaneResult(slot=4, generation=1, tokens=(7,))),
+        sidecars={"confidence": confidence()},
+    )
+
+
+def catalog_report() -> CatalogReport:
+    return CatalogReport(
+        rank=1,
+        world_size=2,
+        descriptors=(DECODE, MIXED, GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=128)),
+        vocab_size=151_936,
+        max_context=4096,
+        page_size=16,
+        num_pages=1024,
+        model_name="tiny-llama",
+    )
+
+
+def control() -> Control:
+    return Control("ready", rank=1, nonce=12345)
+
+
+ALL = {
+    "SamplingParams": sampling,
+    "FrameLane": prefill_lane,
+    "Frame": frame,
+    "Tensor": confidence,
+    "LaneResult": lane_result,
+    "Completion": completion,
+    "CatalogReport": catalog_report,
+    "Control": control,
+}

@@ -1,0 +1,139 @@
+"""The msgpack envelope: everything that is not a valid, current message is refused."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any
+
+import msgpack
+import pytest
+
+from runtime.transport import codec
+from runtime.transport.codec import decode, decode_or_log, encode
+from runtime.transport.schema import PROTOCOL_VERSION, Control, ProtocolError
+from tests.transport import examples
+
+
+def _envelope(**overrides: Any) -> bytes:
+    envelope = {"v": PROTOCOL_VERSION, "t": "Control", "b": examples.control().to_wire()}
+    envelope.update(overrides)
+    return msgpack.packb(envelope, use_bin_type=True)
+
+
+def _refused(data: Any, field: str, reason: str) -> None:
+    with pytest.raises(ProtocolError) as raised:
+        decode(data)
+    assert raised.value.field == field
+    assert reason in raised.value.reason
+
+
+def test_envelope_shape() -> None:
+    assert msgpack.unpackb(encode(examples.control())) == {
+        "v": 1,
+        "t": "Control",
+        "b": {"command": "ready", "rank": 1, "nonce": 12345},
+    }
+    assert decode(_envelope()) == examples.control()
+    assert decode(bytearray(_envelope())) == examples.control()
+    assert decode(memoryview(_envelope())) == examples.control()
+
+
+@pytest.mark.parametrize("version", [0, 2, -1, "1", 1.0, True, None])
+def test_wrong_version_is_refused(version: Any) -> None:
+    _refused(_envelope(v=version), "v", "protocol version")
+
+
+@pytest.mark.parametrize("name", ["Bogus", "control", "", 3, None, "__class__", "ProtocolError"])
+def test_unknown_type_is_refused(name: Any) -> None:
+    _refused(_envelope(t=name), "t", "unknown message type")
+
+
+@pytest.mark.parametrize(
+    "envelope",
+    [
+        [1, "Control", {}],
+        {"v": 1, "t": "Control"},
+        {"v": 1, "t": "Control", "b": {}, "x": 0},
+        "Control",
+        None,
+    ],
+)
+def test_malformed_envelope_is_refused(envelope: Any) -> None:
+    _refused(msgpack.packb(envelope), "message", "envelope")
+
+
+@pytest.mark.parametrize("body", [[], "x", None, b"\x00"])
+def test_body_must_be_a_map(body: Any) -> None:
+    _refused(_envelope(b=body), "b", "body must be a map")
+
+
+def test_every_truncation_is_refused() -> None:
+    data = encode(examples.completion())
+    for end in range(len(data)):
+        with pytest.raises(ProtocolError):
+            decode(data[:end])
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"\xc1", b"hello world", b"\x00" * 8, _envelope() + b"\x00"],
+    ids=["empty", "never-used-byte", "text", "zeros", "trailing-bytes"],
+)
+def test_non_msgpack_is_refused(data: bytes) -> None:
+    with pytest.raises(ProtocolError) as raised:
+        decode(data)
+    assert raised.value.field in ("message", "b")
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+@pytest.mark.parametrize(
+    "payload",
+    [examples.control(), {"v": 1, "t": "Control", "b": examples.control().to_wire()}],
+    ids=["dataclass", "envelope-dict"],
+)
+def test_pickle_payload_is_refused(payload: Any, protocol: int) -> None:
+    with pytest.raises(ProtocolError):
+        decode(pickle.dumps(payload, protocol=protocol))
+
+
+def test_extension_types_are_refused() -> None:
+    _refused(msgpack.packb(msgpack.ExtType(5, b"abc")), "message", "max_ext_len")
+    _refused(_envelope(b=msgpack.ExtType(5, b"")), "message", "extension type 5")
+
+
+def test_non_string_map_keys_are_refused() -> None:
+    _refused(msgpack.packb({1: "a"}), "message", "map key")
+
+
+def test_deep_nesting_is_refused() -> None:
+    with pytest.raises(ProtocolError):
+        decode(b"\x91" * 100_000)
+
+
+def test_oversized_message_is_refused_before_unpacking(monkeypatch: pytest.MonkeyPatch) -> None:
+    data = encode(examples.completion())
+    monkeypatch.setattr(codec, "MAX_MESSAGE_BYTES", len(data) - 1)
+    _refused(data, "message", "exceed the limit")
+
+
+def test_length_caps_apply() -> None:
+    _refused(msgpack.packb(["x"] * (codec.MAX_ARRAY_LEN + 1)), "message", "max_array_len")
+
+
+def test_not_bytes_is_refused() -> None:
+    _refused("text", "message", "must be bytes")
+
+
+def test_encode_refuses_non_messages() -> None:
+    with pytest.raises(TypeError):
+        encode({"command": "ping"})  # type: ignore[arg-type]
+
+
+def test_decode_or_log_warns_with_reason(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="runtime.transport"):
+        assert decode_or_log(_envelope(v=7), "test peer") is None
+        assert decode_or_log(encode(Control("ping")), "test peer") == Control("ping")
+    (record,) = caplog.records
+    assert record.name == "runtime.transport"
+    assert "test peer" in record.getMessage() and "protocol version 7" in record.getMessage()
