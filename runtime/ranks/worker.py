@@ -1,0 +1,123 @@
+"""The rank worker: receive a frame, run its prepared program, publish a completion.
+
+Every rank of the tensor-parallel group runs the same program on the same frame
+(the collectives inside the model keep them in step).  Rank 0's sampled tokens
+are the ones reported; sampling is a pure function of the logits and the
+request's (seed, step), so every rank's slot table holds the same pending tokens.
+Every rank reports its own device interval; the coordinator takes the maximum.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from runtime.catalog import GraphDescriptor
+from runtime.ranks.capacity import CapacityConfig, build_catalog
+from runtime.ranks.model.llama import LlamaForCausalLM
+from runtime.ranks.programs import PreparedProgram, ProgramError, prepare_programs
+from runtime.ranks.slots import FrameError, SlotTable
+from runtime.transport.schema import CatalogReport, Completion, Control, Frame, LaneResult
+
+log = logging.getLogger("runtime.ranks")
+
+
+class RankWorker:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        capacity: CapacityConfig,
+        *,
+        num_pages: int,
+        page_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        model_name: str = "model",
+        capture: bool = True,
+        progress: Callable[[Iterable], Iterable] | None = None,
+    ) -> None:
+        self.model = model
+        self.rank = rank
+        self.world_size = world_size
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.model_name = model_name
+        config = model.config
+        self.max_context = config.max_position_embeddings
+        self.eos_ids = frozenset(config.eos_token_ids)
+        self.catalog: list[GraphDescriptor] = build_catalog(capacity, self.max_context)
+        model.allocate_kv_cache(num_pages, page_size)
+        self.programs: dict[tuple, PreparedProgram] = prepare_programs(
+            self.catalog, model, page_size, self.max_context, capture=capture, progress=progress
+        )
+        self.slots = SlotTable(capacity.max_concurrency)
+        self.frames = 0
+
+    def report(self) -> CatalogReport:
+        return CatalogReport(
+            rank=self.rank,
+            world_size=self.world_size,
+            descriptors=tuple(self.catalog),
+            vocab_size=self.model.config.vocab_size,
+            max_context=self.max_context,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            model_name=self.model_name,
+        )
+
+    def execute(self, frame: Frame) -> Completion:
+        """Run one frame; raises FrameError / ProgramError with nothing changed."""
+        program = self.programs.get(frame.program.key)
+        if program is None:
+            raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
+        inputs = self.slots.prepare(frame)
+        for inp in inputs:
+            if inp.start_position + len(inp.tokens) > self.max_context:
+                raise FrameError(f"fence {frame.fence}: slot {inp.slot} exceeds the context")
+            if any(not 0 <= p < self.num_pages for p in inp.page_table):
+                raise FrameError(f"fence {frame.fence}: slot {inp.slot} names a page out of range")
+        tokens, device_ns = program.run(inputs)
+        self.slots.commit(frame, inputs, tokens)
+        self.frames += 1
+        lanes: tuple[LaneResult, ...] = ()
+        if self.rank == 0:
+            lanes = tuple(
+                LaneResult(
+                    inp.slot,
+                    inp.generation,
+                    (tok,) if inp.samples else (),
+                    "stop" if inp.samples and tok in self.eos_ids else None,
+                )
+                for inp, tok in zip(inputs, tokens)
+            )
+        return Completion(
+            fence=frame.fence,
+            rank=self.rank,
+            world_size=self.world_size,
+            device_ns=device_ns,
+            readiness_delay_ns=0,
+            lanes=lanes,
+        )
+
+    def serve(self, channel) -> None:
+        """Answer frames until a shutdown control arrives."""
+        channel.send(self.report())
+        while True:
+            message = channel.recv(timeout_ms=1000)
+            if message is None:
+                continue
+            if isinstance(message, Control):
+                if message.command == "shutdown":
+                    return
+                continue
+            if not isinstance(message, Frame):
+                log.warning("rank %d: ignoring %s", self.rank, type(message).__name__)
+                continue
+            try:
+                completion = self.execute(message)
+            except (FrameError, ProgramError) as exc:
+                # A frame this rank cannot run is a coordinator bug: report it loudly;
+                # the slot state is unchanged, so later valid frames still run.
+                log.error("rank %d: rejected frame %d: %s", self.rank, message.fence, exc)
+                continue
+            channel.send(completion)
