@@ -1,0 +1,115 @@
+"""Rank process entry point: ``torchrun --nproc-per-node N -m runtime.ranks ...``.
+
+Each rank joins ``torch.distributed`` (``nccl`` on CUDA, ``gloo`` on CPU) from
+torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
+loads its weight shard, prepares the program catalog (a progress bar on rank 0),
+connects to the coordinator's endpoints, reports its catalog and serves frames
+until the coordinator says shutdown.  The coordinator is a process of its own
+(``flare run`` starts both on one machine); ranks find it through
+``--frames-endpoint`` / ``--completions-endpoint`` or the environment variables
+FLARE_FRAMES_ENDPOINT / FLARE_COMPLETIONS_ENDPOINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from runtime.ranks.capacity import CapacityConfig, CapacityError
+from runtime.ranks.model import TPGroup, default_model_dir, load_model
+from runtime.ranks.worker import RankWorker
+from runtime.transport.channels import ChannelEndpoints, RankChannel
+
+log = logging.getLogger("runtime.ranks")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m runtime.ranks", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="Hugging Face style directory (default: the embedded model)")
+    p.add_argument("--frames-endpoint", default=os.environ.get("FLARE_FRAMES_ENDPOINT"))
+    p.add_argument("--completions-endpoint", default=os.environ.get("FLARE_COMPLETIONS_ENDPOINT"))
+    p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--min-prefill-tokens", type=int, default=64)
+    p.add_argument("--max-prefill-tokens", type=int, default=512)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="run programs eagerly on CUDA")
+    p.add_argument("--handshake-timeout", type=float, default=120.0, help="seconds")
+    args = p.parse_args(argv)
+    if not args.frames_endpoint or not args.completions_endpoint:
+        p.error("--frames-endpoint and --completions-endpoint (or FLARE_*_ENDPOINT) are required")
+    for name in ("page_size", "num_pages"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    try:
+        args.capacity = CapacityConfig(
+            max_concurrency=args.max_concurrency,
+            min_prefill_tokens=args.min_prefill_tokens,
+            max_prefill_tokens=args.max_prefill_tokens,
+        )
+    except CapacityError as exc:
+        p.error(str(exc).replace("max_", "--max-").replace("min_", "--min-").replace("_", "-"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if use_cuda else torch.float32)
+    if world_size > 1:
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        group = TPGroup.from_process_group()
+    else:
+        group = TPGroup.single()
+    channel = None
+    try:
+        model_dir = args.model or str(default_model_dir())
+        model = load_model(model_dir, group, dtype=dtype, device=device)
+        progress = None
+        if rank == 0:
+            from tqdm import tqdm
+
+            def progress(items):
+                return tqdm(items, desc="preparing programs", unit="program")
+
+        worker = RankWorker(
+            model,
+            args.capacity,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            rank=rank,
+            world_size=world_size,
+            model_name=os.path.basename(os.path.normpath(model_dir)),
+            capture=use_cuda and not args.no_cuda_graphs,
+            progress=progress,
+        )
+        endpoints = ChannelEndpoints(args.frames_endpoint, args.completions_endpoint)
+        channel = RankChannel(endpoints, rank)
+        channel.handshake(timeout_ms=int(args.handshake_timeout * 1000))
+        worker.serve(channel)
+    finally:
+        if channel is not None:
+            channel.close(linger_ms=1000)
+        if world_size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
