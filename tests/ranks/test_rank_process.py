@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.launch import spawn_ranks, stop_ranks
 from runtime.transport.channels import CoordinatorChannel
 from runtime.transport.schema import CatalogReport, Completion, Frame, FrameLane
 
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 NEW = 5
 
@@ -53,47 +49,22 @@ def checkpoint(tmp_path_factory):
     return path, out[0, len(PROMPT) :].tolist()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_ranks(model_dir, channel: CoordinatorChannel, world: int, tmp_path) -> list:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            FLARE_HOME=str(tmp_path),
-            PYTHONPATH=str(ROOT),
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "runtime.ranks",
-            "--model",
-            str(model_dir),
-            "--frames-endpoint",
-            channel.endpoints.frames,
-            "--completions-endpoint",
-            channel.endpoints.completions,
-            "--max-concurrency",
-            "2",
-            "--max-prefill-tokens",
-            "64",
-            "--num-pages",
-            "16",
-            "--device",
-            "cpu",
-        ]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
-    return procs
+    args = [
+        "--model",
+        str(model_dir),
+        "--max-concurrency",
+        "2",
+        "--max-prefill-tokens",
+        "64",
+        "--num-pages",
+        "16",
+        "--device",
+        "cpu",
+    ]
+    return spawn_ranks(
+        channel.endpoints, world, args, env=dict(os.environ, FLARE_HOME=str(tmp_path))
+    )
 
 
 def collect(channel: CoordinatorChannel, kind, count: int, timeout_ms=60_000) -> list:
@@ -133,10 +104,7 @@ def test_rank_processes_generate_transformers_tokens(checkpoint, tmp_path, world
             tokens += completions[0].lanes[0].tokens
         assert tokens == expected
         channel.shutdown_ranks()
-        for p in procs:
-            assert p.wait(timeout=60) == 0
+        assert stop_ranks(procs, timeout_s=60) == [0] * world
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        stop_ranks(procs, timeout_s=0)
         channel.close()
