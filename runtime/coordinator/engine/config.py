@@ -1,0 +1,133 @@
+"""Engine configuration and errors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from runtime.coordinator.config import ConfigError, PolicyConfig
+from runtime.transport.channels import ChannelEndpoints
+from runtime.transport.schema import MAX_SLOTS, MAX_WORLD_SIZE
+
+
+class EngineError(RuntimeError):
+    """The engine cannot do what was asked, or has failed."""
+
+
+class EngineStartError(EngineError):
+    """Start-up failed: handshake, catalog collection or catalog agreement."""
+
+
+def _positive_seconds(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+def _tcp_address(name: str, endpoint: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port)."""
+    rest = endpoint[len("tcp://") :]
+    host, sep, port_text = rest.rpartition(":")
+    if not sep or not host or not port_text.isdigit():
+        raise ConfigError(f"endpoints.{name} must be tcp://HOST:PORT, got {endpoint!r}")
+    port = int(port_text)
+    if port > 65535:
+        raise ConfigError(f"endpoints.{name} port must lie in [0, 65535], got {port}")
+    return host.strip("[]"), port
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the coordinator engine binds, waits and schedules.
+
+    * ``world_size``: ranks that must answer the handshake and report a catalog.
+    * ``endpoints``: ``None`` binds ``ipc://`` sockets in a private run directory
+      (under ``run_dir`` or the system temp dir); ``tcp://HOST:PORT`` endpoints
+      (both on the same host, port 0 = any free port) bind TCP, loopback only
+      unless ``allow_remote``.  Ranks connect to :attr:`Engine.endpoints`.
+    * ``max_slots``: resident request slots (<= 64).  ``None``: the largest
+      decode batch capacity in the ranks' catalog.  It must not exceed the number
+      of slots each rank keeps.
+    * ``policy``: the scheduler's policy preferences.
+    * ``handshake_timeout_s``, ``catalog_timeout_s``: start-up limits (a rank
+      captures its programs before reporting, so the catalog wait is long).
+    * ``completion_timeout_s``: a frame that not every rank answered within this
+      time fails the engine (``None``: wait forever).
+    * ``shutdown_grace_s``: time given to the shutdown message to leave before
+      the sockets close.
+    * ``frame_stats``: per-frame timing records kept (oldest dropped).
+    """
+
+    world_size: int = 1
+    endpoints: ChannelEndpoints | None = None
+    max_slots: int | None = None
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    handshake_timeout_s: float = 60.0
+    catalog_timeout_s: float = 600.0
+    completion_timeout_s: float | None = 300.0
+    shutdown_grace_s: float = 0.05
+    run_dir: str | None = None
+    allow_remote: bool = False
+    frame_stats: int = 100_000
+
+    def __post_init__(self) -> None:
+        ws = self.world_size
+        if isinstance(ws, bool) or not isinstance(ws, int) or not 1 <= ws <= MAX_WORLD_SIZE:
+            raise ConfigError(f"world_size must be an integer in [1, {MAX_WORLD_SIZE}], got {ws!r}")
+        if self.endpoints is not None:
+            if not isinstance(self.endpoints, ChannelEndpoints):
+                raise ConfigError(
+                    f"endpoints must be a ChannelEndpoints or None, got {self.endpoints!r}"
+                )
+            self.channel_kwargs()  # validates
+        slots = self.max_slots
+        if slots is not None and (
+            isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS
+        ):
+            raise ConfigError(
+                f"max_slots must be None or an integer in [1, {MAX_SLOTS}], got {slots!r}"
+            )
+        if not isinstance(self.policy, PolicyConfig):
+            raise ConfigError(f"policy must be a PolicyConfig, got {self.policy!r}")
+        _positive_seconds("handshake_timeout_s", self.handshake_timeout_s)
+        _positive_seconds("catalog_timeout_s", self.catalog_timeout_s)
+        _positive_seconds("completion_timeout_s", self.completion_timeout_s, allow_none=True)
+        grace = self.shutdown_grace_s
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not 0 <= grace < 60:
+            raise ConfigError(f"shutdown_grace_s must be a number in [0, 60), got {grace!r}")
+        if self.run_dir is not None and not isinstance(self.run_dir, str):
+            raise ConfigError(f"run_dir must be a path string or None, got {self.run_dir!r}")
+        if not isinstance(self.allow_remote, bool):
+            raise ConfigError(f"allow_remote must be a bool, got {self.allow_remote!r}")
+        n = self.frame_stats
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"frame_stats must be a non-negative integer, got {n!r}")
+
+    def channel_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of :class:`CoordinatorChannel` for these endpoints."""
+        if self.endpoints is None:
+            return {"transport": "ipc", "run_dir": self.run_dir}
+        frames, completions = self.endpoints.frames, self.endpoints.completions
+        if not (frames.startswith("tcp://") and completions.startswith("tcp://")):
+            raise ConfigError(
+                "endpoints: ipc endpoints are created by the coordinator in a private run "
+                "directory; pass endpoints=None (and optionally run_dir) or two tcp:// endpoints, "
+                f"got {self.endpoints!r}"
+            )
+        frame_host, frame_port = _tcp_address("frames", frames)
+        completion_host, completion_port = _tcp_address("completions", completions)
+        if frame_host != completion_host:
+            raise ConfigError(
+                f"endpoints: frames and completions must share one host, "
+                f"got {frame_host!r} and {completion_host!r}"
+            )
+        return {
+            "transport": "tcp",
+            "host": frame_host,
+            "frame_port": frame_port,
+            "completion_port": completion_port,
+            "allow_remote": self.allow_remote,
+        }

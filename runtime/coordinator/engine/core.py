@@ -1,0 +1,542 @@
+"""The coordinator engine: requests in, frames out, completions back, tokens to streams.
+
+One thread owns the channel and the scheduler (the engine thread of
+:meth:`Engine.run_in_thread`, or whoever calls :meth:`Engine.step`).  Other
+threads talk to it only through :meth:`Engine.submit` and :meth:`Engine.cancel`,
+which queue commands, and through the thread-safe :class:`RequestStream` and
+:class:`EngineStats`.
+
+One round of the loop: admit queued submissions and cancellations; advance the
+scheduler's clock; while ``plan()`` offers a program, commit it under the next
+fence, publish it as a :class:`Frame` and remember when and whether it was
+dispatched behind another; then take completions.  A fence is applied when every
+rank has answered it, strictly in fence order: timing (each rank's interval, the
+largest readiness delay, host wall from dispatch, queued) and rank 0's lanes go
+to ``Scheduler.complete``; the committed tokens go to their streams and are
+published at once (there is no detokenizer yet).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.engine.config import EngineConfig, EngineError, EngineStartError
+from runtime.coordinator.engine.frames import Dispatch, Live, build_frame, completion_records
+from runtime.coordinator.engine.startup import ModelFacts, agree, collect_reports
+from runtime.coordinator.engine.stats import EngineStats, FrameStat
+from runtime.coordinator.engine.stream import ABORTED, CANCELLED, ERROR, RequestStream
+from runtime.coordinator.engine.submission import check_submission
+from runtime.coordinator.errors import CompletionError, SchedulerError
+from runtime.coordinator.plan import ScheduledPlan
+from runtime.coordinator.records import ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
+from runtime.transport.channels import (
+    ChannelEndpoints,
+    CoordinatorChannel,
+    HandshakeTimeout,
+    TransportError,
+)
+from runtime.transport.schema import (
+    MAX_SLOTS,
+    CatalogReport,
+    Completion,
+    Control,
+    Frame,
+    SamplingParams,
+)
+
+log = logging.getLogger("runtime.coordinator.engine")
+
+# Longest single wait inside step(): bounds how late stop() and the completion
+# timeout are noticed while frames are in flight.
+MAX_WAIT_MS = 20
+RUN_STEP_MS = 50
+
+
+class Engine:
+    """The coordinator's runtime around one :class:`Scheduler` and one channel.
+
+    Usage::
+
+        engine = Engine(EngineConfig(world_size=2))
+        endpoints = engine.bind()  # start the ranks against these
+        engine.start()  # handshake, catalogs, scheduler
+        engine.run_in_thread()
+        stream = engine.submit([1, 2, 3], max_tokens=16)
+        for event in stream: ...
+        engine.stop()  # shutdown to the ranks, channel closed
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config if config is not None else EngineConfig()
+        if not isinstance(self.config, EngineConfig):
+            raise TypeError("Engine takes an EngineConfig")
+        self.stats = EngineStats(self.config.frame_stats)
+        self.scheduler: Scheduler | None = None
+        self.facts: ModelFacts | None = None
+        self.error: BaseException | None = None
+        self._channel: CoordinatorChannel | None = None
+        self._world = self.config.world_size
+        # Commands from any thread; the engine thread drains them.
+        self._commands: deque[tuple[str, RequestStream]] = deque()
+        self._command_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._state_lock = threading.RLock()  # held by the engine thread while it mutates
+        self._stopping = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._next_request = 0
+        # Engine-thread state.
+        self._by_handle: dict[int, Live] = {}
+        self._by_request: dict[int, Live] = {}
+        self._inflight: deque[Dispatch] = deque()
+        self._by_fence: dict[int, Dispatch] = {}
+        self._release: set[int] = set()  # retired slots not yet released on the ranks
+        self._next_fence = 1
+
+    # ------------------------------------------------------------------ start-up
+    @property
+    def endpoints(self) -> ChannelEndpoints:
+        """Where ranks connect; binds the channel on first use."""
+        return self.bind()
+
+    @property
+    def started(self) -> bool:
+        return self.scheduler is not None
+
+    def bind(self) -> ChannelEndpoints:
+        """Bind the coordinator channel (idempotent) and return its endpoints."""
+        if self._channel is None:
+            if self._closed:
+                raise EngineError("the engine is stopped")
+            try:
+                self._channel = CoordinatorChannel(self._world, **self.config.channel_kwargs())
+            except (TransportError, ValueError) as exc:
+                raise EngineStartError(f"cannot bind the coordinator channel: {exc}") from exc
+        return self._channel.endpoints
+
+    def start(self) -> None:
+        """Handshake with every rank, collect and check their catalogs, build the scheduler."""
+        if self.started:
+            raise EngineError("the engine is already started")
+        self.bind()
+        channel = self._channel
+        assert channel is not None
+        cfg = self.config
+        try:
+            try:
+                channel.handshake(timeout_s=cfg.handshake_timeout_s)
+            except HandshakeTimeout as exc:
+                raise EngineStartError(f"{exc} (handshake_timeout_s)") from exc
+            reports = collect_reports(channel, self._world, cfg.catalog_timeout_s)
+            facts = agree(reports)
+            max_slots = cfg.max_slots or min(MAX_SLOTS, facts.max_decode_batch)
+            scheduler = Scheduler(
+                facts.descriptors,
+                SchedulerConfig(max_slots, facts.page_size, facts.num_pages),
+                cfg.policy,
+            )
+        except BaseException as exc:
+            self._shutdown(ERROR, exc)
+            raise
+        self.facts = facts
+        self.scheduler = scheduler
+        log.info(
+            "engine started: %s, %d ranks, %d programs, %d slots, %d pages of %d tokens",
+            facts.model_name,
+            self._world,
+            len(facts.descriptors),
+            max_slots,
+            facts.num_pages,
+            facts.page_size,
+        )
+
+    # ------------------------------------------------------------------ requests
+    def submit(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams | None = None,
+        ignore_eos: bool = False,
+    ) -> RequestStream:
+        """Queue a request; returns its stream at once (any thread).
+
+        ``ignore_eos``: the ranks' eos stop is ignored and the request runs to
+        ``max_tokens``.  Raises ValueError naming the argument for invalid input.
+        """
+        facts = self.facts
+        if facts is None:
+            raise EngineError("the engine is not started: call start() first")
+        prompt, sampling = check_submission(
+            prompt_token_ids, max_tokens, sampling, ignore_eos, facts
+        )
+        with self._command_lock:
+            self._check_open()
+            request_id = self._next_request
+            self._next_request += 1
+            stream = RequestStream(self, request_id, prompt, max_tokens, sampling, ignore_eos)
+            self._commands.append(("submit", stream))
+        self.stats.add(requests_submitted=1)
+        self._wake.set()
+        return stream
+
+    def cancel(self, stream: RequestStream) -> None:
+        """Stop ``stream``'s request (any thread); it ends with finish_reason "cancelled".
+
+        A request that already finished is left as it is.  The slot and pages
+        are freed once the request's last submitted frame completes.
+        """
+        if not isinstance(stream, RequestStream) or stream._engine is not self:
+            raise ValueError("cancel takes a RequestStream of this engine")
+        with self._command_lock:
+            if self._closed:
+                return
+            self._commands.append(("cancel", stream))
+        self._wake.set()
+
+    def _check_open(self) -> None:
+        if self.error is not None:
+            raise EngineError(f"the engine failed: {self.error}")
+        if self._closed or self._stopping.is_set():
+            raise EngineError("the engine is stopped")
+
+    # ------------------------------------------------------------------ running
+    def run_in_thread(self) -> Engine:
+        """Run the loop in a daemon thread until :meth:`stop`."""
+        if not self.started:
+            raise EngineError("the engine is not started: call start() first")
+        if self._thread is not None:
+            raise EngineError("the engine thread is already running")
+        self._check_open()
+        self._thread = threading.Thread(target=self._run, name="flare-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._step(RUN_STEP_MS)
+        except BaseException as exc:
+            self._fail(exc)
+
+    def step(self, timeout_ms: int = 0) -> bool:
+        """One round of the loop, for driving the engine without its thread.
+
+        Does what can be done now; if nothing could, waits up to ``timeout_ms``
+        for a completion or a submission and handles it.  Returns whether
+        anything happened (a request admitted or cancelled, a frame sent or
+        applied).  An engine failure is raised (after the engine shut down).
+        """
+        if not self.started:
+            raise EngineError("the engine is not started: call start() first")
+        if self._thread is not None:
+            raise EngineError("the engine runs in its own thread; step() is for manual driving")
+        self._check_open()
+        try:
+            return self._step(timeout_ms)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def _step(self, timeout_ms: int) -> bool:
+        channel = self._channel
+        assert channel is not None
+        deadline = time.monotonic() + max(0, timeout_ms) / 1000
+        self._wake.clear()
+        with self._state_lock:
+            progressed = self._drain_commands()
+            progressed |= self._dispatch()
+        while not self._stopping.is_set():
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            wait_ms = 0 if progressed else min(MAX_WAIT_MS, remaining_ms)
+            if self._inflight:
+                message = channel.recv(timeout_ms=wait_ms)
+                with self._state_lock:
+                    while message is not None:
+                        progressed |= self._on_message(message)
+                        message = channel.recv(timeout_ms=0)
+                    progressed |= self._drain_commands()
+                    progressed |= self._dispatch()
+                    self._check_overdue()
+            elif wait_ms > 0:
+                self._wake.wait(wait_ms / 1000)
+                self._wake.clear()
+                with self._state_lock:
+                    progressed |= self._drain_commands()
+                    progressed |= self._dispatch()
+            if progressed or remaining_ms == 0:
+                break
+        return progressed
+
+    # ------------------------------------------------------------------ commands
+    def _drain_commands(self) -> bool:
+        done = False
+        while True:
+            with self._command_lock:
+                if not self._commands:
+                    return done
+                kind, stream = self._commands.popleft()
+            done = True
+            if kind == "submit":
+                self._admit(stream)
+            else:
+                self._cancel(stream)
+
+    def _admit(self, stream: RequestStream) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        scheduler.advance_to(time.monotonic_ns())
+        spec = RequestSpec(len(stream.prompt_token_ids), stream.max_tokens)
+        try:
+            handle = scheduler.admit(spec)
+        except (SchedulerError, ValueError) as exc:  # submit() checks first; defensive
+            log.warning("request %d refused by the scheduler: %s", stream.request_id, exc)
+            stream.error = exc
+            stream._push((), ERROR)
+            return
+        live = Live(stream, handle)
+        self._by_handle[handle.id] = live
+        self._by_request[stream.request_id] = live
+
+    def _cancel(self, stream: RequestStream) -> None:
+        live = self._by_request.get(stream.request_id)
+        if live is None:
+            return  # finished and retired (or refused) before the cancel arrived
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if scheduler.cancel(live.handle):
+            self.stats.add(requests_cancelled=1)
+        stream._push((), CANCELLED)
+        self._retire_if_gone(live)
+
+    def _retire_if_gone(self, live: Live) -> None:
+        """Forget a request the scheduler retired; its slot is released on the ranks."""
+        assert self.scheduler is not None
+        if self.scheduler.request(live.handle) is not None:
+            return
+        self._by_handle.pop(live.handle.id, None)
+        self._by_request.pop(live.stream.request_id, None)
+        if live.slot >= 0:
+            self._release.add(live.slot)
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self) -> bool:
+        scheduler, channel = self.scheduler, self._channel
+        assert scheduler is not None and channel is not None
+        sent = False
+        while True:
+            plan_ns = time.monotonic_ns()
+            scheduler.advance_to(plan_ns)
+            plan = scheduler.plan()
+            if plan is None:
+                return sent
+            fence = self._next_fence
+            frame, ignore_eos = self._frame(plan, fence)
+            queued = scheduler.in_flight > 0
+            scheduler.commit(plan, fence)
+            self._next_fence += 1
+            self._release.clear()  # carried by this frame (or replaced by a new tenant)
+            dispatch = Dispatch(fence, plan, ignore_eos, queued, plan_ns, time.monotonic_ns())
+            channel.publish(frame)
+            self._inflight.append(dispatch)
+            self._by_fence[fence] = dispatch
+            self.stats.add(frames_sent=1)
+            sent = True
+
+    def _frame(self, plan: ScheduledPlan, fence: int) -> tuple[Frame, tuple[bool, ...]]:
+        """The wire frame of ``plan`` and each lane's ignore_eos flag."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        lives = []
+        for lane in plan.lanes:
+            live = self._by_handle[lane.handle.id]
+            if (live.slot, live.generation) != (lane.slot, lane.generation):
+                live.slot, live.generation = lane.slot, lane.generation
+                live.pages = tuple(scheduler.page_table(lane.handle))
+                live.stream.slot, live.stream.generation = lane.slot, lane.generation
+            lives.append(live)
+        frame = build_frame(plan, fence, lives, self._release)
+        return frame, tuple(live.stream.ignore_eos for live in lives)
+
+    # ------------------------------------------------------------------ completions
+    def _on_message(self, message: object) -> bool:
+        if not isinstance(message, Completion):
+            kind = type(message).__name__
+            if isinstance(message, (CatalogReport, Control)):
+                log.warning("ignoring %s from rank %d after start-up", kind, message.rank)
+            else:
+                log.warning("ignoring unexpected %s", kind)
+            self.stats.add(ignored_messages=1)
+            return False
+        dispatch = self._by_fence.get(message.fence)
+        if dispatch is None:
+            log.warning(
+                "ignoring completion from rank %d for fence %d: not in flight",
+                message.rank,
+                message.fence,
+            )
+            self.stats.add(ignored_messages=1)
+            return False
+        if message.rank in dispatch.answers:
+            log.warning(
+                "ignoring duplicate completion from rank %d for fence %d",
+                message.rank,
+                message.fence,
+            )
+            self.stats.add(ignored_messages=1)
+            return False
+        dispatch.answers[message.rank] = message
+        self.stats.add(completion_messages=1)
+        applied = False
+        while self._inflight and len(self._inflight[0].answers) == self._world:
+            self._apply(self._inflight.popleft())
+            applied = True
+        return applied
+
+    def _apply(self, dispatch: Dispatch) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        now = time.monotonic_ns()
+        scheduler.advance_to(now)
+        del self._by_fence[dispatch.fence]
+        answers = dispatch.answers
+        rank_ns = tuple(answers[rank].device_ns for rank in range(self._world))
+        readiness = max(answer.readiness_delay_ns for answer in answers.values())
+        timing = ExecutionTiming(rank_ns, readiness, now - dispatch.sent_ns, dispatch.queued)
+        records = completion_records(answers[0].lanes, dispatch.ignore_eos)
+        try:
+            generated = scheduler.complete(dispatch.fence, records, timing)
+        except CompletionError as exc:
+            raise EngineError(
+                f"fence {dispatch.fence}: rank 0's results were refused: {exc}"
+            ) from exc
+        tokens = finished = 0
+        for item in generated:
+            live = self._by_handle.get(item.handle.id)
+            if live is None:  # pragma: no cover - the scheduler only reports live requests
+                continue
+            reason = item.finish_reason if item.finished else None
+            if live.stream._push(item.tokens, reason):
+                tokens += len(item.tokens)
+                finished += item.finished
+            scheduler.published_output(item.handle, item.fence, now)
+        for lane in dispatch.plan.lanes:
+            live = self._by_handle.get(lane.handle.id)
+            if live is not None:
+                self._retire_if_gone(live)
+        self.stats.add(tokens_out=tokens, requests_finished=finished)
+        self.stats.record_frame(
+            FrameStat(
+                fence=dispatch.fence,
+                graph=dispatch.plan.graph.describe(),
+                lanes=len(dispatch.plan.lanes),
+                queued=dispatch.queued,
+                plan_ns=dispatch.plan_ns,
+                sent_ns=dispatch.sent_ns,
+                completed_ns=now,
+                rank_device_ns=rank_ns,
+                readiness_delay_ns=readiness,
+            )
+        )
+
+    def _check_overdue(self) -> None:
+        limit = self.config.completion_timeout_s
+        if limit is None or not self._inflight:
+            return
+        head = self._inflight[0]
+        if time.monotonic_ns() - head.sent_ns > limit * 1e9:
+            missing = sorted(set(range(self._world)) - set(head.answers))
+            raise EngineError(
+                f"fence {head.fence}: no completion from rank(s) {missing} "
+                f"within {limit:g} s (completion_timeout_s)"
+            )
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def in_flight_fences(self) -> list[int]:
+        with self._state_lock:
+            return [d.fence for d in self._inflight]
+
+    @property
+    def rejected_messages(self) -> int:
+        """Messages the channel refused as malformed or misdirected."""
+        return 0 if self._channel is None else self._channel.rejected
+
+    def snapshot(self) -> dict[str, int]:
+        """Scheduler occupancy, read consistently from any thread."""
+        with self._state_lock:
+            scheduler = self.scheduler
+            if scheduler is None:
+                return {}
+            return {
+                "in_flight": scheduler.in_flight,
+                "running": scheduler.running,
+                "waiting": scheduler.waiting,
+                "free_pages": scheduler.free_pages,
+                "num_pages": scheduler.config.num_pages,
+                "live_requests": len(self._by_request),
+                "pending_commands": len(self._commands),
+                "rejected_messages": self.rejected_messages,
+            }
+
+    # ------------------------------------------------------------------ shutdown
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop, tell the ranks to shut down, close the channel.
+
+        Requests still running end with finish_reason "aborted".
+        """
+        self._stopping.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise EngineError(f"the engine thread did not stop within {timeout_s:g} s")
+        self._shutdown(ABORTED)
+
+    close = stop
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        log.error("engine failed: %s", exc, exc_info=exc)
+        self._shutdown(ERROR, exc)
+
+    def _shutdown(self, reason: str, exc: BaseException | None = None) -> None:
+        """Abort every open stream, send shutdown to the ranks, close (idempotent)."""
+        with self._command_lock:
+            already = self._closed
+            self._closed = True
+            pending = [stream for kind, stream in self._commands if kind == "submit"]
+            self._commands.clear()
+        with self._state_lock:
+            streams = pending + [live.stream for live in self._by_request.values()]
+            self._by_request.clear()
+            self._by_handle.clear()
+        for stream in streams:
+            if exc is not None and stream.error is None:
+                stream.error = exc
+            stream._push((), reason)
+        if already:
+            return
+        channel = self._channel
+        if channel is not None and not channel.closed:
+            try:
+                channel.shutdown_ranks()
+                if self.config.shutdown_grace_s:
+                    time.sleep(self.config.shutdown_grace_s)  # let the message leave
+            except TransportError as err:
+                log.warning("could not send shutdown to the ranks: %s", err)
+            channel.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,107 @@
+"""Translation between the scheduler's plans/records and the wire's frames/completions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from runtime.catalog import GraphKind
+from runtime.coordinator.engine.config import EngineError
+from runtime.coordinator.engine.stream import RequestStream
+from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan
+from runtime.coordinator.records import CompletionRecord
+from runtime.coordinator.requests import RequestHandle
+from runtime.transport.schema import Completion, Frame, FrameLane, LaneResult
+
+RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE)
+
+
+@dataclass(slots=True)
+class Live:
+    """A submitted request the scheduler still knows.
+
+    ``slot``/``generation``/``pages``: its residency, learnt from its first
+    planned lane (the page table is the whole reservation, fixed while resident).
+    """
+
+    stream: RequestStream
+    handle: RequestHandle
+    slot: int = -1
+    generation: int = 0
+    pages: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class Dispatch:
+    """A published frame awaiting every rank's completion."""
+
+    fence: int
+    plan: ScheduledPlan
+    ignore_eos: tuple[bool, ...]  # per lane
+    queued: bool  # dispatched behind another frame
+    plan_ns: int
+    sent_ns: int
+    answers: dict[int, Completion] = field(default_factory=dict)  # by rank
+
+
+def frame_lane(lane: LaneWork, live: Live) -> FrameLane:
+    """One lane of a frame.
+
+    Prefill: the prompt chunk, written from ``prompt_start``.  Decode: no
+    tokens (the ranks hold the pending token); ``position`` is the pending
+    token's KV position, prompt + committed + in-flight output - 1, which is
+    ``prompt_len + output_start - 1``.
+    """
+    stream = live.stream
+    if lane.phase is LanePhase.PREFILL:
+        start = lane.prompt_start
+        return FrameLane(
+            lane.slot,
+            lane.generation,
+            "prefill",
+            start,
+            stream.prompt_token_ids[start : start + lane.prompt_tokens],
+            start,
+            live.pages,
+            lane.max_tokens,
+            stream.sampling,
+        )
+    return FrameLane(
+        lane.slot,
+        lane.generation,
+        "decode",
+        lane.prompt_start,
+        (),
+        len(stream.prompt_token_ids) + lane.output_start - 1,
+        live.pages,
+        1,
+        stream.sampling,
+    )
+
+
+def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release: set[int]) -> Frame:
+    """``plan`` as the frame of ``fence``; ``lives`` in lane order.
+
+    ``release``: retired slots whose rank state may go; a slot that a new
+    tenant occupies in this frame is left out (its new generation replaces the
+    state anyway).
+    """
+    kind = plan.graph.kind
+    if kind not in RUNNABLE_KINDS:
+        raise EngineError(f"fence {fence}: the engine cannot run {kind.value} programs yet")
+    lanes = tuple(frame_lane(lane, live) for lane, live in zip(plan.lanes, lives, strict=True))
+    released = tuple(sorted(release - {lane.slot for lane in plan.lanes}))
+    return Frame(fence, plan.graph, lanes, release_slots=released)
+
+
+def completion_records(
+    results: Sequence[LaneResult], ignore_eos: Sequence[bool]
+) -> list[CompletionRecord]:
+    """Rank 0's lane results as scheduler records; a "stop" of an ignore_eos lane is dropped."""
+    records = []
+    for i, result in enumerate(results):
+        reason = result.finish_reason
+        if reason == "stop" and i < len(ignore_eos) and ignore_eos[i]:
+            reason = None
+        records.append(CompletionRecord(result.slot, result.generation, result.tokens, reason))
+    return records

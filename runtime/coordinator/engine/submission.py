@@ -1,0 +1,69 @@
+"""Checks of a submission against the model the ranks reported."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from runtime.coordinator.engine.startup import ModelFacts
+from runtime.transport.schema import SamplingParams
+
+
+def check_prompt(prompt_token_ids: Sequence[int], facts: ModelFacts) -> tuple[int, ...]:
+    """The prompt as a tuple of ints; ValueError naming ``prompt_token_ids`` otherwise."""
+    if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__len__"):
+        raise ValueError(
+            "prompt_token_ids must be a sequence of token ids, "
+            f"got {type(prompt_token_ids).__name__}"
+        )
+    if len(prompt_token_ids) == 0:
+        raise ValueError("prompt_token_ids must not be empty")
+    tokens = []
+    vocab = facts.vocab_size
+    for i, token in enumerate(prompt_token_ids):
+        try:
+            if isinstance(token, bool):
+                raise TypeError
+            value = operator.index(token)
+        except TypeError:
+            raise ValueError(
+                f"prompt_token_ids[{i}] must be an integer token id, got {token!r}"
+            ) from None
+        if not 0 <= value < vocab:
+            raise ValueError(
+                f"prompt_token_ids[{i}] = {value} is outside the vocabulary [0, {vocab})"
+            )
+        tokens.append(value)
+    return tuple(tokens)
+
+
+def check_submission(
+    prompt_token_ids: Sequence[int],
+    max_tokens: int,
+    sampling: SamplingParams | None,
+    ignore_eos: bool,
+    facts: ModelFacts,
+) -> tuple[tuple[int, ...], SamplingParams]:
+    """The checked prompt and sampling; ValueError naming the argument otherwise."""
+    prompt = check_prompt(prompt_token_ids, facts)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    total = len(prompt) + max_tokens
+    if total > facts.max_context:
+        raise ValueError(
+            f"prompt_token_ids ({len(prompt)} tokens) + max_tokens ({max_tokens}) = {total} "
+            f"exceeds the model's max_context {facts.max_context}"
+        )
+    pages = -(-total // facts.page_size)
+    if pages > facts.num_pages:
+        raise ValueError(
+            f"prompt_token_ids + max_tokens need {pages} KV pages of {facts.page_size} "
+            f"tokens, the ranks hold {facts.num_pages}"
+        )
+    if sampling is None:
+        sampling = SamplingParams()
+    elif not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if not isinstance(ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
+    return prompt, sampling

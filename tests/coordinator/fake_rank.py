@@ -1,0 +1,377 @@
+"""A fake rank for the engine tests: the real rank protocol, deterministic "sampling".
+
+:class:`FakeRank` keeps per-slot state like the real worker (generation, next
+KV position, pending token, and a digest of the prompt), checks every frame
+against it, and "samples" ``(31 * input + 7 * position + digest + 3) % vocab``,
+where ``input`` is the token at ``position``: the chunk's last prompt token for
+a prefill lane, the slot's pending token for a decode lane (decode lanes carry
+no tokens).  :func:`reference` gives what a request must receive.
+
+:func:`main` runs it as a rank process: handshake, one CatalogReport, then one
+Completion per Frame (lanes on rank 0 only) until shutdown.  A frame that does
+not fit the slot state is a coordinator bug: the process prints why and exits
+with :data:`EXIT_BAD_FRAME`, so the engine sees a missing completion.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.transport.channels import ChannelEndpoints, RankChannel
+from runtime.transport.schema import (
+    CatalogReport,
+    Completion,
+    Control,
+    Frame,
+    LaneResult,
+)
+
+EXIT_OK = 0
+EXIT_NO_PING = 3
+EXIT_IDLE = 4
+EXIT_BAD_FRAME = 7
+
+VOCAB = 101
+EOS = 2
+PAGE_SIZE = 16
+NUM_PAGES = 512
+MAX_CONTEXT = 4096
+MODEL = "fake-model"
+DESCRIPTORS = (
+    GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
+    GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=128),
+    *(GraphDescriptor(GraphKind.DECODE, b) for b in (1, 2, 4, 8, 16, 32)),
+)
+
+
+def sample(digest: int, token: int, position: int, vocab: int = VOCAB) -> int:
+    return (31 * token + 7 * position + digest + 3) % vocab
+
+
+def digest_of(tokens: list[int] | tuple[int, ...], start: int, digest: int, vocab: int) -> int:
+    for i, token in enumerate(tokens):
+        digest = (digest + (start + i + 1) * token) % vocab
+    return digest
+
+
+def reference(
+    prompt: list[int] | tuple[int, ...],
+    max_tokens: int,
+    vocab: int = VOCAB,
+    eos: int = EOS,
+    ignore_eos: bool = False,
+) -> tuple[list[int], str]:
+    """The tokens and finish reason the engine must deliver for ``prompt``."""
+    digest = digest_of(prompt, 0, 0, vocab)
+    token, position = prompt[-1], len(prompt) - 1
+    out: list[int] = []
+    while len(out) < max_tokens:
+        token = sample(digest, token, position, vocab)
+        position += 1
+        out.append(token)
+        if token == eos and not ignore_eos:
+            return out, "stop"
+    return out, "length"
+
+
+class BadFrame(ValueError):
+    pass
+
+
+@dataclass
+class _Slot:
+    generation: int
+    next_position: int = 0
+    pending: int | None = None
+    digest: int = 0
+
+
+@dataclass
+class FakeSpec:
+    """What a fake rank reports and how it behaves; ``per_rank`` overrides by rank."""
+
+    descriptors: tuple[GraphDescriptor, ...] = DESCRIPTORS
+    vocab_size: int = VOCAB
+    max_context: int = MAX_CONTEXT
+    page_size: int = PAGE_SIZE
+    num_pages: int = NUM_PAGES
+    model_name: str = MODEL
+    eos: int = EOS
+    sleep_s: float = 0.0  # "device time" per frame
+    device_ns: int | None = None  # a fixed reported interval instead of the measured one
+    readiness_delay_ns: int = 0
+    idle_exit_s: float = 60.0  # leave when nothing arrives for this long
+    per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def for_rank(self, rank: int) -> FakeSpec:
+        spec = FakeSpec(**{**self.__dict__, "per_rank": {}})
+        for name, value in self.per_rank.get(rank, {}).items():
+            setattr(spec, name, value)
+        return spec
+
+    def to_args(self) -> dict[str, Any]:
+        """Plain data for the spawned process."""
+        out = dict(self.__dict__)
+        out["descriptors"] = [d.to_wire() for d in self.descriptors]
+        out["per_rank"] = {
+            rank: {
+                k: [d.to_wire() for d in v] if k == "descriptors" else v
+                for k, v in overrides.items()
+            }
+            for rank, overrides in self.per_rank.items()
+        }
+        return out
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> FakeSpec:
+        args = dict(args)
+        args["descriptors"] = tuple(GraphDescriptor.from_wire(d) for d in args["descriptors"])
+        args["per_rank"] = {
+            rank: {
+                k: tuple(GraphDescriptor.from_wire(d) for d in v) if k == "descriptors" else v
+                for k, v in overrides.items()
+            }
+            for rank, overrides in args["per_rank"].items()
+        }
+        return cls(**args)
+
+
+class FakeRank:
+    """One rank's slot table and program "execution"."""
+
+    def __init__(self, spec: FakeSpec, rank: int, world_size: int) -> None:
+        self.spec = spec.for_rank(rank)
+        self.rank = rank
+        self.world_size = world_size
+        self.slots: dict[int, _Slot] = {}
+        self.frames = 0
+        self.lanes_run = 0
+        self.generations: dict[int, list[int]] = {}  # slot -> generations seen, in order
+
+    def report(self) -> CatalogReport:
+        s = self.spec
+        return CatalogReport(
+            self.rank,
+            self.world_size,
+            tuple(s.descriptors),
+            s.vocab_size,
+            s.max_context,
+            s.page_size,
+            s.num_pages,
+            s.model_name,
+        )
+
+    def _check_pages(self, i: int, lane: Any, last_position: int) -> None:
+        s = self.spec
+        if any(not 0 <= p < s.num_pages for p in lane.page_table):
+            raise BadFrame(f"lane {i}: page out of range in {lane.page_table}")
+        if last_position >= len(lane.page_table) * s.page_size:
+            raise BadFrame(
+                f"lane {i}: position {last_position} beyond {len(lane.page_table)} pages"
+            )
+        if last_position >= s.max_context:
+            raise BadFrame(f"lane {i}: position {last_position} beyond the context")
+
+    def execute(self, frame: Frame) -> Completion:
+        """Run ``frame`` against the slot table (checked in full before any change)."""
+        s = self.spec
+        if frame.program not in s.descriptors:
+            raise BadFrame(f"fence {frame.fence}: unknown program {frame.program.describe()}")
+        released = set(frame.release_slots)
+        plans = []
+        for i, lane in enumerate(frame.lanes):
+            state = None if lane.slot in released else self.slots.get(lane.slot)
+            if state is not None and state.generation != lane.generation:
+                if lane.generation < state.generation:
+                    raise BadFrame(f"lane {i}: slot {lane.slot} generation went backwards")
+                state = None
+            if lane.phase == "prefill":
+                if state is None:
+                    if lane.position != 0 or lane.prompt_start != 0:
+                        raise BadFrame(f"lane {i}: a new tenant's prefill must start at 0")
+                    digest = 0
+                else:
+                    if lane.position != state.next_position or lane.prompt_start != lane.position:
+                        raise BadFrame(
+                            f"lane {i}: prefill at {lane.position} (prompt_start "
+                            f"{lane.prompt_start}), slot {lane.slot} is at {state.next_position}"
+                        )
+                    if state.pending is not None:
+                        raise BadFrame(f"lane {i}: prefill after the prompt ended")
+                    digest = state.digest
+                tokens = lane.prompt_tokens
+                for t in tokens:
+                    if not 0 <= t < s.vocab_size:
+                        raise BadFrame(f"lane {i}: prompt token {t} outside the vocabulary")
+                last = lane.position + len(tokens) - 1
+                self._check_pages(i, lane, last)
+                digest = digest_of(tokens, lane.position, digest, s.vocab_size)
+                plans.append((lane, digest, tokens[-1], last))
+            else:
+                if state is None or state.pending is None:
+                    raise BadFrame(f"lane {i}: decode for slot {lane.slot} without a pending token")
+                if lane.position != state.next_position:
+                    raise BadFrame(
+                        f"lane {i}: decode at {lane.position}, slot {lane.slot} is at "
+                        f"{state.next_position}"
+                    )
+                self._check_pages(i, lane, lane.position)
+                plans.append((lane, state.digest, state.pending, lane.position))
+
+        start = time.perf_counter_ns()
+        if s.sleep_s:
+            time.sleep(s.sleep_s)
+        measured = max(1, time.perf_counter_ns() - start)
+
+        for slot in released:
+            self.slots.pop(slot, None)
+        results = []
+        for lane, digest, token, last in plans:
+            state = self.slots.get(lane.slot)
+            if state is None or state.generation != lane.generation:
+                state = _Slot(lane.generation)
+                self.slots[lane.slot] = state
+                self.generations.setdefault(lane.slot, []).append(lane.generation)
+            state.digest = digest
+            state.next_position = last + 1
+            tokens: tuple[int, ...] = ()
+            reason = None
+            if lane.max_tokens:
+                sampled = sample(digest, token, last, s.vocab_size)
+                state.pending = sampled
+                tokens = (sampled,)
+                reason = "stop" if sampled == s.eos else None
+            results.append(LaneResult(lane.slot, lane.generation, tokens, reason))
+        self.frames += 1
+        self.lanes_run += len(plans)
+        return Completion(
+            frame.fence,
+            self.rank,
+            self.world_size,
+            device_ns=s.device_ns if s.device_ns is not None else measured,
+            readiness_delay_ns=s.readiness_delay_ns,
+            lanes=tuple(results) if self.rank == 0 else (),
+        )
+
+
+def main(frames: str, completions: str, rank: int, world_size: int, args: dict) -> None:
+    """The rank process."""
+    spec = FakeSpec.from_args(args)
+    fake = FakeRank(spec, rank, world_size)
+    endpoints = ChannelEndpoints(frames=frames, completions=completions)
+    with RankChannel(endpoints, rank) as channel:
+        try:
+            channel.handshake(timeout_ms=int(fake.spec.idle_exit_s * 1000))
+        except TimeoutError:
+            sys.exit(EXIT_NO_PING)
+        channel.send(fake.report())
+        while True:
+            message = channel.recv(timeout_ms=int(fake.spec.idle_exit_s * 1000))
+            if message is None:
+                sys.exit(EXIT_IDLE)
+            if isinstance(message, Control):
+                if message.command == "shutdown":
+                    break
+                continue
+            try:
+                completion = fake.execute(message)
+            except BadFrame as exc:
+                print(f"fake rank {rank}: fence {message.fence}: {exc}", file=sys.stderr)
+                sys.exit(EXIT_BAD_FRAME)
+            channel.send(completion)
+        channel.close(linger_ms=1000)
+    sys.exit(EXIT_OK)
+
+
+# ---------------------------------------------------------------- test harness
+
+
+def spawn_ranks(endpoints: ChannelEndpoints, world_size: int, spec: FakeSpec) -> list[Any]:
+    """Start ``world_size`` fake rank processes (spawned) against ``endpoints``."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(
+            target=main,
+            args=(endpoints.frames, endpoints.completions, rank, world_size, spec.to_args()),
+            name=f"fake-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    return processes
+
+
+def join_ranks(processes: list[Any], timeout_s: float = 10.0) -> list[int | None]:
+    """Wait for the processes; kill any still alive.  Their exit codes."""
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout_s)
+    return [process.exitcode for process in processes]
+
+
+class LocalRanks:
+    """Fake ranks in this process, driven by the test: full control over answer order."""
+
+    def __init__(self, endpoints: ChannelEndpoints, world_size: int, spec: FakeSpec) -> None:
+        self.world_size = world_size
+        self.channels = [RankChannel(endpoints, rank) for rank in range(world_size)]
+        self.fakes = [FakeRank(spec, rank, world_size) for rank in range(world_size)]
+        self.reordered = 0
+
+    def handshake_in_background(self, report: bool = True) -> list[Any]:
+        """Answer the handshake (and send the catalog) from threads; join them after start()."""
+        import threading
+
+        def run(rank: int) -> None:
+            self.channels[rank].handshake(timeout_ms=10_000)
+            if report:
+                self.channels[rank].send(self.fakes[rank].report())
+
+        threads = [
+            threading.Thread(target=run, args=(r,), daemon=True) for r in range(self.world_size)
+        ]
+        for thread in threads:
+            thread.start()
+        return threads
+
+    def take(self, timeout_ms: int = 0) -> list[list[Completion]]:
+        """Execute every frame that arrived; each rank's completions, not yet sent."""
+        out: list[list[Completion]] = []
+        for channel, fake in zip(self.channels, self.fakes):
+            done = []
+            message = channel.recv(timeout_ms=timeout_ms)
+            while message is not None:
+                if isinstance(message, Frame):
+                    done.append(fake.execute(message))
+                message = channel.recv(timeout_ms=0)
+            out.append(done)
+        return out
+
+    def send(self, completions: list[list[Completion]], reverse: bool = False) -> None:
+        for rank, done in enumerate(completions):
+            if reverse and len(done) > 1:
+                self.reordered += 1
+                done = done[::-1]
+            for completion in done:
+                self.channels[rank].send(completion)
+
+    def serve(self, reverse: bool = False, timeout_ms: int = 0) -> int:
+        completions = self.take(timeout_ms)
+        self.send(completions, reverse)
+        return sum(len(c) for c in completions)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
