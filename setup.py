@@ -29,4 +29,5 @@ setup(
     extras_require={
         "test": ["pytest>=8", "ruff==0.17.6", "transformers>=4.45"],
     },
+    entry_points={"console_scripts": ["flare=runtime.cli:main"]},
 )

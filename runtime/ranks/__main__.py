@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
+    else:
+        # CPU ranks share the machine's cores: oversubscribed intra-op threads
+        # turn every collective into a scheduling stall.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if use_cuda else torch.float32)
     if world_size > 1:

@@ -1,0 +1,91 @@
+"""A whole deployment on one machine: the coordinator engine in this process and
+N rank processes, as ``flare run`` and the Python API use it.
+
+    with LocalDeployment(tensor_parallel_size=2) as deployment:
+        stream = deployment.engine.submit(prompt_ids, max_tokens=32)
+        print(stream.result(timeout=60).token_ids)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from runtime.coordinator.config import PolicyConfig
+from runtime.coordinator.engine import Engine, EngineConfig
+from runtime.launch import spawn_ranks, stop_ranks
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    model: str | None = None  # None: the embedded default model
+    tensor_parallel_size: int = 1
+    max_concurrency: int = 8
+    max_prefill_tokens: int = 512
+    page_size: int = 16
+    num_pages: int = 1024
+    device: str = "auto"  # auto | cpu | cuda
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    cuda_graphs: bool = True
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(
+                f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}"
+            )
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    def rank_args(self) -> list[str]:
+        args = [
+            "--max-concurrency", str(self.max_concurrency),
+            "--max-prefill-tokens", str(self.max_prefill_tokens),
+            "--page-size", str(self.page_size),
+            "--num-pages", str(self.num_pages),
+            "--device", self.device,
+        ]  # fmt: skip
+        if self.model:
+            args += ["--model", os.fspath(self.model)]
+        if not self.cuda_graphs:
+            args.append("--no-cuda-graphs")
+        return args
+
+
+class LocalDeployment:
+    def __init__(self, config: DeploymentConfig | None = None, **kwargs) -> None:
+        self.config = config or DeploymentConfig(**kwargs)
+        cfg = self.config
+        self.engine = Engine(
+            EngineConfig(
+                world_size=cfg.tensor_parallel_size,
+                max_slots=cfg.max_concurrency,
+                policy=cfg.policy,
+                catalog_timeout_s=cfg.startup_timeout_s,
+                handshake_timeout_s=cfg.startup_timeout_s,
+            )
+        )
+        self.ranks: list = []
+
+    def start(self) -> LocalDeployment:
+        endpoints = self.engine.bind()
+        self.ranks = spawn_ranks(
+            endpoints, self.config.tensor_parallel_size, self.config.rank_args()
+        )
+        try:
+            self.engine.start()
+            self.engine.run_in_thread()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> list[int | None]:
+        self.engine.stop()
+        return stop_ranks(self.ranks, timeout_s=30.0)
+
+    def __enter__(self) -> LocalDeployment:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
