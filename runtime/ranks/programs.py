@@ -87,6 +87,10 @@ class PreparedProgram:
         self.page_size = page_size
         self.device = buffers.input_ids.device
         self.graph: torch.cuda.CUDAGraph | None = None
+        # Page-table columns the body reads.  A captured graph reads them all;
+        # an eager run reads only as many as this frame's longest context needs,
+        # so the reference attention's cost follows the context, not max_context.
+        self.active_pages = buffers.max_pages
 
     # -- the program body, over views of the static buffers ---------------------
     def _body(self) -> None:
@@ -95,7 +99,7 @@ class PreparedProgram:
             query_start=b.query_start[:lanes],
             query_lens=b.query_lens[:lanes],
             context_lens=b.context_lens[:lanes],
-            page_tables=b.page_tables[:lanes],
+            page_tables=b.page_tables[:lanes, : self.active_pages],
             slot_mapping=b.slot_mapping[:n],
             max_query_len=self.shape.max_query_len,
         )
@@ -110,6 +114,7 @@ class PreparedProgram:
         if self.device.type != "cuda":
             return None
         self._fill([])  # a valid all-padding input
+        self.active_pages = self.buffers.max_pages
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -162,6 +167,9 @@ class PreparedProgram:
         b.query_lens[:lanes].copy_(meta.query_lens, non_blocking=nb)
         b.context_lens[:lanes].copy_(meta.context_lens, non_blocking=nb)
         b.page_tables[:lanes].copy_(meta.page_tables, non_blocking=nb)
+        if self.graph is None:
+            longest = max((i.start_position + len(i.tokens) for i in inputs), default=1)
+            self.active_pages = max(1, -(-longest // self.page_size))
         b.logits_indices[:lanes].copy_(last, non_blocking=nb)
         b.temperature[:lanes].copy_(params.temperature, non_blocking=nb)
         b.top_p[:lanes].copy_(params.top_p, non_blocking=nb)

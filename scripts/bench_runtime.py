@@ -1,0 +1,160 @@
+"""Benchmark: the runtime end to end on the embedded default model.
+
+Usage: ``python scripts/bench_runtime.py [--tp 1,2] [--concurrency 1,8,32]
+[--prompt-tokens 32] [--output-tokens 32] [--device auto]``
+
+For each tensor-parallel size it starts the coordinator and the rank processes
+(``LocalDeployment``), then for each concurrency submits that many requests at
+once and reports:
+
+* output tokens/s from the first submission to the last token;
+* the host overhead ratio: mean host wall per frame over its maximum rank
+  device interval, for frames dispatched into an empty window (1.0 is the
+  limit; queued frames overlap their wait with the head frame);
+* the frame round trip: median host wall minus device interval of those frames,
+  i.e. what the coordinator, the transport and the rank loop add to a frame.
+
+Then it runs transformers' ``generate`` on the same checkpoint, one request at a
+time and batched, for comparison.  The last line is one JSON object with every
+figure printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.ranks.model import default_model_dir
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    return [[(7 * i + 13 * j + 1) % (vocab - 3) for j in range(length)] for i in range(n)]
+
+
+def frame_figures(frames) -> dict:
+    alone = [f for f in frames if not f.queued]
+    out = {"frames": len(frames)}
+    if alone:
+        dev = [max(f.rank_device_ns) for f in alone]
+        out["host_overhead_ratio"] = statistics.fmean(f.host_wall_ns for f in alone) / max(
+            1.0, statistics.fmean(dev)
+        )
+        out["round_trip_us"] = statistics.median(
+            (f.host_wall_ns - d) / 1e3 for f, d in zip(alone, dev)
+        )
+    return out
+
+
+def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
+    config = DeploymentConfig(
+        tensor_parallel_size=tp,
+        max_concurrency=max(args.concurrency),
+        max_prefill_tokens=max(64, -(-args.prompt_tokens // 64) * 64),
+        num_pages=max(256, max(args.concurrency) * 16),
+        device=args.device,
+    )
+    results = {}
+    with LocalDeployment(config) as deployment:
+        engine = deployment.engine
+        # Warm-up: every program measured once before timing.
+        for s in [
+            engine.submit(p, 4, ignore_eos=True) for p in prompts(8, args.prompt_tokens, vocab)
+        ]:
+            s.result(timeout=600)
+        for c in args.concurrency:
+            before = len(engine.stats.frames())
+            start = time.perf_counter()
+            streams = [
+                engine.submit(p, args.output_tokens, ignore_eos=True)
+                for p in prompts(c, args.prompt_tokens, vocab)
+            ]
+            generated = sum(len(s.result(timeout=600).token_ids) for s in streams)
+            seconds = time.perf_counter() - start
+            figures = frame_figures(engine.stats.frames()[before:])
+            figures["tokens_per_s"] = generated / seconds
+            results[c] = figures
+            print(
+                f"TP={tp} concurrency {c:>3}: {figures['tokens_per_s']:8.1f} tok/s, "
+                f"overhead ratio {figures.get('host_overhead_ratio', float('nan')):.3f}, "
+                f"round trip {figures.get('round_trip_us', float('nan')):.0f} us, "
+                f"{figures['frames']} frames"
+            )
+    return results
+
+
+def run_transformers(args: argparse.Namespace, vocab: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32).eval()
+    out = {}
+    one = prompts(1, args.prompt_tokens, vocab)[0]
+    ids = torch.tensor([one])
+    kwargs = dict(do_sample=False, max_new_tokens=args.output_tokens,
+                  min_new_tokens=args.output_tokens, pad_token_id=0)  # fmt: skip
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)  # warm-up
+        start = time.perf_counter()
+        runs = 4
+        for _ in range(runs):
+            model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        out["one_at_a_time_tokens_per_s"] = (
+            runs * args.output_tokens / (time.perf_counter() - start)
+        )
+        batch = torch.tensor(prompts(8, args.prompt_tokens, vocab))
+        start = time.perf_counter()
+        model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
+        out["batched_8_tokens_per_s"] = 8 * args.output_tokens / (time.perf_counter() - start)
+    print(
+        f"transformers generate: {out['one_at_a_time_tokens_per_s']:.1f} tok/s one at a time, "
+        f"{out['batched_8_tokens_per_s']:.1f} tok/s batched (8)"
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tp", type=_ints, default=(1, 2))
+    p.add_argument("--concurrency", type=_ints, default=(1, 8, 32))
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--skip-transformers", action="store_true")
+    args = p.parse_args(argv)
+    from runtime.ranks.model.config import ModelConfig
+
+    vocab = ModelConfig.from_dir(default_model_dir()).vocab_size
+    result: dict = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
+    for tp in args.tp:
+        for c, figures in run_engine(tp, args, vocab).items():
+            for key, value in figures.items():
+                result[f"tp{tp}_c{c}_{key}"] = round(value, 3)
+    if not args.skip_transformers:
+        for key, value in run_transformers(args, vocab).items():
+            result[f"transformers_{key}"] = round(value, 1)
+    print(json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
