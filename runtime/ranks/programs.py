@@ -129,53 +129,74 @@ class PreparedProgram:
 
     # -- one execution ---------------------------------------------------------
     def _fill(self, inputs: list[LaneInput]) -> None:
-        shape, b = self.shape, self.buffers
-        if len(inputs) > shape.lanes:
-            raise ProgramError(f"{len(inputs)} lanes for {shape.lanes} rows")
-        total = sum(len(i.tokens) for i in inputs)
-        if total > shape.tokens or any(len(i.tokens) > shape.max_query_len for i in inputs):
-            raise ProgramError(f"{total} tokens do not fit {self.desc.describe()}")
+        """Pack ``inputs`` into the static buffers (host lists, one copy per field)."""
+        shape, b, page_size = self.shape, self.buffers, self.page_size
+        n, lanes = shape.tokens, shape.lanes
+        if len(inputs) > lanes:
+            raise ProgramError(f"{len(inputs)} lanes for {lanes} rows")
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        longest = 1
         for i in inputs:
+            q = len(i.tokens)
+            ctx = i.start_position + q
+            if q > shape.max_query_len or ctx > len(i.page_table) * page_size:
+                raise ProgramError(f"slot {i.slot}: {q} tokens at {i.start_position} do not fit")
             if len(i.page_table) > b.max_pages:
                 raise ProgramError(f"slot {i.slot}: {len(i.page_table)} pages > {b.max_pages}")
-        meta, positions = AttentionMetadata.build(
-            query_lens=[len(i.tokens) for i in inputs],
-            context_lens=[i.start_position + len(i.tokens) for i in inputs],
-            page_tables=[i.page_table for i in inputs],
-            page_size=self.page_size,
-            num_tokens=shape.tokens,
-            num_lanes=shape.lanes,
-            max_pages=b.max_pages,
-            max_query_len=shape.max_query_len,
-        )
-        ids = torch.zeros(shape.tokens, dtype=torch.int64)
-        flat = [t for i in inputs for t in i.tokens]
-        if flat:
-            ids[: len(flat)] = torch.tensor(flat, dtype=torch.int64)
-        last = (meta.query_start + meta.query_lens - 1).clamp_min(0)  # (L,)
-        rows = [
-            (i.sampling.temperature, i.sampling.top_p, i.sampling.top_k, i.sampling.seed, i.step)
-            for i in inputs
-        ] + [(0.0, 1.0, -1, 0, 0)] * (shape.lanes - len(inputs))
-        params = SamplingBatch.from_rows(rows)
-        n, lanes = shape.tokens, shape.lanes
+            starts.append(len(ids))
+            q_lens.append(q)
+            ctx_lens.append(ctx)
+            longest = max(longest, ctx)
+            ids.extend(i.tokens)
+            table = i.page_table
+            for pos in range(i.start_position, ctx):
+                positions.append(pos)
+                slots.append(table[pos // page_size] * page_size + pos % page_size)
+        used = len(ids)
+        if used > n:
+            raise ProgramError(f"{used} tokens do not fit {self.desc.describe()}")
+        pad_tokens, pad_lanes = n - used, lanes - len(inputs)
+        ids += [0] * pad_tokens
+        positions += [0] * pad_tokens
+        slots += [-1] * pad_tokens  # padding writes nothing
+        last = [s + q - 1 for s, q in zip(starts, q_lens)] + [0] * pad_lanes
+        starts += [used] * pad_lanes
+        q_lens += [0] * pad_lanes  # inactive lanes
+        ctx_lens += [0] * pad_lanes
+        pages = b.max_pages if self.graph is not None else -(-longest // page_size)
+        tables = [list(i.page_table[:pages]) + [-1] * (pages - len(i.page_table)) for i in inputs]
+        tables += [[-1] * pages] * pad_lanes
+        rows = [(i.sampling.temperature, i.sampling.top_p) for i in inputs]
+        rows += [(0.0, 1.0)] * pad_lanes
+        ints = [(i.sampling.top_k, i.sampling.seed, i.step) for i in inputs]
+        ints += [(-1, 0, 0)] * pad_lanes
+
         nb = self.device.type == "cuda"
-        b.input_ids[:n].copy_(ids, non_blocking=nb)
-        b.positions[:n].copy_(positions, non_blocking=nb)
-        b.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=nb)
-        b.query_start[:lanes].copy_(meta.query_start, non_blocking=nb)
-        b.query_lens[:lanes].copy_(meta.query_lens, non_blocking=nb)
-        b.context_lens[:lanes].copy_(meta.context_lens, non_blocking=nb)
-        b.page_tables[:lanes].copy_(meta.page_tables, non_blocking=nb)
-        if self.graph is None:
-            longest = max((i.start_position + len(i.tokens) for i in inputs), default=1)
-            self.active_pages = max(1, -(-longest // self.page_size))
-        b.logits_indices[:lanes].copy_(last, non_blocking=nb)
-        b.temperature[:lanes].copy_(params.temperature, non_blocking=nb)
-        b.top_p[:lanes].copy_(params.top_p, non_blocking=nb)
-        b.top_k[:lanes].copy_(params.top_k, non_blocking=nb)
-        b.seed[:lanes].copy_(params.seed, non_blocking=nb)
-        b.step[:lanes].copy_(params.step, non_blocking=nb)
+
+        def put(dst: torch.Tensor, values, dtype=torch.int64) -> None:
+            dst.copy_(torch.tensor(values, dtype=dtype), non_blocking=nb)
+
+        put(b.input_ids[:n], ids)
+        put(b.positions[:n], positions)
+        put(b.slot_mapping[:n], slots)
+        put(b.query_start[:lanes], starts)
+        put(b.query_lens[:lanes], q_lens)
+        put(b.context_lens[:lanes], ctx_lens)
+        put(b.page_tables[:lanes, :pages], tables)
+        put(b.logits_indices[:lanes], last)
+        floats = torch.tensor(rows, dtype=torch.float32)  # (L, 2)
+        b.temperature[:lanes].copy_(floats[:, 0], non_blocking=nb)
+        b.top_p[:lanes].copy_(floats[:, 1], non_blocking=nb)
+        packed = torch.tensor(ints, dtype=torch.int64)  # (L, 3)
+        b.top_k[:lanes].copy_(packed[:, 0], non_blocking=nb)
+        b.seed[:lanes].copy_(packed[:, 1], non_blocking=nb)
+        b.step[:lanes].copy_(packed[:, 2], non_blocking=nb)
+        self.active_pages = pages
 
     def run(self, inputs: list[LaneInput]) -> tuple[list[int], int]:
         """Execute for ``inputs``; returns (one sampled token per lane, device ns)."""
