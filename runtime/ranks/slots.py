@@ -29,6 +29,7 @@ class SlotState:
     pending_token: int | None  # the last sampled token, input of the next decode
     step: int  # tokens sampled so far: the sampling noise counter
     sampling: SamplingParams
+    page_table: tuple[int, ...] = ()  # from the slot's prefill lanes
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class SlotTable:
             lane.generation,
             (state.pending_token,),
             state.next_position,
-            tuple(lane.page_table),
+            tuple(lane.page_table) or state.page_table,
             True,
             state.sampling,
             state.step,
@@ -129,6 +130,7 @@ class SlotTable:
                 state = SlotState(inp.generation, 0, None, 0, lane.sampling)
                 self._slots[inp.slot] = state
             state.next_position = inp.start_position + len(inp.tokens)
+            state.page_table = inp.page_table
             if inp.samples:
                 state.pending_token = token
                 state.step += 1

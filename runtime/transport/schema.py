@@ -110,7 +110,9 @@ class FrameLane:
     slot's rank-side state.  ``prompt_start``/``prompt_tokens``: the prompt
     extent a prefill row consumes (decode rows carry no tokens: the ranks keep
     each slot's pending token).  ``position``: KV position of the first token
-    the lane writes.  ``page_table``: the slot's KV pages, distinct.
+    the lane writes.  ``page_table``: the slot's KV pages, distinct; required
+    on prefill lanes, and may be empty on decode lanes, where the ranks use the
+    table the slot's prefill gave them (so steady decode frames stay small).
     ``max_tokens``: tokens the lane commits, 0 for a prefill chunk short of the
     prompt end, else 1 (always 1 for decode).
     """
@@ -142,8 +144,8 @@ class FrameLane:
             raise ProtocolError("prompt_tokens", f"a decode lane carries none, got {len(tokens)}")
         if phase == "decode" and max_tokens != 1:
             raise ProtocolError("max_tokens", "a decode lane commits exactly 1 token")
-        if not pages:
-            raise ProtocolError("page_table", "a lane needs at least one page")
+        if phase == "prefill" and not pages:
+            raise ProtocolError("page_table", "a prefill lane needs at least one page")
         check_unique("page_table", pages)
         set_field(self, "phase", phase)
         set_field(self, "prompt_tokens", tokens)

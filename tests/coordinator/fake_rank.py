@@ -88,6 +88,7 @@ class _Slot:
     next_position: int = 0
     pending: int | None = None
     digest: int = 0
+    pages: tuple[int, ...] = ()  # from the slot's prefill, as the real worker keeps them
 
 
 @dataclass
@@ -165,14 +166,12 @@ class FakeRank:
             s.model_name,
         )
 
-    def _check_pages(self, i: int, lane: Any, last_position: int) -> None:
+    def _check_pages(self, i: int, table: tuple[int, ...], last_position: int) -> None:
         s = self.spec
-        if any(not 0 <= p < s.num_pages for p in lane.page_table):
-            raise BadFrame(f"lane {i}: page out of range in {lane.page_table}")
-        if last_position >= len(lane.page_table) * s.page_size:
-            raise BadFrame(
-                f"lane {i}: position {last_position} beyond {len(lane.page_table)} pages"
-            )
+        if any(not 0 <= p < s.num_pages for p in table):
+            raise BadFrame(f"lane {i}: page out of range in {table}")
+        if last_position >= len(table) * s.page_size:
+            raise BadFrame(f"lane {i}: position {last_position} beyond {len(table)} pages")
         if last_position >= s.max_context:
             raise BadFrame(f"lane {i}: position {last_position} beyond the context")
 
@@ -208,9 +207,9 @@ class FakeRank:
                     if not 0 <= t < s.vocab_size:
                         raise BadFrame(f"lane {i}: prompt token {t} outside the vocabulary")
                 last = lane.position + len(tokens) - 1
-                self._check_pages(i, lane, last)
+                self._check_pages(i, lane.page_table, last)
                 digest = digest_of(tokens, lane.position, digest, s.vocab_size)
-                plans.append((lane, digest, tokens[-1], last))
+                plans.append((lane, digest, tokens[-1], last, lane.page_table))
             else:
                 if state is None or state.pending is None:
                     raise BadFrame(f"lane {i}: decode for slot {lane.slot} without a pending token")
@@ -219,8 +218,9 @@ class FakeRank:
                         f"lane {i}: decode at {lane.position}, slot {lane.slot} is at "
                         f"{state.next_position}"
                     )
-                self._check_pages(i, lane, lane.position)
-                plans.append((lane, state.digest, state.pending, lane.position))
+                table = lane.page_table or state.pages
+                self._check_pages(i, table, lane.position)
+                plans.append((lane, state.digest, state.pending, lane.position, table))
 
         start = time.perf_counter_ns()
         if s.sleep_s:
@@ -230,13 +230,14 @@ class FakeRank:
         for slot in released:
             self.slots.pop(slot, None)
         results = []
-        for lane, digest, token, last in plans:
+        for lane, digest, token, last, table in plans:
             state = self.slots.get(lane.slot)
             if state is None or state.generation != lane.generation:
                 state = _Slot(lane.generation)
                 self.slots[lane.slot] = state
                 self.generations.setdefault(lane.slot, []).append(lane.generation)
             state.digest = digest
+            state.pages = table
             state.next_position = last + 1
             tokens: tuple[int, ...] = ()
             reason = None

@@ -73,7 +73,7 @@ def frame_lane(lane: LaneWork, live: Live) -> FrameLane:
         lane.prompt_start,
         (),
         len(stream.prompt_token_ids) + lane.output_start - 1,
-        live.pages,
+        (),  # the ranks keep the slot's pages from its prefill
         1,
         stream.sampling,
     )
