@@ -10,6 +10,8 @@ Every rank reports its own device interval; the coordinator takes the maximum.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable, Iterable
 
 from runtime.catalog import GraphDescriptor
@@ -54,6 +56,9 @@ class RankWorker:
         # concurrency up to 64 fits whatever decode buckets were captured.
         self.slots = SlotTable(64)
         self.frames = 0
+        # FLARE_DEBUG_DELAY_NS_RANK<r>: this rank sleeps that long in every frame
+        # and reports it as device time (a slow-rank drill).
+        self.debug_delay_ns = int(os.environ.get(f"FLARE_DEBUG_DELAY_NS_RANK{rank}", "0"))
 
     def report(self) -> CatalogReport:
         return CatalogReport(
@@ -79,6 +84,9 @@ class RankWorker:
             if any(not 0 <= p < self.num_pages for p in inp.page_table):
                 raise FrameError(f"fence {frame.fence}: slot {inp.slot} names a page out of range")
         tokens, device_ns = program.run(inputs)
+        if self.debug_delay_ns:  # a deliberately slow rank, for debugging and tests
+            time.sleep(self.debug_delay_ns / 1e9)
+            device_ns += self.debug_delay_ns
         self.slots.commit(frame, inputs, tokens)
         self.frames += 1
         lanes: tuple[LaneResult, ...] = ()

@@ -19,18 +19,24 @@ ROOT = Path(__file__).resolve().parents[2]
 NEW = 8
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _checkpoint(arch: str, tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(21)
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.1, eos_token_id=127, bos_token_id=126, tie_word_embeddings=False,
+        initializer_range=0.1, eos_token_id=127, bos_token_id=126,
     )  # fmt: skip
-    hf = LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("e2e")
+    if arch == "llama":
+        hf = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common)).eval()
+    else:
+        hf = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common)).eval()
+        with torch.no_grad():  # non-zero q/k/v biases, so the loader must place them
+            for name, param in hf.named_parameters():
+                if name.endswith("bias"):
+                    param.copy_(torch.randn_like(param) * 0.1)
+    path = tmp_path_factory.mktemp(arch)
     hf.save_pretrained(path)
     rng = random.Random(4)
     prompts = [[rng.randrange(120) for _ in range(rng.randint(3, 90))] for _ in range(16)]
@@ -48,6 +54,16 @@ def reference(tmp_path_factory):
             )
             expected.append(out[0, len(prompt) :].tolist())
     return path, prompts, expected
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _checkpoint("llama", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen2_reference(tmp_path_factory):
+    return _checkpoint("qwen2", tmp_path_factory)
 
 
 def deployment(path, tp: int) -> LocalDeployment:
@@ -68,6 +84,30 @@ def test_sixteen_concurrent_requests_match_transformers(reference, tp):
         stats = d.engine.stats.summary()
     assert got == expected
     assert stats["frames"] > 0 and stats["host_overhead_ratio"] >= 1.0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qwen2_with_bias_and_tied_embeddings_matches_transformers(qwen2_reference, tp):
+    path, prompts, expected = qwen2_reference
+    with deployment(path, tp) as d:
+        streams = [d.engine.submit(p, NEW, ignore_eos=True) for p in prompts[:8]]
+        assert [s.result(timeout=300).token_ids for s in streams] == expected[:8]
+
+
+def test_a_slower_rank_sets_the_cost_estimate(reference, monkeypatch):
+    """Every rank reports its interval; the coordinator's cost sample is the maximum."""
+    path, prompts, _ = reference
+    monkeypatch.setenv("FLARE_DEBUG_DELAY_NS_RANK1", str(30_000_000))
+    with deployment(path, 2) as d:
+        d.engine.submit(prompts[0], 4, ignore_eos=True).result(timeout=300)
+        frames = d.engine.stats.frames()
+        estimates = dict(d.engine.scheduler.catalog.estimates())
+    # Rank 1 reports the delay in every frame (rank 0 may wait for it inside the
+    # next frame's collective, so its own interval can grow too).
+    assert frames and all(f.rank_device_ns[1] >= 30_000_000 for f in frames)
+    assert any(f.rank_device_ns[0] < 30_000_000 for f in frames)
+    used = {f.graph for f in frames}
+    assert used and all(estimates[g] >= 30_000_000 for g in used)
 
 
 def test_each_request_alone_matches_the_batched_run(reference):
