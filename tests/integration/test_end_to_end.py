@@ -11,49 +11,23 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from runtime.local import DeploymentConfig, LocalDeployment
+from tests.checkpoints import greedy, write_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW = 8
 
 
 def _checkpoint(arch: str, tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(21)
-    common = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        initializer_range=0.1, eos_token_id=127, bos_token_id=126,
-    )  # fmt: skip
-    if arch == "llama":
-        hf = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common)).eval()
-    else:
-        hf = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common)).eval()
-        with torch.no_grad():  # non-zero q/k/v biases, so the loader must place them
-            for name, param in hf.named_parameters():
-                if name.endswith("bias"):
-                    param.copy_(torch.randn_like(param) * 0.1)
     path = tmp_path_factory.mktemp(arch)
-    hf.save_pretrained(path)
     rng = random.Random(4)
     prompts = [[rng.randrange(120) for _ in range(rng.randint(3, 90))] for _ in range(16)]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW,
-                min_new_tokens=NEW,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(prompt) :].tolist())
-    return path, prompts, expected
+    if arch == "llama":
+        model = write_tiny("llama", path, seed=21)
+    else:
+        model = write_tiny("qwen2", path, seed=21, tie=True, bias=True)
+    return path, prompts, greedy(model, prompts, NEW)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.launch import spawn_ranks, stop_ranks
 from runtime.transport.channels import CoordinatorChannel
 from runtime.transport.schema import CatalogReport, Completion, Frame, FrameLane
+from tests.checkpoints import greedy, write_tiny
 
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 NEW = 5
@@ -18,35 +18,9 @@ NEW = 5
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        eos_token_id=95,
-        bos_token_id=94,
-    )
-    hf = LlamaForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("ckpt")
-    hf.save_pretrained(path)
-    ids = torch.tensor([PROMPT])
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            do_sample=False,
-            max_new_tokens=NEW,
-            min_new_tokens=NEW,
-            pad_token_id=0,
-        )
-    return path, out[0, len(PROMPT) :].tolist()
+    model = write_tiny("llama", path, seed=3, vocab=96, max_positions=128, tie=True)
+    return path, greedy(model, [PROMPT], NEW)[0]
 
 
 def start_ranks(model_dir, channel: CoordinatorChannel, world: int, tmp_path) -> list:

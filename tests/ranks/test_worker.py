@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig
@@ -12,6 +11,7 @@ from runtime.ranks.programs import ProgramError
 from runtime.ranks.slots import FrameError
 from runtime.ranks.worker import RankWorker
 from runtime.transport.schema import Frame, FrameLane, SamplingParams
+from tests.checkpoints import greedy, write_tiny
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request
@@ -22,39 +22,9 @@ GREEDY = SamplingParams()
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(11)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        initializer_range=0.1,
-        eos_token_id=127,
-        bos_token_id=126,
-        tie_word_embeddings=False,
-    )
-    hf = LlamaForCausalLM(cfg).eval()
     path = tmp_path_factory.mktemp("llama")
-    hf.save_pretrained(path)
-    greedy = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            out = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=NEW,
-                min_new_tokens=NEW,
-                pad_token_id=0,
-            )
-            greedy.append(out[0, len(prompt) :].tolist())
-    return path, greedy
+    model = write_tiny("llama", path, seed=11)
+    return path, greedy(model, PROMPTS, NEW)
 
 
 def make_worker(path) -> RankWorker:
