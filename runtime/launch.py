@@ -8,7 +8,9 @@ multi-host deployment runs the very same entry point under ``torchrun``.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,15 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: the rank gets SIGTERM if the launching process dies (no orphans)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def rank_command(endpoints: ChannelEndpoints, rank_args: Sequence[str] = ()) -> list[str]:
@@ -65,7 +76,14 @@ def spawn_ranks(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
             )
-            procs.append(subprocess.Popen(rank_command(endpoints, rank_args), env=rank_env))
+            procs.append(
+                subprocess.Popen(
+                    rank_command(endpoints, rank_args),
+                    env=rank_env,
+                    start_new_session=True,  # Ctrl-C reaches the coordinator, not the ranks
+                    preexec_fn=_die_with_parent,
+                )
+            )
     except BaseException:
         stop_ranks(procs, timeout_s=0)
         raise

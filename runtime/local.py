@@ -9,6 +9,7 @@ N rank processes, as ``flare run`` and the Python API use it.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 
 from runtime.coordinator.config import PolicyConfig
@@ -72,8 +73,29 @@ class LocalDeployment:
         self.ranks = spawn_ranks(
             endpoints, self.config.tensor_parallel_size, self.config.rank_args()
         )
+        failure: list[BaseException] = []
+
+        def start_engine() -> None:
+            try:
+                self.engine.start()
+            except BaseException as exc:
+                failure.append(exc)
+
+        starter = threading.Thread(target=start_engine, name="flare-start", daemon=True)
+        starter.start()
+        # Wait for the handshake and catalogs, but fail at once if a rank dies
+        # (a bad model directory, out of memory) instead of at the timeout.
+        while starter.is_alive():
+            starter.join(0.1)
+            dead = [(r, p.returncode) for r, p in enumerate(self.ranks) if p.poll() is not None]
+            if dead and starter.is_alive():
+                stop_ranks(self.ranks, timeout_s=0)
+                rank, code = dead[0]
+                raise RuntimeError(f"rank {rank} exited with code {code} during start-up")
+        if failure:
+            self.stop()
+            raise failure[0]
         try:
-            self.engine.start()
             self.engine.run_in_thread()
         except BaseException:
             self.stop()
@@ -81,8 +103,11 @@ class LocalDeployment:
         return self
 
     def stop(self) -> list[int | None]:
-        self.engine.stop()
-        return stop_ranks(self.ranks, timeout_s=30.0)
+        try:
+            self.engine.stop()
+        finally:
+            codes = stop_ranks(self.ranks, timeout_s=30.0)
+        return codes
 
     def __enter__(self) -> LocalDeployment:
         return self.start()

@@ -39,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-prefill-tokens", type=int, default=64)
     p.add_argument("--max-prefill-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context limit (default: the model's max_position_embeddings)",
+    )
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
@@ -47,6 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.frames_endpoint or not args.completions_endpoint:
         p.error("--frames-endpoint and --completions-endpoint (or FLARE_*_ENDPOINT) are required")
+    if args.max_model_len is not None and args.max_model_len < 64:
+        p.error("--max-model-len must be >= 64")
     for name in ("page_size", "num_pages"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -74,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         # CPU ranks share the machine's cores: oversubscribed intra-op threads
         # turn every collective into a scheduling stall.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // local_world))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if use_cuda else torch.float32)
     if world_size > 1:
@@ -103,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
             model_name=os.path.basename(os.path.normpath(model_dir)),
             capture=use_cuda and not args.no_cuda_graphs,
             progress=progress,
+            max_model_len=args.max_model_len,
         )
         endpoints = ChannelEndpoints(args.frames_endpoint, args.completions_endpoint)
         channel = RankChannel(endpoints, rank)
         channel.handshake(timeout_ms=int(args.handshake_timeout * 1000))
         worker.serve(channel)
+        del worker, model  # captured graphs and buffers go before the process group
+        if use_cuda:
+            torch.cuda.synchronize()
     finally:
         if channel is not None:
             channel.close(linger_ms=1000)

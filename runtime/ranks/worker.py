@@ -37,6 +37,7 @@ class RankWorker:
         model_name: str = "model",
         capture: bool = True,
         progress: Callable[[Iterable], Iterable] | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.rank = rank
@@ -45,7 +46,8 @@ class RankWorker:
         self.num_pages = num_pages
         self.model_name = model_name
         config = model.config
-        self.max_context = config.max_position_embeddings
+        # Captured programs attend over the whole context width: cap it.
+        self.max_context = min(config.max_position_embeddings, max_model_len or 1 << 62)
         self.eos_ids = frozenset(config.eos_token_ids)
         self.catalog: list[GraphDescriptor] = build_catalog(capacity, self.max_context)
         model.allocate_kv_cache(num_pages, page_size)

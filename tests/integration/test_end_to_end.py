@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,14 @@ def test_flare_run_rejects_bad_flags_naming_them():
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 2 and "--tensor-parallel-size" in done.stderr
+
+
+def test_a_rank_that_dies_at_start_up_fails_the_start_at_once(tmp_path):
+    start = time.monotonic()
+    deployment = LocalDeployment(
+        DeploymentConfig(model=str(tmp_path / "missing"), device="cpu", startup_timeout_s=300)
+    )
+    with pytest.raises(RuntimeError, match="rank 0 exited"):
+        deployment.start()
+    assert time.monotonic() - start < 60
+    assert all(p.poll() is not None for p in deployment.ranks)

@@ -494,11 +494,13 @@ class Engine:
         self._stopping.set()
         self._wake.set()
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout_s)
-            if thread.is_alive():
-                raise EngineError(f"the engine thread did not stop within {timeout_s:g} s")
-        self._shutdown(ABORTED)
+        try:
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout_s)
+                if thread.is_alive():
+                    raise EngineError(f"the engine thread did not stop within {timeout_s:g} s")
+        finally:
+            self._shutdown(ABORTED)
 
     close = stop
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import secrets
 from collections.abc import Sequence
 
 from runtime.coordinator.engine.startup import ModelFacts
@@ -60,8 +61,8 @@ def check_submission(
             f"prompt_token_ids + max_tokens need {pages} KV pages of {facts.page_size} "
             f"tokens, the ranks hold {facts.num_pages}"
         )
-    if sampling is None:
-        sampling = SamplingParams()
+    if sampling is None:  # greedy, with a fresh seed should a caller re-sample later
+        sampling = SamplingParams(seed=secrets.randbits(62))
     elif not isinstance(sampling, SamplingParams):
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if not isinstance(ignore_eos, bool):
