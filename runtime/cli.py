@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-prefill-tokens", type=_positive("--max-prefill-tokens"), default=512)
     run.add_argument("--num-pages", type=_positive("--num-pages"), default=1024)
     run.add_argument("--page-size", type=_positive("--page-size"), default=16)
+    run.add_argument(
+        "--max-model-len",
+        type=_positive("--max-model-len"),
+        help="context limit (default: the model's max_position_embeddings)",
+    )
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     run.add_argument("--no-cuda-graphs", action="store_true")
     run.add_argument("--scheduler-policy", choices=sorted(PRESETS), default="balanced")
@@ -86,6 +91,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
         page_size=args.page_size,
         num_pages=args.num_pages,
+        max_model_len=args.max_model_len,
         device=args.device,
         policy=policy,
         cuda_graphs=not args.no_cuda_graphs,

@@ -25,6 +25,7 @@ class DeploymentConfig:
     max_prefill_tokens: int = 512
     page_size: int = 16
     num_pages: int = 1024
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "auto"  # auto | cpu | cuda
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cuda_graphs: bool = True
@@ -48,6 +49,8 @@ class DeploymentConfig:
         ]  # fmt: skip
         if self.model:
             args += ["--model", os.fspath(self.model)]
+        if self.max_model_len is not None:
+            args += ["--max-model-len", str(self.max_model_len)]
         if not self.cuda_graphs:
             args.append("--no-cuda-graphs")
         return args
