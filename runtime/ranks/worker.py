@@ -128,8 +128,23 @@ class RankWorker:
             try:
                 completion = self.execute(message)
             except (FrameError, ProgramError) as exc:
-                # A frame this rank cannot run is a coordinator bug: report it loudly;
-                # the slot state is unchanged, so later valid frames still run.
+                # A frame this rank cannot run is a coordinator bug: say so at once
+                # (the slot state is unchanged) so the coordinator fails fast.
                 log.error("rank %d: rejected frame %d: %s", self.rank, message.fence, exc)
+                channel.send(self._error(message.fence, f"rejected: {exc}"))
                 continue
+            except Exception as exc:
+                # Out of memory, a failed collective: report, then stop this rank.
+                log.exception("rank %d: frame %d failed", self.rank, message.fence)
+                channel.send(self._error(message.fence, f"{type(exc).__name__}: {exc}"))
+                raise
             channel.send(completion)
+
+    def _error(self, fence: int, reason: str) -> Completion:
+        return Completion(
+            fence=fence,
+            rank=self.rank,
+            world_size=self.world_size,
+            device_ns=0,
+            error=reason[:4096],
+        )

@@ -363,6 +363,9 @@ class LaneResult:
         return cls(**check_fields(cls, data))
 
 
+MAX_ERROR_CHARS = 4096  # an error completion's reason
+
+
 @dataclass(frozen=True)
 class Completion:
     """Rank -> coordinator: one rank finished frame ``fence``.
@@ -370,7 +373,9 @@ class Completion:
     ``device_ns``: the rank's replay interval; ``readiness_delay_ns``: exposed
     input-readiness stall within it.  Only rank 0 sends ``lanes`` (in the
     frame's lane order, distinct slots) and ``sidecars`` (e.g. "confidence",
-    "survival"); the other ranks send neither.
+    "survival"); the other ranks send neither.  ``error``: the rank could not
+    run the frame (it names why); such a completion carries no lanes, and the
+    coordinator must not assume the ranks' state advanced.
     """
 
     fence: int
@@ -380,6 +385,7 @@ class Completion:
     readiness_delay_ns: int = 0
     lanes: tuple[LaneResult, ...] = ()
     sidecars: Mapping[str, Tensor] = field(default_factory=dict)
+    error: str | None = None
 
     def __post_init__(self) -> None:
         check_int("fence", self.fence)
@@ -401,6 +407,10 @@ class Completion:
             raise ProtocolError("lanes", f"only rank 0 reports lanes, rank {rank} sent some")
         if rank != 0 and self.sidecars:
             raise ProtocolError("sidecars", f"only rank 0 reports sidecars, rank {rank} sent some")
+        if self.error is not None:
+            check_str("error", self.error, MAX_ERROR_CHARS)
+            if lanes or self.sidecars:
+                raise ProtocolError("error", "an error completion carries no lanes or sidecars")
         set_field(self, "lanes", lanes)
         set_field(self, "sidecars", dict(self.sidecars))
 
@@ -413,6 +423,7 @@ class Completion:
             "readiness_delay_ns": self.readiness_delay_ns,
             "lanes": [lane.to_wire() for lane in self.lanes],
             "sidecars": {name: t.to_wire() for name, t in self.sidecars.items()},
+            "error": self.error,
         }
 
     @classmethod

@@ -367,6 +367,22 @@ def test_refused_results_fail_the_engine_and_end_the_streams(rig_factory: Any) -
         engine.submit([1], 1)
 
 
+def test_an_error_completion_fails_the_engine_at_once(rig_factory: Any) -> None:
+    rig = rig_factory(2).start()
+    engine, ranks = rig.engine, rig.ranks
+    stream = engine.submit([1, 2, 3], 5)
+    while not engine.in_flight_fences:
+        engine.step(10)
+    rank0, (rank1,) = ranks.take(timeout_ms=int(WAIT_S * 1000))
+    error = Completion(rank1.fence, 1, 2, 0, error="rejected: slot 0 has no state")
+    ranks.send([rank0, [error]])
+    with pytest.raises(EngineError, match=r"rank 1 could not run frame .*slot 0 has no state"):
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            engine.step(10)
+    assert stream.result(timeout=0).finish_reason == ERROR
+
+
 def test_a_missing_completion_times_out_naming_the_rank(rig_factory: Any) -> None:
     rig = rig_factory(2, completion_timeout_s=0.2).start()
     engine = rig.engine

@@ -77,6 +77,12 @@ def test_rank_processes_generate_transformers_tokens(checkpoint, tmp_path, world
             assert all(not c.lanes for c in completions[1:])  # only rank 0 reports lanes
             tokens += completions[0].lanes[0].tokens
         assert tokens == expected
+        # A frame the ranks cannot run (a slot with no state) is answered with an
+        # error completion by every rank, and they keep serving.
+        bad = Frame(99, decode, (FrameLane(3, 1, "decode", 0, (), 5, (), 1),))
+        channel.publish(bad)
+        errors = collect(channel, Completion, world)
+        assert all(c.fence == 99 and "slot 3" in (c.error or "") for c in errors)
         channel.shutdown_ranks()
         assert stop_ranks(procs, timeout_s=60) == [0] * world
     finally:

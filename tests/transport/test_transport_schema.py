@@ -308,3 +308,15 @@ def test_frame_lane_count_is_bounded_by_batch_capacity() -> None:
     assert raised.value.field == "lanes"
     frame["lanes"] = frame["lanes"][:4]
     assert len(MESSAGE_TYPES["Frame"].from_wire(frame).lanes) == 4
+
+
+def test_error_completion_round_trips_and_carries_no_lanes():
+    from runtime.transport.codec import decode, encode
+    from runtime.transport.schema import Completion, LaneResult, ProtocolError
+
+    c = Completion(7, 1, 2, 0, error="rejected: program decode B=16 unknown")
+    assert decode(encode(c)) == c
+    with pytest.raises(ProtocolError, match="error"):
+        Completion(7, 0, 1, 0, lanes=(LaneResult(0, 1, (3,)),), error="boom")
+    with pytest.raises(ProtocolError, match="error"):
+        Completion(7, 0, 1, 0, error="x" * 5000)

@@ -391,6 +391,11 @@ class Engine:
             )
             self.stats.add(ignored_messages=1)
             return False
+        if message.error is not None:
+            # The ranks may now disagree with the scheduler: stop rather than guess.
+            raise EngineError(
+                f"rank {message.rank} could not run frame {message.fence}: {message.error}"
+            )
         dispatch.answers[message.rank] = message
         self.stats.add(completion_messages=1)
         applied = False
