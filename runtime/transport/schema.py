@@ -114,7 +114,8 @@ class FrameLane:
     on prefill lanes, and may be empty on decode lanes, where the ranks use the
     table the slot's prefill gave them (so steady decode frames stay small).
     ``max_tokens``: tokens the lane commits, 0 for a prefill chunk short of the
-    prompt end, else 1 (always 1 for decode).
+    prompt end, else 1 (always 1 for decode).  ``sampling``: required on
+    prefill lanes; None on decode lanes means the slot's settings.
     """
 
     slot: int
@@ -125,7 +126,7 @@ class FrameLane:
     position: int
     page_table: tuple[int, ...]
     max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams | None = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
         check_int("slot", self.slot, 0, MAX_SLOTS - 1)
@@ -136,8 +137,11 @@ class FrameLane:
         check_int("position", self.position, 0, INT32_MAX)
         pages = check_ints("page_table", self.page_table, 0, INT32_MAX)
         max_tokens = check_int("max_tokens", self.max_tokens, 0, 1)
-        if not isinstance(self.sampling, SamplingParams):
-            raise ProtocolError("sampling", "must be a SamplingParams")
+        if self.sampling is None:
+            if phase == "prefill":
+                raise ProtocolError("sampling", "a prefill lane needs its SamplingParams")
+        elif not isinstance(self.sampling, SamplingParams):
+            raise ProtocolError("sampling", "must be a SamplingParams or None")
         if phase == "prefill" and not tokens:
             raise ProtocolError("prompt_tokens", "a prefill lane needs at least one token")
         if phase == "decode" and tokens:
@@ -161,13 +165,16 @@ class FrameLane:
             "position": self.position,
             "page_table": list(self.page_table),
             "max_tokens": self.max_tokens,
-            "sampling": self.sampling.to_wire(),
+            "sampling": None if self.sampling is None else self.sampling.to_wire(),
         }
 
     @classmethod
     def from_wire(cls, data: Any) -> FrameLane:
         fields = dict(check_fields(cls, data))
-        fields["sampling"] = parse_nested("sampling", SamplingParams.from_wire, fields["sampling"])
+        if fields["sampling"] is not None:
+            fields["sampling"] = parse_nested(
+                "sampling", SamplingParams.from_wire, fields["sampling"]
+            )
         return cls(**fields)
 
 

@@ -320,3 +320,12 @@ def test_error_completion_round_trips_and_carries_no_lanes():
         Completion(7, 0, 1, 0, lanes=(LaneResult(0, 1, (3,)),), error="boom")
     with pytest.raises(ProtocolError, match="error"):
         Completion(7, 0, 1, 0, error="x" * 5000)
+
+
+def test_decode_lanes_may_leave_sampling_to_the_slot_but_prefill_lanes_may_not():
+    from runtime.transport.schema import FrameLane, ProtocolError
+
+    lane = FrameLane(2, 1, "decode", 0, (), 9, (), 1, None)
+    assert FrameLane.from_wire(lane.to_wire()) == lane
+    with pytest.raises(ProtocolError, match="sampling"):
+        FrameLane(2, 1, "prefill", 0, (5,), 0, (1,), 1, None)

@@ -75,7 +75,7 @@ def frame_lane(lane: LaneWork, live: Live) -> FrameLane:
         len(stream.prompt_token_ids) + lane.output_start - 1,
         (),  # the ranks keep the slot's pages from its prefill
         1,
-        stream.sampling,
+        None,  # and its sampling settings
     )
 
 
