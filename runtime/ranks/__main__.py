@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(local_rank)
     else:
-        # CPU ranks share the machine's cores: oversubscribed intra-op threads
-        # turn every collective into a scheduling stall.
+        # CPU ranks share the machine's cores with each other and with the
+        # coordinator: leave it one core and split the rest, since oversubscribed
+        # intra-op threads turn every collective into a scheduling stall.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cores or 1) // local_world))
+        torch.set_num_threads(max(1, ((cores or 1) - 1) // local_world))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if use_cuda else torch.float32)
     if world_size > 1:
