@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import msgpack
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
@@ -52,7 +53,7 @@ def collect(channel: CoordinatorChannel, kind, count: int, timeout_ms=60_000) ->
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_rank_processes_generate_transformers_tokens(checkpoint, tmp_path, world):
+def test_rank_processes_generate_transformers_tokens(checkpoint, tmp_path, world, capfd):
     model_dir, expected = checkpoint
     channel = CoordinatorChannel(world)
     procs = start_ranks(model_dir, channel, world, tmp_path)
@@ -77,12 +78,19 @@ def test_rank_processes_generate_transformers_tokens(checkpoint, tmp_path, world
             assert all(not c.lanes for c in completions[1:])  # only rank 0 reports lanes
             tokens += completions[0].lanes[0].tokens
         assert tokens == expected
+        # Garbage and a wrong protocol version on the frame socket are logged and
+        # skipped by every rank process (raw bytes: the channel itself refuses to
+        # build such messages).
+        channel._pub.send(b"\x93not a frame")
+        channel._pub.send(msgpack.packb({"v": 999, "t": "Frame", "b": {}}))
         # A frame the ranks cannot run (a slot with no state) is answered with an
         # error completion by every rank, and they keep serving.
         bad = Frame(99, decode, (FrameLane(3, 1, "decode", 0, (), 5, (), 1),))
         channel.publish(bad)
         errors = collect(channel, Completion, world)
         assert all(c.fence == 99 and "slot 3" in (c.error or "") for c in errors)
+        logged = capfd.readouterr().err
+        assert logged.count("version 999") == world, logged[-2000:]
         channel.shutdown_ranks()
         assert stop_ranks(procs, timeout_s=60) == [0] * world
     finally:
