@@ -31,3 +31,15 @@ class BaseRig:
         self.fence += 1
         self.s.commit(plan, self.fence)
         return self.fence
+
+    def step_until(self, predicate, limit: int = 60):
+        """Execute plans until ``predicate(plan)``; return that plan uncommitted.
+
+        Subclasses define ``complete(fence, plan)``.
+        """
+        for _ in range(limit):
+            plan = self.plan()
+            if predicate(plan):
+                return plan
+            self.complete(self.commit(plan), plan)
+        raise AssertionError("setup did not reach the wanted plan")

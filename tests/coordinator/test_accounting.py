@@ -87,14 +87,6 @@ class Rig(BaseRig):
         self.complete(self.commit(plan), plan, timing)
         return plan
 
-    def step_until(self, predicate, limit: int = 60):
-        for _ in range(limit):
-            plan = self.plan()
-            if predicate(plan):
-                return plan
-            self.complete(self.commit(plan), plan)
-        raise AssertionError("setup did not reach the wanted plan")
-
 
 def is_ordinary_decode(plan) -> bool:
     return plan.graph.kind is GraphKind.DECODE and plan.reason is ORDINARY

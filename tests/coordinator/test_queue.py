@@ -71,15 +71,6 @@ class Rig(BaseRig):
         self.complete(self.commit(plan), plan)
         return plan
 
-    def step_until(self, predicate, limit: int = 60):
-        """Execute plans until ``predicate(plan)``; return that plan uncommitted."""
-        for _ in range(limit):
-            plan = self.plan()
-            if predicate(plan):
-                return plan
-            self.complete(self.commit(plan), plan)
-        raise AssertionError("setup did not reach the wanted plan")
-
 
 def ordinary_decode(lanes: int | None = None):
     def predicate(plan) -> bool:
