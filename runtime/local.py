@@ -16,6 +16,21 @@ from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.engine import Engine, EngineConfig
 from runtime.launch import spawn_ranks, stop_ranks
 
+DEFAULT_SPIN_US = 200
+
+
+def spin_budget_us(local_ranks: int) -> int:
+    """Busy-poll budget for a coordinator and ``local_ranks`` ranks on this machine.
+
+    Spinning turns each ZeroMQ hop's wake-up (tens of microseconds) into a
+    few microseconds, but holds a core.  CPU ranks split all cores but one
+    among themselves and leave that one to the coordinator, so spinning pays
+    when every process has a core of its own; otherwise (two CPU ranks on two
+    cores) it would steal time from the ranks' collectives, and it is off.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return DEFAULT_SPIN_US if (cores or 1) >= local_ranks + 1 else 0
+
 
 @dataclass(frozen=True)
 class DeploymentConfig:
@@ -30,6 +45,7 @@ class DeploymentConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cuda_graphs: bool = True
     startup_timeout_s: float = 600.0
+    poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -38,6 +54,16 @@ class DeploymentConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        spin = self.poll_spin_us
+        if spin is not None and (not isinstance(spin, int) or not 0 <= spin <= 100_000):
+            raise ValueError(f"poll_spin_us must be None or in 0..100000, got {spin!r}")
+
+    @property
+    def spin_us(self) -> int:
+        """The busy-poll budget of the coordinator and the ranks (see ``spin_budget_us``)."""
+        if self.poll_spin_us is not None:
+            return self.poll_spin_us
+        return spin_budget_us(self.tensor_parallel_size)
 
     def rank_args(self) -> list[str]:
         args = [
@@ -46,6 +72,7 @@ class DeploymentConfig:
             "--page-size", str(self.page_size),
             "--num-pages", str(self.num_pages),
             "--device", self.device,
+            "--poll-spin-us", str(self.spin_us),
         ]  # fmt: skip
         if self.model:
             args += ["--model", os.fspath(self.model)]
@@ -67,6 +94,7 @@ class LocalDeployment:
                 policy=cfg.policy,
                 catalog_timeout_s=cfg.startup_timeout_s,
                 handshake_timeout_s=cfg.startup_timeout_s,
+                poll_spin_us=cfg.spin_us,
             )
         )
         self.ranks: list = []

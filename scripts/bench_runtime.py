@@ -8,11 +8,18 @@ For each tensor-parallel size it starts the coordinator and the rank processes
 once and reports:
 
 * output tokens/s from the first submission to the last token;
-* the host overhead ratio: mean host wall per frame over its maximum rank
-  device interval, for frames dispatched into an empty window (1.0 is the
-  limit; queued frames overlap their wait with the head frame);
-* the frame round trip: median host wall minus device interval of those frames,
-  i.e. what the coordinator, the transport and the rank loop add to a frame.
+* the host overhead ratio: wall time per frame at the coordinator over the
+  ranks' program time, i.e. the span from the first dispatch to the last
+  completion over the summed maximum rank device intervals (1.0 is the limit:
+  the ranks never wait for the host);
+* the isolated overhead ratio: the same for frames dispatched into an empty
+  window only (prefills, the first decode), which cannot hide host time behind
+  a queued frame;
+* the frame round trip with an empty program: the median of
+  ``Engine.measure_round_trip`` (an empty frame through the coordinator, the
+  transport, every rank's loop and back), measured with no load;
+* the loaded round trip: median host wall minus device interval of the
+  isolated frames (what the host adds to a real frame).
 
 Then it runs transformers' ``generate`` on the same checkpoint, one request at a
 time and batched, for comparison.  The last line is one JSON object with every
@@ -53,15 +60,18 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def frame_figures(frames) -> dict:
-    alone = [f for f in frames if not f.queued]
     out = {"frames": len(frames)}
+    if not frames:
+        return out
+    span = max(f.completed_ns for f in frames) - min(f.sent_ns for f in frames)
+    out["host_overhead_ratio"] = span / max(1, sum(f.device_ns for f in frames))
+    alone = [f for f in frames if not f.queued]
     if alone:
-        dev = [max(f.rank_device_ns) for f in alone]
-        out["host_overhead_ratio"] = statistics.fmean(f.host_wall_ns for f in alone) / max(
-            1.0, statistics.fmean(dev)
+        out["isolated_overhead_ratio"] = statistics.fmean(f.host_wall_ns for f in alone) / max(
+            1.0, statistics.fmean(f.device_ns for f in alone)
         )
-        out["round_trip_us"] = statistics.median(
-            (f.host_wall_ns - d) / 1e3 for f, d in zip(alone, dev)
+        out["loaded_round_trip_us"] = statistics.median(
+            (f.host_wall_ns - f.device_ns) / 1e3 for f in alone
         )
     return out
 
@@ -73,6 +83,7 @@ def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
         max_prefill_tokens=max(64, -(-args.prompt_tokens // 64) * 64),
         num_pages=max(256, max(args.concurrency) * 16),
         device=args.device,
+        poll_spin_us=args.poll_spin_us,
     )
     results = {}
     with LocalDeployment(config) as deployment:
@@ -82,6 +93,17 @@ def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
             engine.submit(p, 4, ignore_eos=True) for p in prompts(8, args.prompt_tokens, vocab)
         ]:
             s.result(timeout=600)
+        engine.measure_round_trip(50)  # warm-up
+        trips = engine.measure_round_trip(args.probes)
+        results["empty"] = {
+            "round_trip_us": statistics.median(trips) / 1e3,
+            "round_trip_p90_us": sorted(trips)[int(0.9 * (len(trips) - 1))] / 1e3,
+        }
+        print(
+            f"TP={tp} empty-frame round trip: median {results['empty']['round_trip_us']:.0f} us, "
+            f"p90 {results['empty']['round_trip_p90_us']:.0f} us over {len(trips)} frames "
+            f"(spin {config.spin_us} us)"
+        )
         for c in args.concurrency:
             before = len(engine.stats.frames())
             start = time.perf_counter()
@@ -96,8 +118,9 @@ def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
             results[c] = figures
             print(
                 f"TP={tp} concurrency {c:>3}: {figures['tokens_per_s']:8.1f} tok/s, "
-                f"overhead ratio {figures.get('host_overhead_ratio', float('nan')):.3f}, "
-                f"round trip {figures.get('round_trip_us', float('nan')):.0f} us, "
+                f"overhead ratio {figures.get('host_overhead_ratio', float('nan')):.3f} "
+                f"(isolated frames {figures.get('isolated_overhead_ratio', float('nan')):.3f}), "
+                f"loaded round trip {figures.get('loaded_round_trip_us', float('nan')):.0f} us, "
                 f"{figures['frames']} frames"
             )
     return results
@@ -139,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--probes", type=int, default=500, help="empty frames to time")
+    p.add_argument(
+        "--poll-spin-us", type=int, default=None, help="busy-poll budget (default: automatic)"
+    )
     p.add_argument("--skip-transformers", action="store_true")
     args = p.parse_args(argv)
     from runtime.ranks.model.config import ModelConfig
@@ -147,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
     for tp in args.tp:
         for c, figures in run_engine(tp, args, vocab).items():
+            label = "empty" if c == "empty" else f"c{c}"
             for key, value in figures.items():
-                result[f"tp{tp}_c{c}_{key}"] = round(value, 3)
+                result[f"tp{tp}_{label}_{key}"] = round(value, 3)
     if not args.skip_transformers:
         for key, value in run_transformers(args, vocab).items():
             result[f"transformers_{key}"] = round(value, 1)

@@ -50,11 +50,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run programs eagerly on CUDA")
     p.add_argument("--handshake-timeout", type=float, default=120.0, help="seconds")
+    p.add_argument(
+        "--poll-spin-us",
+        type=int,
+        default=0,
+        help="busy-poll this long for the next frame after each completion (0: never)",
+    )
     args = p.parse_args(argv)
     if not args.frames_endpoint or not args.completions_endpoint:
         p.error("--frames-endpoint and --completions-endpoint (or FLARE_*_ENDPOINT) are required")
     if args.max_model_len is not None and args.max_model_len < 64:
         p.error("--max-model-len must be >= 64")
+    if not 0 <= args.poll_spin_us <= 100_000:
+        p.error("--poll-spin-us must lie in [0, 100000]")
     for name in ("page_size", "num_pages"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         endpoints = ChannelEndpoints(args.frames_endpoint, args.completions_endpoint)
         channel = RankChannel(endpoints, rank)
         channel.handshake(timeout_ms=int(args.handshake_timeout * 1000))
-        worker.serve(channel)
+        worker.serve(channel, spin_us=args.poll_spin_us)
         del worker, model  # captured graphs and buffers go before the process group
         if use_cuda:
             torch.cuda.synchronize()

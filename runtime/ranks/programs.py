@@ -1,8 +1,9 @@
-"""Prepared programs: fixed-shape forward + sampling over shared static buffers.
+"""Prepared programs: fixed-shape forward + sampling over static input arenas.
 
-Graph capture is one component (STYLE.md).  One set of static buffers is sized
-for the largest program; every program binds views of them, so a CUDA graph
-captured over the views replays with whatever the host copied in.
+Graph capture is one component (STYLE.md).  Each program owns a small input
+arena (:class:`ProgramInputs`); a CUDA graph captured over its views replays
+with whatever the host copied in.  Sampled tokens land in one output buffer
+shared by every program.
 
 * CUDA: each program is captured with ``torch.cuda.CUDAGraph`` (largest first,
   one memory pool) and timed with CUDA events around the replay.
@@ -49,72 +50,107 @@ class ProgramShape:
         raise ProgramError(f"no prepared program for {desc.kind.value} graphs yet")
 
 
-class StaticBuffers:
-    """Inputs and outputs of every program, sized for the largest."""
+INT_FIELDS_PER_TOKEN = ("input_ids", "positions", "slot_mapping")
+INT_FIELDS_PER_LANE = (
+    "query_start", "query_lens", "context_lens", "logits_indices", "top_k", "seed", "step"
+)  # fmt: skip
 
-    def __init__(self, tokens: int, lanes: int, max_pages: int, device: torch.device) -> None:
-        i64 = {"dtype": torch.int64, "device": device}
-        f32 = {"dtype": torch.float32, "device": device}
-        self.input_ids = torch.zeros(tokens, **i64)  # (N,)
-        self.positions = torch.zeros(tokens, **i64)  # (N,)
-        self.slot_mapping = torch.full((tokens,), -1, **i64)  # (N,)
-        self.query_start = torch.zeros(lanes, **i64)  # (L,)
-        self.query_lens = torch.zeros(lanes, **i64)  # (L,)
-        self.context_lens = torch.zeros(lanes, **i64)  # (L,)
-        self.page_tables = torch.full((lanes, max_pages), -1, **i64)  # (L, P)
-        self.logits_indices = torch.zeros(lanes, **i64)  # (L,)
-        self.temperature = torch.zeros(lanes, **f32)  # (L,)
-        self.top_p = torch.ones(lanes, **f32)  # (L,)
-        self.top_k = torch.full((lanes,), -1, **i64)  # (L,)
-        self.seed = torch.zeros(lanes, **i64)  # (L,)
-        self.step = torch.zeros(lanes, **i64)  # (L,)
-        self.out_tokens = torch.zeros(lanes, **i64)  # (L,)
-        self.max_pages = max_pages
+
+@dataclass(frozen=True)
+class ProgramInputs:
+    """Views of one program's input arena: what the body reads.
+
+    Integer fields lie back to back in one int64 arena (per token: N entries
+    each; per lane: L each; then the (L, P) page table), floats in one float32
+    arena, so a frame's inputs arrive in one host tensor and one copy.
+    """
+
+    input_ids: torch.Tensor  # (N,)
+    positions: torch.Tensor  # (N,)
+    slot_mapping: torch.Tensor  # (N,) -1 = write no KV
+    query_start: torch.Tensor  # (L,)
+    query_lens: torch.Tensor  # (L,) 0 = inactive lane
+    context_lens: torch.Tensor  # (L,)
+    logits_indices: torch.Tensor  # (L,)
+    top_k: torch.Tensor  # (L,)
+    seed: torch.Tensor  # (L,)
+    step: torch.Tensor  # (L,)
+    page_tables: torch.Tensor  # (L, P)
+    temperature: torch.Tensor  # (L,)
+    top_p: torch.Tensor  # (L,)
+
+    @classmethod
+    def over(
+        cls, ints: torch.Tensor, floats: torch.Tensor, n: int, lanes: int, pages: int
+    ) -> ProgramInputs:
+        views: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name in INT_FIELDS_PER_TOKEN:
+            views[name] = ints[offset : offset + n]
+            offset += n
+        for name in INT_FIELDS_PER_LANE:
+            views[name] = ints[offset : offset + lanes]
+            offset += lanes
+        views["page_tables"] = ints[offset : offset + lanes * pages].view(lanes, pages)
+        return cls(**views, temperature=floats[:lanes], top_p=floats[lanes : 2 * lanes])
+
+    @staticmethod
+    def int_size(n: int, lanes: int, pages: int) -> int:
+        return len(INT_FIELDS_PER_TOKEN) * n + len(INT_FIELDS_PER_LANE) * lanes + lanes * pages
 
 
 class PreparedProgram:
+    """One descriptor's program: its input arena, its body, its captured graph.
+
+    Captured programs read their own device arena (sized for the whole
+    context), refilled by one host-to-device copy per frame.  Eager programs
+    read the frame's host tensors directly, trimmed to the page-table columns
+    the frame's longest context needs, so the reference attention's cost
+    follows the context rather than ``max_context``.
+    """
+
     def __init__(
         self,
         desc: GraphDescriptor,
         model: LlamaForCausalLM,
-        buffers: StaticBuffers,
+        out_tokens: torch.Tensor,
         page_size: int,
+        max_pages: int,
     ) -> None:
         self.desc = desc
         self.shape = ProgramShape.of(desc)
         self.model = model
-        self.buffers = buffers
+        self.out_tokens = out_tokens  # (L_max,) shared by every program
         self.page_size = page_size
-        self.device = buffers.input_ids.device
+        self.max_pages = max_pages
+        self.device = out_tokens.device
         self.graph: torch.cuda.CUDAGraph | None = None
-        # Page-table columns the body reads.  A captured graph reads them all;
-        # an eager run reads only as many as this frame's longest context needs,
-        # so the reference attention's cost follows the context, not max_context.
-        self.active_pages = buffers.max_pages
+        n, lanes = self.shape.tokens, self.shape.lanes
+        self._ints = torch.zeros(ProgramInputs.int_size(n, lanes, max_pages), dtype=torch.int64)
+        self._floats = torch.zeros(2 * lanes, dtype=torch.float32)
+        self._ints, self._floats = self._ints.to(self.device), self._floats.to(self.device)
+        self.inputs = ProgramInputs.over(self._ints, self._floats, n, lanes, max_pages)
 
-    # -- the program body, over views of the static buffers ---------------------
+    # -- the program body, over the input views ---------------------------------
     def _body(self) -> None:
-        b, n, lanes = self.buffers, self.shape.tokens, self.shape.lanes
+        x, lanes = self.inputs, self.shape.lanes
         meta = AttentionMetadata(
-            query_start=b.query_start[:lanes],
-            query_lens=b.query_lens[:lanes],
-            context_lens=b.context_lens[:lanes],
-            page_tables=b.page_tables[:lanes, : self.active_pages],
-            slot_mapping=b.slot_mapping[:n],
+            query_start=x.query_start,
+            query_lens=x.query_lens,
+            context_lens=x.context_lens,
+            page_tables=x.page_tables,
+            slot_mapping=x.slot_mapping,
             max_query_len=self.shape.max_query_len,
         )
-        logits = self.model(b.input_ids[:n], b.positions[:n], meta, b.logits_indices[:lanes])
-        params = SamplingBatch(
-            b.temperature[:lanes], b.top_p[:lanes], b.top_k[:lanes], b.seed[:lanes], b.step[:lanes]
-        )
-        b.out_tokens[:lanes].copy_(sample(logits, params))  # (L,)
+        logits = self.model(x.input_ids, x.positions, meta, x.logits_indices)
+        params = SamplingBatch(x.temperature, x.top_p, x.top_k, x.seed, x.step)
+        self.out_tokens[:lanes].copy_(sample(logits, params))  # (L,)
 
     def capture(self, pool: object | None = None) -> object | None:
         """CUDA: capture the body as a graph (returns its memory pool). CPU: no-op."""
         if self.device.type != "cuda":
             return None
         self._fill([])  # a valid all-padding input
-        self.active_pages = self.buffers.max_pages
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -129,8 +165,14 @@ class PreparedProgram:
 
     # -- one execution ---------------------------------------------------------
     def _fill(self, inputs: list[LaneInput]) -> None:
-        """Pack ``inputs`` into the static buffers (host lists, one copy per field)."""
-        shape, b, page_size = self.shape, self.buffers, self.page_size
+        """Pack ``inputs`` into one int64 and one float32 host tensor and bind them.
+
+        Building tensors from Python lists dominates a frame's host time, so
+        every field goes into one list.  Captured programs get one copy into
+        their device arena; eager ones read the host tensors (CPU) or a copy of
+        them (eager CUDA).
+        """
+        shape, page_size = self.shape, self.page_size
         n, lanes = shape.tokens, shape.lanes
         if len(inputs) > lanes:
             raise ProgramError(f"{len(inputs)} lanes for {lanes} rows")
@@ -146,8 +188,8 @@ class PreparedProgram:
             ctx = i.start_position + q
             if q > shape.max_query_len or ctx > len(i.page_table) * page_size:
                 raise ProgramError(f"slot {i.slot}: {q} tokens at {i.start_position} do not fit")
-            if len(i.page_table) > b.max_pages:
-                raise ProgramError(f"slot {i.slot}: {len(i.page_table)} pages > {b.max_pages}")
+            if len(i.page_table) > self.max_pages:
+                raise ProgramError(f"slot {i.slot}: {len(i.page_table)} pages > {self.max_pages}")
             starts.append(len(ids))
             q_lens.append(q)
             ctx_lens.append(ctx)
@@ -161,42 +203,33 @@ class PreparedProgram:
         if used > n:
             raise ProgramError(f"{used} tokens do not fit {self.desc.describe()}")
         pad_tokens, pad_lanes = n - used, lanes - len(inputs)
-        ids += [0] * pad_tokens
-        positions += [0] * pad_tokens
-        slots += [-1] * pad_tokens  # padding writes nothing
-        last = [s + q - 1 for s, q in zip(starts, q_lens)] + [0] * pad_lanes
-        starts += [used] * pad_lanes
-        q_lens += [0] * pad_lanes  # inactive lanes
-        ctx_lens += [0] * pad_lanes
-        pages = b.max_pages if self.graph is not None else -(-longest // page_size)
-        tables = [list(i.page_table[:pages]) + [-1] * (pages - len(i.page_table)) for i in inputs]
-        tables += [[-1] * pages] * pad_lanes
-        rows = [(i.sampling.temperature, i.sampling.top_p) for i in inputs]
-        rows += [(0.0, 1.0)] * pad_lanes
-        ints = [(i.sampling.top_k, i.sampling.seed, i.step) for i in inputs]
-        ints += [(-1, 0, 0)] * pad_lanes
-
-        nb = self.device.type == "cuda"
-
-        def put(dst: torch.Tensor, values, dtype=torch.int64) -> None:
-            dst.copy_(torch.tensor(values, dtype=dtype), non_blocking=nb)
-
-        put(b.input_ids[:n], ids)
-        put(b.positions[:n], positions)
-        put(b.slot_mapping[:n], slots)
-        put(b.query_start[:lanes], starts)
-        put(b.query_lens[:lanes], q_lens)
-        put(b.context_lens[:lanes], ctx_lens)
-        put(b.page_tables[:lanes, :pages], tables)
-        put(b.logits_indices[:lanes], last)
-        floats = torch.tensor(rows, dtype=torch.float32)  # (L, 2)
-        b.temperature[:lanes].copy_(floats[:, 0], non_blocking=nb)
-        b.top_p[:lanes].copy_(floats[:, 1], non_blocking=nb)
-        packed = torch.tensor(ints, dtype=torch.int64)  # (L, 3)
-        b.top_k[:lanes].copy_(packed[:, 0], non_blocking=nb)
-        b.seed[:lanes].copy_(packed[:, 1], non_blocking=nb)
-        b.step[:lanes].copy_(packed[:, 2], non_blocking=nb)
-        self.active_pages = pages
+        pages = self.max_pages if self.graph is not None else -(-longest // page_size)
+        packed = ids + [0] * pad_tokens
+        packed += positions + [0] * pad_tokens
+        packed += slots + [-1] * pad_tokens  # padding writes nothing
+        packed += starts + [used] * pad_lanes
+        packed += q_lens + [0] * pad_lanes  # inactive lanes
+        packed += ctx_lens + [0] * pad_lanes
+        packed += [s + q - 1 for s, q in zip(starts, q_lens)] + [0] * pad_lanes  # last token
+        packed += [i.sampling.top_k for i in inputs] + [-1] * pad_lanes
+        packed += [i.sampling.seed for i in inputs] + [0] * pad_lanes
+        packed += [i.step for i in inputs] + [0] * pad_lanes
+        for i in inputs:
+            table = i.page_table
+            packed += table[:pages]
+            packed += [-1] * (pages - len(table))  # empty when the table is longer
+        packed += [-1] * (pages * pad_lanes)
+        floats = [i.sampling.temperature for i in inputs] + [0.0] * pad_lanes
+        floats += [i.sampling.top_p for i in inputs] + [1.0] * pad_lanes
+        host_ints = torch.tensor(packed, dtype=torch.int64)
+        host_floats = torch.tensor(floats, dtype=torch.float32)
+        if self.device.type != "cuda":
+            self.inputs = ProgramInputs.over(host_ints, host_floats, n, lanes, pages)
+            return
+        self._ints[: len(packed)].copy_(host_ints, non_blocking=True)
+        self._floats.copy_(host_floats, non_blocking=True)
+        if self.graph is None:  # eager CUDA: views follow this frame's page count
+            self.inputs = ProgramInputs.over(self._ints, self._floats, n, lanes, pages)
 
     def run(self, inputs: list[LaneInput]) -> tuple[list[int], int]:
         """Execute for ``inputs``; returns (one sampled token per lane, device ns)."""
@@ -217,7 +250,7 @@ class PreparedProgram:
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             device_ns = time.perf_counter_ns() - t0
-        tokens = self.buffers.out_tokens[: len(inputs)].tolist()
+        tokens = self.out_tokens[: len(inputs)].tolist()
         return tokens, max(1, device_ns)
 
 
@@ -235,10 +268,8 @@ def prepare_programs(
     shapes = [ProgramShape.of(d) for d in catalog]
     device = model.model.embed_tokens.weight.device
     max_pages = -(-max_context // page_size)
-    buffers = StaticBuffers(
-        max(s.tokens for s in shapes), max(s.lanes for s in shapes), max_pages, device
-    )
-    programs = {d.key: PreparedProgram(d, model, buffers, page_size) for d in catalog}
+    out_tokens = torch.zeros(max(s.lanes for s in shapes), dtype=torch.int64, device=device)
+    programs = {d.key: PreparedProgram(d, model, out_tokens, page_size, max_pages) for d in catalog}
     order = sorted(programs.values(), key=lambda p: (p.shape.tokens, p.shape.lanes), reverse=True)
     pool = None
     for program in progress(order) if progress else order:

@@ -80,11 +80,16 @@ class RankWorker:
         if program is None:
             raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
         inputs = self.slots.prepare(frame)
-        for inp in inputs:
+        for inp, lane in zip(inputs, frame.lanes):
             if inp.start_position + len(inp.tokens) > self.max_context:
                 raise FrameError(f"fence {frame.fence}: slot {inp.slot} exceeds the context")
-            if any(not 0 <= p < self.num_pages for p in inp.page_table):
+            # Page ids are non-negative by schema; a decode lane without a table
+            # reuses the one its prefill brought (checked then).
+            if lane.page_table and max(lane.page_table) >= self.num_pages:
                 raise FrameError(f"fence {frame.fence}: slot {inp.slot} names a page out of range")
+        if not inputs:  # an empty frame: releases only, no program runs
+            self.slots.commit(frame, inputs, [])
+            return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
         tokens, device_ns = program.run(inputs)
         if self.debug_delay_ns:  # a deliberately slow rank, for debugging and tests
             time.sleep(self.debug_delay_ns / 1e9)
@@ -111,11 +116,18 @@ class RankWorker:
             lanes=lanes,
         )
 
-    def serve(self, channel) -> None:
-        """Answer frames until a shutdown control arrives."""
+    def serve(self, channel, spin_us: int = 0) -> None:
+        """Answer frames until a shutdown control arrives.
+
+        ``spin_us``: after each completion, busy-poll that long for the next
+        frame before blocking (the coordinator usually sends it within a round
+        trip, and waking a blocked process costs more than the spin).
+        """
         channel.send(self.report())
+        spin = 0
         while True:
-            message = channel.recv(timeout_ms=1000)
+            message = channel.recv(timeout_ms=1000, spin_us=spin)
+            spin = 0
             if message is None:
                 continue
             if isinstance(message, Control):
@@ -139,6 +151,7 @@ class RankWorker:
                 channel.send(self._error(message.fence, f"{type(exc).__name__}: {exc}"))
                 raise
             channel.send(completion)
+            spin = spin_us
 
     def _error(self, fence: int, reason: str) -> Completion:
         return Completion(

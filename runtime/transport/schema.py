@@ -189,11 +189,14 @@ def _program(data: Any) -> GraphDescriptor:
 class Frame:
     """Coordinator -> ranks: run ``program`` on ``lanes``.
 
-    ``lanes``: 1..``program.batch_capacity`` rows with distinct slots; their
+    ``lanes``: up to ``program.batch_capacity`` rows with distinct slots; their
     prompt tokens fit ``program.prompt_capacity`` (so decode-only programs take
-    no prefill lanes).  ``prompt_row``: index of the prompt (prefill) lane of a
-    mixed program, -1 for none.  ``release_slots``: slots whose rank-side state
-    may be dropped, distinct and disjoint from the lanes' slots.
+    no prefill lanes).  A frame with no lanes is an *empty frame*: the ranks
+    check it, apply its releases and answer without running the program (the
+    coordinator measures its round trip with one).  ``prompt_row``: index of
+    the prompt (prefill) lane of a mixed program, -1 for none.
+    ``release_slots``: slots whose rank-side state may be dropped, distinct
+    and disjoint from the lanes' slots.
     """
 
     fence: int
@@ -208,8 +211,6 @@ class Frame:
             raise ProtocolError("program", "must be a GraphDescriptor")
         capacity = self.program.batch_capacity
         lanes = check_instances("lanes", self.lanes, FrameLane, capacity)
-        if not lanes:
-            raise ProtocolError("lanes", "a frame needs at least one lane")
         slots = [lane.slot for lane in lanes]
         check_unique("lanes.slot", slots)
         prompt_tokens = sum(len(lane.prompt_tokens) for lane in lanes)

@@ -96,6 +96,35 @@ def test_concurrent_requests_get_exactly_their_tokens(one_rank: Engine, concurre
     assert summary["frames"] >= sent and summary["host_overhead_ratio"] >= 1.0
 
 
+def test_round_trip_probe_waits_for_an_empty_window_and_leaves_requests_intact(
+    one_rank: Engine,
+) -> None:
+    cases = workload(6, seed=17)
+    streams = [one_rank.submit(prompt, max_tokens) for prompt, max_tokens in cases]
+    trips = one_rank.measure_round_trip(25)
+    assert len(trips) == 25 and min(trips) > 0
+    for stream, (prompt, max_tokens) in zip(streams, cases):
+        result = stream.result(timeout=WAIT_S)
+        assert (result.token_ids, result.finish_reason) == reference(prompt, max_tokens)
+    with pytest.raises(ValueError, match="count"):
+        one_rank.measure_round_trip(0)
+
+
+def test_spinning_engine_serves_the_same_tokens() -> None:
+    served = Served(2, FakeSpec(), max_slots=8, poll_spin_us=300).start(thread=False)
+    try:
+        streams = [served.engine.submit(p, m) for p, m in workload(8, seed=3)]
+        assert len(served.engine.measure_round_trip(5)) == 5  # driven by step()
+        deadline = time.monotonic() + WAIT_S
+        while not all(s.finished for s in streams) and time.monotonic() < deadline:
+            served.engine.step(20)
+        for stream, (prompt, max_tokens) in zip(streams, workload(8, seed=3)):
+            result = stream.result(timeout=0)
+            assert (result.token_ids, result.finish_reason) == reference(prompt, max_tokens)
+    finally:
+        assert served.close() == [fake_rank.EXIT_OK] * 2
+
+
 def test_mismatched_catalog_is_refused() -> None:
     spec = FakeSpec(per_rank={1: {"num_pages": 256}}, idle_exit_s=WAIT_S)
     served = Served(2, spec, shutdown_grace_s=0.2)

@@ -114,6 +114,8 @@ def check(stream: Any, prompt: list[int], max_tokens: int, ignore_eos: bool = Fa
         ({"endpoints": ChannelEndpoints("tcp://127.0.0.1:1", "tcp://[::1]:2")}, "endpoints"),
         ({"endpoints": ChannelEndpoints("tcp://127.0.0.1:x", "tcp://127.0.0.1:2")}, "endpoints"),
         ({"frame_stats": -1}, "frame_stats"),
+        ({"poll_spin_us": -1}, "poll_spin_us"),
+        ({"poll_spin_us": 0.5}, "poll_spin_us"),
     ],
 )
 def test_config_errors_name_the_field(kwargs: dict, field: str) -> None:

@@ -126,3 +126,16 @@ def test_a_rank_that_dies_at_start_up_fails_the_start_at_once(tmp_path):
         deployment.start()
     assert time.monotonic() - start < 60
     assert all(p.poll() is not None for p in deployment.ranks)
+
+
+def test_spin_budget_needs_a_core_per_process(monkeypatch):
+    from runtime import local
+
+    monkeypatch.setattr(local.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
+    assert local.spin_budget_us(1) == local.DEFAULT_SPIN_US  # coordinator + 1 rank, 2 cores
+    assert local.spin_budget_us(2) == 0  # 3 processes on 2 cores: never spin
+    config = DeploymentConfig(tensor_parallel_size=2)
+    assert config.rank_args()[config.rank_args().index("--poll-spin-us") + 1] == "0"
+    assert DeploymentConfig(tensor_parallel_size=2, poll_spin_us=50).spin_us == 50
+    with pytest.raises(ValueError, match="poll_spin_us"):
+        DeploymentConfig(poll_spin_us=-5)

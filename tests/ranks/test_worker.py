@@ -184,3 +184,24 @@ def test_report_describes_the_catalog(checkpoint):
         ("prefill", 1, 64),
         ("prefill", 1, 128),
     ]
+
+
+def test_empty_frame_runs_nothing_but_applies_its_releases(checkpoint):
+    path, _ = checkpoint
+    d = Driver(make_worker(path))
+    d.prefill(0, 1, PROMPTS[0])
+    d.prefill(1, 1, PROMPTS[2])
+    runs = d.w.frames
+    d.fence += 1
+    empty = Frame(d.fence, GraphDescriptor(GraphKind.DECODE, 1), (), release_slots=(0,))
+    completion = d.w.execute(empty)
+    assert completion.fence == d.fence and completion.device_ns == 0 and completion.lanes == ()
+    assert d.w.frames == runs  # no program ran
+    assert d.w.slots.state(0) is None and d.w.slots.state(1) is not None
+    with pytest.raises(FrameError, match="no state"):
+        d.decode([(0, 1)], 1)  # slot 0 was released
+    d.decode([(1, 1)], 1)  # slot 1 is untouched
+    d.fence += 1
+    bogus = Frame(d.fence, GraphDescriptor(GraphKind.DECODE, 64), ())
+    with pytest.raises(ProgramError, match="unknown"):
+        d.w.execute(bogus)  # an empty frame still names a prepared program

@@ -178,6 +178,23 @@ def test_handshake_in_process_then_frames_and_late_readies(coordinator_factory: 
         assert coordinator.rejected == 0 and rank.rejected == 0
 
 
+def test_spinning_receive_gets_messages_and_still_times_out(coordinator_factory: Any) -> None:
+    coordinator = coordinator_factory(world_size=1)
+    with RankChannel(coordinator.endpoints, 0) as rank:
+        thread = threading.Thread(target=rank.handshake, kwargs={"timeout_ms": WAIT_MS})
+        thread.start()
+        coordinator.handshake(timeout_s=WAIT_S)
+        thread.join(timeout=WAIT_S)
+        for fence in range(3):
+            coordinator.publish(_frame(fence))
+            assert rank.recv(timeout_ms=WAIT_MS, spin_us=2000) == _frame(fence)
+            rank.send(Completion(fence, 0, 1, device_ns=5))
+            assert coordinator.recv(timeout_ms=WAIT_MS, spin_us=2000).fence == fence
+        # Nothing sent: the spin ends, the blocking wait ends at the timeout.
+        assert rank.recv(timeout_ms=30, spin_us=1000) is None
+        assert coordinator.recv(timeout_ms=0, spin_us=1000) is None
+
+
 # ---------------------------------------------------------------- malformed input
 
 MALFORMED = [

@@ -189,7 +189,6 @@ BAD = [
     _case("Frame", "program.kind", "bogus", "program"),
     _case("Frame", "program.batch_capacity", 3, "program"),
     _case("Frame", "program", "decode", "program"),
-    _case("Frame", "lanes", [], "lanes"),
     _case("Frame", "lanes", {}, "lanes"),
     _case("Frame", "lanes.1.slot", 3, "lanes.slot"),  # duplicate slot
     _case("Frame", "lanes.0.prompt_tokens", list(range(65)), "lanes"),  # over prompt capacity
@@ -329,3 +328,13 @@ def test_decode_lanes_may_leave_sampling_to_the_slot_but_prefill_lanes_may_not()
     assert FrameLane.from_wire(lane.to_wire()) == lane
     with pytest.raises(ProtocolError, match="sampling"):
         FrameLane(2, 1, "prefill", 0, (5,), 0, (1,), 1, None)
+
+
+def test_empty_frame_carries_releases_but_no_prompt_row():
+    from runtime.transport.schema import Frame, ProtocolError
+
+    empty = Frame(9, examples.DECODE, (), release_slots=(1, 2))
+    assert decode(encode(empty)) == empty and empty.lanes == ()
+    with pytest.raises(ProtocolError) as raised:
+        Frame(9, examples.DECODE, (), prompt_row=0)
+    assert raised.value.field == "prompt_row"

@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.engine.config import EngineConfig, EngineError, EngineStartError
@@ -59,6 +60,15 @@ MAX_WAIT_MS = 20
 RUN_STEP_MS = 50
 
 
+@dataclass
+class _Probe:
+    """A round-trip measurement: ``count`` empty frames, one at a time."""
+
+    count: int
+    round_trips_ns: list[int] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+
 class Engine:
     """The coordinator's runtime around one :class:`Scheduler` and one channel.
 
@@ -84,7 +94,7 @@ class Engine:
         self._channel: CoordinatorChannel | None = None
         self._world = self.config.world_size
         # Commands from any thread; the engine thread drains them.
-        self._commands: deque[tuple[str, RequestStream]] = deque()
+        self._commands: deque[tuple[str, RequestStream | _Probe]] = deque()
         self._command_lock = threading.Lock()
         self._wake = threading.Event()
         self._state_lock = threading.RLock()  # held by the engine thread while it mutates
@@ -98,6 +108,7 @@ class Engine:
         self._inflight: deque[Dispatch] = deque()
         self._by_fence: dict[int, Dispatch] = {}
         self._release: set[int] = set()  # retired slots not yet released on the ranks
+        self._probes: deque[_Probe] = deque()
         self._next_fence = 1
 
     # ------------------------------------------------------------------ start-up
@@ -200,6 +211,34 @@ class Engine:
             self._commands.append(("cancel", stream))
         self._wake.set()
 
+    def measure_round_trip(self, count: int = 100, timeout_s: float = 60.0) -> list[int]:
+        """Round trips of ``count`` empty frames, in ns (any thread).
+
+        Each empty frame goes coordinator -> every rank -> coordinator through
+        the same channel, validation and rank loop as a real frame, but runs no
+        program: what the host and the transport add to every frame.  Frames
+        are sent one at a time into an empty window; planning pauses meanwhile.
+        """
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"count must be a positive integer, got {count!r}")
+        if not self.started:
+            raise EngineError("the engine is not started: call start() first")
+        probe = _Probe(count)
+        with self._command_lock:
+            self._check_open()
+            self._commands.append(("probe", probe))
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s
+        while not probe.done.is_set():
+            if time.monotonic() > deadline:
+                raise EngineError(f"round-trip probe unfinished after {timeout_s:g} s")
+            if self._thread is None:
+                self.step(MAX_WAIT_MS)
+            else:
+                probe.done.wait(0.05)
+                self._check_open()
+        return list(probe.round_trips_ns)
+
     def _check_open(self) -> None:
         if self.error is not None:
             raise EngineError(f"the engine failed: {self.error}")
@@ -256,7 +295,7 @@ class Engine:
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             wait_ms = 0 if progressed else min(MAX_WAIT_MS, remaining_ms)
             if self._inflight:
-                message = channel.recv(timeout_ms=wait_ms)
+                message = self._await_message(wait_ms)
                 with self._state_lock:
                     while message is not None:
                         progressed |= self._on_message(message)
@@ -274,6 +313,29 @@ class Engine:
                 break
         return progressed
 
+    def _await_message(self, wait_ms: int) -> object | None:
+        """The next message from the ranks within ``wait_ms``, or None.
+
+        With ``poll_spin_us``, sleeps in ``zmq_poll`` until shortly before the
+        head frame's expected end, then busy-polls across it: the completion
+        is then seen within microseconds instead of after a wake-up.
+        """
+        channel = self._channel
+        assert channel is not None
+        spin_us = self.config.poll_spin_us
+        if not spin_us or wait_ms == 0:
+            return channel.recv(timeout_ms=wait_ms)
+        deadline_ns = time.monotonic_ns() + wait_ms * 1_000_000
+        lead_ms = (self._inflight[0].expected_end_ns - spin_us * 1000 - time.monotonic_ns()) // (
+            1_000_000
+        )
+        if lead_ms > 0:
+            message = channel.recv(timeout_ms=min(lead_ms, wait_ms))
+            if message is not None:
+                return message
+        remaining_ms = max(0, -(-(deadline_ns - time.monotonic_ns()) // 1_000_000))
+        return channel.recv(timeout_ms=remaining_ms, spin_us=2 * spin_us)
+
     # ------------------------------------------------------------------ commands
     def _drain_commands(self) -> bool:
         done = False
@@ -281,12 +343,14 @@ class Engine:
             with self._command_lock:
                 if not self._commands:
                     return done
-                kind, stream = self._commands.popleft()
+                kind, item = self._commands.popleft()
             done = True
-            if kind == "submit":
-                self._admit(stream)
+            if isinstance(item, _Probe):
+                self._probes.append(item)
+            elif kind == "submit":
+                self._admit(item)
             else:
-                self._cancel(stream)
+                self._cancel(item)
 
     def _admit(self, stream: RequestStream) -> None:
         scheduler = self.scheduler
@@ -329,6 +393,8 @@ class Engine:
     def _dispatch(self) -> bool:
         scheduler, channel = self.scheduler, self._channel
         assert scheduler is not None and channel is not None
+        if self._probes:  # a measurement waits for an empty window and holds planning
+            return self._send_probe()
         sent = False
         while True:
             plan_ns = time.monotonic_ns()
@@ -342,12 +408,40 @@ class Engine:
             scheduler.commit(plan, fence)
             self._next_fence += 1
             self._release.clear()  # carried by this frame (or replaced by a new tenant)
-            dispatch = Dispatch(fence, plan, ignore_eos, queued, plan_ns, time.monotonic_ns())
+            sent_ns = time.monotonic_ns()
+            start_ns = max(sent_ns, self._inflight[-1].expected_end_ns) if queued else sent_ns
+            dispatch = Dispatch(
+                fence,
+                plan,
+                ignore_eos,
+                queued,
+                plan_ns,
+                sent_ns,
+                start_ns + plan.estimated_duration_ns,
+            )
             channel.publish(frame)
             self._inflight.append(dispatch)
             self._by_fence[fence] = dispatch
             self.stats.add(frames_sent=1)
             sent = True
+
+    def _send_probe(self) -> bool:
+        """Publish the next empty frame of the head probe once nothing is in flight."""
+        if self._inflight:
+            return False
+        channel, facts = self._channel, self.facts
+        assert channel is not None and facts is not None
+        fence = self._next_fence
+        self._next_fence += 1
+        program = min(facts.descriptors, key=lambda d: (d.batch_capacity, d.prompt_capacity))
+        frame = Frame(fence, program, (), release_slots=tuple(sorted(self._release)))
+        self._release.clear()
+        now = time.monotonic_ns()
+        dispatch = Dispatch(fence, None, (), False, now, time.monotonic_ns(), now)
+        channel.publish(frame)
+        self._inflight.append(dispatch)
+        self._by_fence[fence] = dispatch
+        return True
 
     def _frame(self, plan: ScheduledPlan, fence: int) -> tuple[Frame, tuple[bool, ...]]:
         """The wire frame of ``plan`` and each lane's ignore_eos flag."""
@@ -408,6 +502,13 @@ class Engine:
         scheduler = self.scheduler
         assert scheduler is not None
         now = time.monotonic_ns()
+        if dispatch.plan is None:  # an empty frame of a round-trip probe
+            del self._by_fence[dispatch.fence]
+            probe = self._probes[0]
+            probe.round_trips_ns.append(now - dispatch.sent_ns)
+            if len(probe.round_trips_ns) >= probe.count:
+                self._probes.popleft().done.set()
+            return
         scheduler.advance_to(now)
         del self._by_fence[dispatch.fence]
         answers = dispatch.answers
@@ -520,7 +621,7 @@ class Engine:
         with self._command_lock:
             already = self._closed
             self._closed = True
-            pending = [stream for kind, stream in self._commands if kind == "submit"]
+            pending = [item for kind, item in self._commands if kind == "submit"]
             self._commands.clear()
         with self._state_lock:
             streams = pending + [live.stream for live in self._by_request.values()]

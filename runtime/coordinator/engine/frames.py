@@ -33,14 +33,20 @@ class Live:
 
 @dataclass(slots=True)
 class Dispatch:
-    """A published frame awaiting every rank's completion."""
+    """A published frame awaiting every rank's completion.
+
+    ``plan`` is None for an empty frame sent to measure the round trip.
+    ``expected_end_ns``: when the ranks should finish it (its expected start,
+    the dispatch or the previous frame's expected end, plus its estimate).
+    """
 
     fence: int
-    plan: ScheduledPlan
+    plan: ScheduledPlan | None
     ignore_eos: tuple[bool, ...]  # per lane
     queued: bool  # dispatched behind another frame
     plan_ns: int
     sent_ns: int
+    expected_end_ns: int
     answers: dict[int, Completion] = field(default_factory=dict)  # by rank
 
 
