@@ -25,9 +25,15 @@ setup(
         # Triton ships for Linux x86-64/aarch64 only; the CPU path never imports
         # it outside kernels/triton.
         "triton>=3.0; platform_system == 'Linux'",
+        # The HTTP frontend and the load generator.
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus_client>=0.20",
+        "jinja2>=3.1",
+        "httpx>=0.27",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff==0.17.6", "transformers>=4.45"],
+        "test": ["pytest>=8", "ruff==0.17.6", "transformers>=4.45", "openai>=1.40"],
     },
     entry_points={"console_scripts": ["flare=runtime.cli:main"]},
 )

@@ -102,3 +102,20 @@ def stop_ranks(procs: Sequence[subprocess.Popen], timeout_s: float = 30.0) -> li
             p.kill()
             p.wait()
     return codes
+
+
+def spawn_coordinator(args: Sequence[str]) -> subprocess.Popen:
+    """Start ``python -m runtime.coordinator ARGS`` for the HTTP frontend.
+
+    It dies with this process and keeps out of the terminal's Ctrl-C (the
+    frontend stops it with SIGTERM, and it stops its ranks).
+    """
+    env = dict(os.environ)
+    path = env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)
+    return subprocess.Popen(
+        [sys.executable, "-m", "runtime.coordinator", *args],
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )

@@ -46,6 +46,7 @@ class DeploymentConfig:
     cuda_graphs: bool = True
     startup_timeout_s: float = 600.0
     poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
+    external_publication: bool = False  # a frontend reports publications
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -95,6 +96,7 @@ class LocalDeployment:
                 catalog_timeout_s=cfg.startup_timeout_s,
                 handshake_timeout_s=cfg.startup_timeout_s,
                 poll_spin_us=cfg.spin_us,
+                external_publication=cfg.external_publication,
             )
         )
         self.ranks: list = []

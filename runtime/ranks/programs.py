@@ -2,8 +2,11 @@
 
 Graph capture is one component (STYLE.md).  Each program owns a small input
 arena (:class:`ProgramInputs`); a CUDA graph captured over its views replays
-with whatever the host copied in.  Sampled tokens land in one output buffer
-shared by every program.
+with whatever the host copied in.  Sampled tokens, and every lane's raw log
+probabilities (the sampled token's and the top :data:`MAX_LOGPROBS`), land in
+output buffers shared by every program (:class:`ProgramOutputs`), beside the
+model's EOS ids, which ``min_tokens`` bars.  Captured programs always
+compute the log probabilities (static work); eager ones only when asked.
 
 * CUDA: each program is captured with ``torch.cuda.CUDAGraph`` (largest first,
   one memory pool) and timed with CUDA events around the replay.
@@ -27,8 +30,9 @@ import torch
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.llama import LlamaForCausalLM
-from runtime.ranks.sampling import SamplingBatch, sample
+from runtime.ranks.sampling import SamplingBatch, eos_index, sample, token_logprobs
 from runtime.ranks.slots import LaneInput
+from runtime.transport.schema import MAX_LOGPROBS
 
 
 class ProgramError(ValueError):
@@ -52,7 +56,8 @@ class ProgramShape:
 
 INT_FIELDS_PER_TOKEN = ("input_ids", "positions", "slot_mapping")
 INT_FIELDS_PER_LANE = (
-    "query_start", "query_lens", "context_lens", "logits_indices", "top_k", "seed", "step"
+    "query_start", "query_lens", "context_lens", "logits_indices", "top_k", "seed", "step",
+    "min_tokens",
 )  # fmt: skip
 
 
@@ -75,6 +80,7 @@ class ProgramInputs:
     top_k: torch.Tensor  # (L,)
     seed: torch.Tensor  # (L,)
     step: torch.Tensor  # (L,)
+    min_tokens: torch.Tensor  # (L,)
     page_tables: torch.Tensor  # (L, P)
     temperature: torch.Tensor  # (L,)
     top_p: torch.Tensor  # (L,)
@@ -99,6 +105,33 @@ class ProgramInputs:
         return len(INT_FIELDS_PER_TOKEN) * n + len(INT_FIELDS_PER_LANE) * lanes + lanes * pages
 
 
+@dataclass(frozen=True)
+class ProgramOutputs:
+    """Static buffers shared by every program (rows 0..L-1 belong to the last run)."""
+
+    tokens: torch.Tensor  # (L_max,) int64: the sampled tokens
+    logprob: torch.Tensor  # (L_max,) float32: the sampled token's raw log probability
+    top_ids: torch.Tensor  # (L_max, K) int64: the top-K tokens, best first
+    top_logprobs: torch.Tensor  # (L_max, K) float32: their log probabilities
+    eos: torch.Tensor  # (E,) int64: the model's EOS ids, barred by min_tokens
+
+    @classmethod
+    def allocate(cls, lanes: int, model: LlamaForCausalLM, device: torch.device) -> ProgramOutputs:
+        vocab = model.config.vocab_size
+        k = min(MAX_LOGPROBS, vocab)
+        return cls(
+            tokens=torch.zeros(lanes, dtype=torch.int64, device=device),
+            logprob=torch.zeros(lanes, dtype=torch.float32, device=device),
+            top_ids=torch.zeros(lanes, k, dtype=torch.int64, device=device),
+            top_logprobs=torch.zeros(lanes, k, dtype=torch.float32, device=device),
+            eos=eos_index(model.config.eos_token_ids, device),
+        )
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.top_ids.shape[1]
+
+
 class PreparedProgram:
     """One descriptor's program: its input arena, its body, its captured graph.
 
@@ -113,17 +146,18 @@ class PreparedProgram:
         self,
         desc: GraphDescriptor,
         model: LlamaForCausalLM,
-        out_tokens: torch.Tensor,
+        outputs: ProgramOutputs,
         page_size: int,
         max_pages: int,
     ) -> None:
         self.desc = desc
         self.shape = ProgramShape.of(desc)
         self.model = model
-        self.out_tokens = out_tokens  # (L_max,) shared by every program
+        self.outputs = outputs  # shared by every program
+        self.out_tokens = outputs.tokens  # (L_max,)
         self.page_size = page_size
         self.max_pages = max_pages
-        self.device = out_tokens.device
+        self.device = outputs.tokens.device
         self.graph: torch.cuda.CUDAGraph | None = None
         n, lanes = self.shape.tokens, self.shape.lanes
         self._ints = torch.zeros(ProgramInputs.int_size(n, lanes, max_pages), dtype=torch.int64)
@@ -132,8 +166,13 @@ class PreparedProgram:
         self.inputs = ProgramInputs.over(self._ints, self._floats, n, lanes, max_pages)
 
     # -- the program body, over the input views ---------------------------------
-    def _body(self) -> None:
-        x, lanes = self.inputs, self.shape.lanes
+    def _body(self, logprobs: bool = True) -> None:
+        """Forward, sample; with ``logprobs`` also the raw log probabilities.
+
+        ``logprobs`` is fixed per call site (always True under capture), never
+        read from the data.
+        """
+        x, lanes, out = self.inputs, self.shape.lanes, self.outputs
         meta = AttentionMetadata(
             query_start=x.query_start,
             query_lens=x.query_lens,
@@ -142,9 +181,15 @@ class PreparedProgram:
             slot_mapping=x.slot_mapping,
             max_query_len=self.shape.max_query_len,
         )
-        logits = self.model(x.input_ids, x.positions, meta, x.logits_indices)
-        params = SamplingBatch(x.temperature, x.top_p, x.top_k, x.seed, x.step)
-        self.out_tokens[:lanes].copy_(sample(logits, params))  # (L,)
+        logits = self.model(x.input_ids, x.positions, meta, x.logits_indices).float()  # (L, V)
+        params = SamplingBatch(x.temperature, x.top_p, x.top_k, x.seed, x.step, x.min_tokens)
+        tokens = sample(logits, params, out.eos)  # (L,)
+        out.tokens[:lanes].copy_(tokens)
+        if logprobs:
+            chosen, top_values, top_ids = token_logprobs(logits, tokens, out.max_logprobs)
+            out.logprob[:lanes].copy_(chosen)
+            out.top_logprobs[:lanes].copy_(top_values)
+            out.top_ids[:lanes].copy_(top_ids)
 
     def capture(self, pool: object | None = None) -> object | None:
         """CUDA: capture the body as a graph (returns its memory pool). CPU: no-op."""
@@ -214,6 +259,7 @@ class PreparedProgram:
         packed += [i.sampling.top_k for i in inputs] + [-1] * pad_lanes
         packed += [i.sampling.seed for i in inputs] + [0] * pad_lanes
         packed += [i.step for i in inputs] + [0] * pad_lanes
+        packed += [i.sampling.min_tokens for i in inputs] + [0] * pad_lanes
         for i in inputs:
             table = i.page_table
             packed += table[:pages]
@@ -231,8 +277,12 @@ class PreparedProgram:
         if self.graph is None:  # eager CUDA: views follow this frame's page count
             self.inputs = ProgramInputs.over(self._ints, self._floats, n, lanes, pages)
 
-    def run(self, inputs: list[LaneInput]) -> tuple[list[int], int]:
-        """Execute for ``inputs``; returns (one sampled token per lane, device ns)."""
+    def run(self, inputs: list[LaneInput], *, logprobs: bool = False) -> tuple[list[int], int]:
+        """Execute for ``inputs``; returns (one sampled token per lane, device ns).
+
+        ``logprobs``: the caller will read :meth:`logprobs` after this run (an
+        eager program computes them only then; a captured one always does).
+        """
         self._fill(inputs)
         if self.graph is not None:
             start = torch.cuda.Event(enable_timing=True)
@@ -246,12 +296,25 @@ class PreparedProgram:
             if self.device.type == "cuda":  # eager CUDA (capture disabled)
                 torch.cuda.synchronize()
             t0 = time.perf_counter_ns()
-            self._body()
+            self._body(logprobs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             device_ns = time.perf_counter_ns() - t0
         tokens = self.out_tokens[: len(inputs)].tolist()
         return tokens, max(1, device_ns)
+
+    def logprobs(self, lanes: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last run's first ``lanes`` rows, on the CPU, after ``run(..., logprobs=True)``.
+
+        Returns (float32 (lanes, 1 + k): the sampled token's log probability,
+        then the top ``k``; int32 (lanes, k): the top ``k`` token ids).  ``k``
+        is at most :attr:`ProgramOutputs.max_logprobs`.
+        """
+        out = self.outputs
+        if not 0 <= k <= out.max_logprobs:
+            raise ProgramError(f"{k} log probabilities, at most {out.max_logprobs}")
+        values = torch.cat([out.logprob[:lanes, None], out.top_logprobs[:lanes, :k]], dim=1)
+        return values.cpu(), out.top_ids[:lanes, :k].to(torch.int32).cpu()
 
 
 def prepare_programs(
@@ -268,8 +331,8 @@ def prepare_programs(
     shapes = [ProgramShape.of(d) for d in catalog]
     device = model.model.embed_tokens.weight.device
     max_pages = -(-max_context // page_size)
-    out_tokens = torch.zeros(max(s.lanes for s in shapes), dtype=torch.int64, device=device)
-    programs = {d.key: PreparedProgram(d, model, out_tokens, page_size, max_pages) for d in catalog}
+    outputs = ProgramOutputs.allocate(max(s.lanes for s in shapes), model, device)
+    programs = {d.key: PreparedProgram(d, model, outputs, page_size, max_pages) for d in catalog}
     order = sorted(programs.values(), key=lambda p: (p.shape.tokens, p.shape.lanes), reverse=True)
     pool = None
     for program in progress(order) if progress else order:

@@ -8,6 +8,17 @@ Sampling is Gumbel-max over the filtered, temperature-scaled logits:
 ``argmax(logits / T + g)`` with ``g = -log(-log(u))`` draws exactly from
 ``softmax(logits / T)`` restricted to the kept tokens.
 
+Two per-request extras, both fixed-shape too:
+
+* ``min_tokens``: while a row's step (tokens sampled so far) is below its
+  ``min_tokens``, the EOS ids' logits are -inf (:func:`suppress_eos`), before
+  temperature, top-k and top-p (so the filters see the masked logits, as in
+  vLLM).  Rows at or past their ``min_tokens`` are bitwise what they would be
+  without the mask.
+* log probabilities (:func:`token_logprobs`): ``log_softmax`` of the raw float32
+  logits (before temperature, top-k, top-p and the EOS mask, vLLM's "raw"
+  mode): the sampled token's and the top ``k``, for every row.
+
 Everything is fixed-shape tensor work with no host synchronization, so it can be
 captured in a CUDA graph.  Integer hashing uses 32-bit lanes inside int64 so no
 intermediate product overflows.
@@ -15,9 +26,12 @@ intermediate product overflows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+from runtime.transport.schema import MAX_LOGPROBS
 
 _MASK32 = 0xFFFFFFFF
 
@@ -59,27 +73,70 @@ class SamplingBatch:
     top_k: torch.Tensor  # (R,) int64; -1 = off
     seed: torch.Tensor  # (R,) int64
     step: torch.Tensor  # (R,) int64: the row's output index, so each token gets fresh noise
+    min_tokens: torch.Tensor | None = None  # (R,) int64: no EOS while step < min_tokens
 
     @classmethod
     def from_rows(
         cls,
-        rows: list[tuple[float, float, int, int, int]],
+        rows: list[tuple],
         device: torch.device | str = "cpu",
     ) -> SamplingBatch:
-        """From (temperature, top_p, top_k, seed, step) tuples."""
-        t, p, k, s, n = zip(*rows) if rows else ((), (), (), (), ())
+        """From (temperature, top_p, top_k, seed, step[, min_tokens]) tuples."""
+        t, p, k, s, n = (tuple(r[i] for r in rows) for i in range(5))
+        m = tuple(r[5] if len(r) > 5 else 0 for r in rows)
         return cls(
             torch.tensor(t, dtype=torch.float32, device=device),
             torch.tensor(p, dtype=torch.float32, device=device),
             torch.tensor(k, dtype=torch.int64, device=device),
             torch.tensor(s, dtype=torch.int64, device=device),
             torch.tensor(n, dtype=torch.int64, device=device),
+            torch.tensor(m, dtype=torch.int64, device=device),
         )
 
 
-def sample(logits: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
-    """Next tokens (R,) int64 from logits (R, V)."""
+def eos_index(eos_ids: Iterable[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """The distinct EOS ids as an (E,) int64 tensor: build once per model, outside a graph."""
+    return torch.tensor(sorted(set(eos_ids)), dtype=torch.int64, device=device)
+
+
+def suppress_eos(
+    logits: torch.Tensor, step: torch.Tensor, min_tokens: torch.Tensor, eos: torch.Tensor
+) -> torch.Tensor:
+    """``logits`` (R, V) with the ``eos`` columns ((E,) int64, distinct) at -inf in
+    rows whose ``step`` is below ``min_tokens`` (both (R,) int64).  Out of place;
+    touches only the E columns, so other values are bitwise unchanged."""
+    barred = (step < min_tokens)[:, None]  # (R, 1)
+    columns = logits.index_select(1, eos).masked_fill(barred, float("-inf"))  # (R, E)
+    return logits.index_copy(1, eos, columns)
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, k: int = MAX_LOGPROBS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw log probabilities: ``log_softmax(logits.float())`` per row.
+
+    Returns (the log probability of ``tokens`` (R,) float32, the top ``k`` log
+    probabilities (R, k) float32 in descending order, their token ids (R, k)
+    int64).  ``k`` must not exceed the vocabulary.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    chosen = logp.gather(1, tokens[:, None]).squeeze(1)  # (R,)
+    top_values, top_ids = logp.topk(k, dim=-1, largest=True, sorted=True)  # (R, k)
+    return chosen, top_values, top_ids
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingBatch, eos: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Next tokens (R,) int64 from logits (R, V).
+
+    ``eos`` (E,) int64: the EOS ids that ``params.min_tokens`` bars (see
+    :func:`eos_index`); without it (or without ``params.min_tokens``) nothing is
+    barred.
+    """
     logits = logits.float()  # (R, V)
+    if eos is not None and params.min_tokens is not None:
+        logits = suppress_eos(logits, params.step, params.min_tokens, eos)
     vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)  # (R,)
     temperature = params.temperature.clamp_min(1e-6)[:, None]  # (R, 1)

@@ -5,6 +5,11 @@ Every rank of the tensor-parallel group runs the same program on the same frame
 are the ones reported; sampling is a pure function of the logits and the
 request's (seed, step), so every rank's slot table holds the same pending tokens.
 Every rank reports its own device interval; the coordinator takes the maximum.
+
+When a lane of the frame asks for log probabilities (``sampling.logprobs >= 0``),
+rank 0 adds the ``logprobs`` and ``logprob_token_ids`` sidecars (see
+:class:`~runtime.transport.schema.Completion`); otherwise nothing extra is read
+back from the device.
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ from runtime.ranks.capacity import CapacityConfig, build_catalog
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.programs import PreparedProgram, ProgramError, prepare_programs
 from runtime.ranks.slots import FrameError, SlotTable
-from runtime.transport.schema import CatalogReport, Completion, Control, Frame, LaneResult
+from runtime.transport.schema import (
+    CatalogReport,
+    Completion,
+    Control,
+    Frame,
+    LaneResult,
+    Tensor,
+    tensor_from_torch,
+)
 
 log = logging.getLogger("runtime.ranks")
 
@@ -90,13 +103,21 @@ class RankWorker:
         if not inputs:  # an empty frame: releases only, no program runs
             self.slots.commit(frame, inputs, [])
             return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
-        tokens, device_ns = program.run(inputs)
+        # The most log probabilities a lane asks for; -1: none (no readback).
+        top = max(inp.sampling.logprobs for inp in inputs) if self.rank == 0 else -1
+        tokens, device_ns = program.run(inputs, logprobs=top >= 0)
         if self.debug_delay_ns:  # a deliberately slow rank, for debugging and tests
             time.sleep(self.debug_delay_ns / 1e9)
             device_ns += self.debug_delay_ns
         self.slots.commit(frame, inputs, tokens)
         self.frames += 1
         lanes: tuple[LaneResult, ...] = ()
+        sidecars: dict[str, Tensor] = {}
+        if top >= 0:
+            k = min(top, program.outputs.max_logprobs)
+            values, ids = program.logprobs(len(inputs), k)
+            sidecars["logprobs"] = tensor_from_torch(values)  # (R, 1 + k) float32
+            sidecars["logprob_token_ids"] = tensor_from_torch(ids)  # (R, k) int32
         if self.rank == 0:
             lanes = tuple(
                 LaneResult(
@@ -114,6 +135,7 @@ class RankWorker:
             device_ns=device_ns,
             readiness_delay_ns=0,
             lanes=lanes,
+            sidecars=sidecars,
         )
 
     def serve(self, channel, spin_us: int = 0) -> None:

@@ -52,6 +52,7 @@ MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
 MAX_DESCRIPTORS = 1 << 12
 MAX_SIDECARS = 16
 MAX_TENSOR_NDIM = 8
+MAX_LOGPROBS = 20  # top log probabilities a lane may ask for (SamplingParams.logprobs)
 
 PHASES = ("prefill", "decode")
 FINISH_REASONS = ("stop",)
@@ -64,12 +65,21 @@ COORDINATOR_RANK = -1
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-lane sampling.  ``temperature`` 0 is greedy; ``top_k`` -1 is unlimited."""
+    """Per-lane sampling.  ``temperature`` 0 is greedy; ``top_k`` -1 is unlimited.
+
+    ``min_tokens``: the model's EOS ids cannot be sampled until the request has
+    produced this many tokens (vLLM's ``min_tokens``).  ``logprobs``: -1 for
+    none, else 0..:data:`MAX_LOGPROBS`: rank 0 returns the sampled token's log
+    probability and this many top tokens with theirs (``Completion.sidecars``),
+    from ``log_softmax`` of the raw logits (before temperature, top-k, top-p).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
     seed: int = 0
+    min_tokens: int = 0
+    logprobs: int = -1
 
     def __post_init__(self) -> None:
         temperature = check_float("temperature", self.temperature)
@@ -82,6 +92,8 @@ class SamplingParams:
         if top_k == 0:
             raise ProtocolError("top_k", "must be -1 (unlimited) or >= 1, got 0")
         check_int("seed", self.seed)
+        check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
+        check_int("logprobs", self.logprobs, -1, MAX_LOGPROBS)
         set_field(self, "temperature", temperature)
         set_field(self, "top_p", top_p)
 
@@ -95,6 +107,8 @@ class SamplingParams:
             "top_p": self.top_p,
             "top_k": self.top_k,
             "seed": self.seed,
+            "min_tokens": self.min_tokens,
+            "logprobs": self.logprobs,
         }
 
     @classmethod
@@ -381,9 +395,22 @@ class Completion:
     ``device_ns``: the rank's replay interval; ``readiness_delay_ns``: exposed
     input-readiness stall within it.  Only rank 0 sends ``lanes`` (in the
     frame's lane order, distinct slots) and ``sidecars`` (e.g. "confidence",
-    "survival"); the other ranks send neither.  ``error``: the rank could not
-    run the frame (it names why); such a completion carries no lanes, and the
-    coordinator must not assume the ranks' state advanced.
+    "survival"); the other ranks send neither.
+
+    Log probabilities: when at least one lane of the frame has
+    ``sampling.logprobs >= 0``, rank 0 adds, with ``R`` = the frame's lane count
+    and ``K`` = the largest ``logprobs`` a lane asked for, ``sidecars["logprobs"]``
+    (float32, shape ``(R, 1 + K)``: per lane the sampled token's log probability,
+    then the top-K log probabilities, descending) and
+    ``sidecars["logprob_token_ids"]`` (int32, shape ``(R, K)``: the top-K token
+    ids, in the same order).  Row ``i`` is lane ``i``; rows of lanes that asked
+    for fewer (or none), and of prefill chunks that commit no token, hold
+    whatever was computed and are to be ignored.  Frames where no lane asks
+    carry neither.
+
+    ``error``: the rank could not run the frame (it names why); such a
+    completion carries no lanes, and the coordinator must not assume the ranks'
+    state advanced.
     """
 
     fence: int

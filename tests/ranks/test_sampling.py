@@ -7,7 +7,15 @@ import random
 import pytest
 import torch
 
-from runtime.ranks.sampling import SamplingBatch, hash32, sample, uniform_noise
+from runtime.ranks.sampling import (
+    SamplingBatch,
+    eos_index,
+    hash32,
+    sample,
+    suppress_eos,
+    token_logprobs,
+    uniform_noise,
+)
 
 
 def lowbias32(x: int) -> int:
@@ -110,3 +118,67 @@ def test_rows_are_batch_invariant():
     shuffled = [rows[3], rows[7], rows[0]]
     picked = sample(logits[[3, 7, 0]], SamplingBatch.from_rows(shuffled))
     assert int(picked[0]) == int(together[3])
+
+
+def test_eos_index_holds_the_distinct_ids_and_may_be_empty():
+    ids = eos_index([7, 2, 7])
+    assert ids.dtype == torch.int64 and ids.tolist() == [2, 7]
+    logits = torch.randn(3, 10)
+    rows = SamplingBatch.from_rows([(0.0, 1.0, -1, 0, 0, 5)] * 3)
+    assert torch.equal(sample(logits, rows, eos_index([])), logits.argmax(dim=-1))
+    masked = suppress_eos(logits, rows.step, rows.min_tokens, eos_index([]))
+    assert torch.equal(masked, logits)
+
+
+def test_min_tokens_bars_eos_only_below_the_count_and_changes_nothing_else():
+    gen = torch.Generator().manual_seed(8)
+    n, vocab, eos = 400, 60, [3, 59]
+    logits = torch.randn(n, vocab, generator=gen)
+    logits[::2, 3] += 6.0  # EOS would win in half the rows
+    rows = [  # (temperature, top_p, top_k, seed, step, min_tokens)
+        (0.0 if i % 3 == 0 else 1.0, [1.0, 0.8][i % 2], [-1, 10][i % 5 == 0], 50 + i, i % 7,
+         [0, 4, 9][i % 3])
+        for i in range(n)
+    ]  # fmt: skip
+    params = SamplingBatch.from_rows(rows)
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[eos] = True
+    free = sample(logits, params)  # no EOS ids given: nothing barred
+    barred = sample(logits, params, eos_index(eos))
+    below = params.step < params.min_tokens
+    assert below.any() and (~below).any()
+    assert torch.equal(barred[~below], free[~below])  # min_tokens reached: bitwise the same
+    assert not mask[barred[below]].any()  # never EOS below the count
+    won_by_eos = mask[free]
+    assert (below & won_by_eos).any()
+    # Without top-k/top-p (whose kept set EOS's mass shapes), only rows EOS won change.
+    unfiltered = below & ~won_by_eos & (params.top_p == 1.0) & (params.top_k < 0)
+    assert unfiltered.sum() > 10
+    assert torch.equal(barred[unfiltered], free[unfiltered])
+    # Zero min_tokens everywhere is bitwise the unmasked sampler.
+    zero = SamplingBatch.from_rows([r[:5] for r in rows])
+    assert torch.equal(sample(logits, zero, eos_index(eos)), free)
+    # Greedy rows below the count take the best non-EOS token.
+    masked = suppress_eos(logits, params.step, params.min_tokens, eos_index(eos))
+    assert masked[below][:, eos].isneginf().all() and torch.equal(masked[~below], logits[~below])
+    assert torch.equal(masked[:, ~mask], logits[:, ~mask])
+    greedy_rows = below & (params.temperature == 0)
+    assert torch.equal(barred[greedy_rows], masked[greedy_rows].argmax(dim=-1))
+
+
+def test_token_logprobs_are_the_raw_log_softmax():
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(6, 300, generator=gen) * 3).to(torch.bfloat16)
+    tokens = torch.tensor([0, 5, 299, 17, 17, 100])
+    chosen, values, ids = token_logprobs(logits, tokens, 20)
+    reference = torch.log_softmax(logits.float(), dim=-1)
+    assert chosen.dtype == values.dtype == torch.float32 and ids.dtype == torch.int64
+    assert values.shape == ids.shape == (6, 20)
+    assert torch.equal(chosen, reference[torch.arange(6), tokens])
+    top = reference.topk(20, dim=-1)
+    assert torch.equal(values, top.values) and torch.equal(ids, top.indices)
+    assert (values[:, :-1] >= values[:, 1:]).all()
+    assert torch.equal(reference.gather(1, ids), values)
+    # Rows are independent of their batch.
+    alone = token_logprobs(logits[2:3], tokens[2:3], 20)
+    assert torch.equal(alone[0], chosen[2:3]) and torch.equal(alone[2], ids[2:3])

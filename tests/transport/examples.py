@@ -19,7 +19,9 @@ DECODE = GraphDescriptor(GraphKind.DECODE, batch_capacity=4)
 
 
 def sampling() -> SamplingParams:
-    return SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**63 - 1)
+    return SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=40, seed=2**63 - 1, min_tokens=3, logprobs=5
+    )
 
 
 def prefill_lane() -> FrameLane:

@@ -64,6 +64,43 @@ def test_integer_temperature_becomes_float_and_greedy() -> None:
     assert params.greedy
 
 
+def test_min_tokens_and_logprobs_defaults_bounds_and_round_trip() -> None:
+    params = SamplingParams()
+    assert (params.min_tokens, params.logprobs) == (0, -1)
+    # Positional construction keeps its old meaning; the new fields come last.
+    assert SamplingParams(0.5, 0.9, 10, 7) == SamplingParams(
+        temperature=0.5, top_p=0.9, top_k=10, seed=7, min_tokens=0, logprobs=-1
+    )
+    for min_tokens, logprobs in [(0, -1), (1, 0), (2**31 - 1, 20), (17, 7)]:
+        params = SamplingParams(temperature=0.3, min_tokens=min_tokens, logprobs=logprobs)
+        wire = params.to_wire()
+        assert (wire["min_tokens"], wire["logprobs"]) == (min_tokens, logprobs)
+        assert decode(encode(params)) == params
+        lane = FrameLane(0, 1, "prefill", 0, (4,), 0, (1,), 1, params)
+        assert decode(encode(lane)).sampling == params
+    for bad in [-1, 2**31, True]:
+        with pytest.raises(ProtocolError) as raised:
+            SamplingParams(min_tokens=bad)
+        assert raised.value.field == "min_tokens"
+    for bad in [-2, 21, True, 1.0]:
+        with pytest.raises(ProtocolError) as raised:
+            SamplingParams(logprobs=bad)
+        assert raised.value.field == "logprobs"
+
+
+def test_logprob_sidecars_round_trip_in_a_completion() -> None:
+    values = Tensor.from_values("float32", (2, 4), [-0.5, -0.5, -1.25, -3.0] * 2)
+    ids = Tensor.from_values("int32", (2, 3), [7, 1, 9, 2, 2, 0])
+    completion = Completion(
+        4, 0, 1, 10, lanes=examples.completion().lanes,
+        sidecars={"logprobs": values, "logprob_token_ids": ids},
+    )  # fmt: skip
+    carried = decode(encode(completion))
+    assert carried == completion
+    assert carried.sidecars["logprob_token_ids"].values() == [7, 1, 9, 2, 2, 0]
+    assert carried.sidecars["logprobs"].values()[:4] == [-0.5, -0.5, -1.25, -3.0]
+
+
 def test_str_enum_phase_is_stored_as_plain_str() -> None:
     from runtime.coordinator.plan import LanePhase
 
@@ -162,6 +199,20 @@ BAD = [
     _case("SamplingParams", "seed", -1, "seed"),
     _case("SamplingParams", "seed", BIG, "seed"),
     _case("SamplingParams", "seed", None, "seed"),
+    _case("SamplingParams", "min_tokens", -1, "min_tokens"),
+    _case("SamplingParams", "min_tokens", 2**31, "min_tokens"),
+    _case("SamplingParams", "min_tokens", True, "min_tokens"),
+    _case("SamplingParams", "min_tokens", 1.0, "min_tokens"),
+    _case("SamplingParams", "min_tokens", None, "min_tokens"),
+    _case("SamplingParams", "min_tokens", None, "min_tokens", drop=True),
+    _case("SamplingParams", "logprobs", -2, "logprobs"),
+    _case("SamplingParams", "logprobs", 21, "logprobs"),
+    _case("SamplingParams", "logprobs", True, "logprobs"),
+    _case("SamplingParams", "logprobs", False, "logprobs"),
+    _case("SamplingParams", "logprobs", 5.0, "logprobs"),
+    _case("SamplingParams", "logprobs", "5", "logprobs"),
+    _case("SamplingParams", "logprobs", None, "logprobs", drop=True),
+    _case("FrameLane", "sampling.logprobs", 21, "sampling.logprobs"),
     _case("SamplingParams", "min_p", 0.1, "min_p"),  # unknown field
     _case("SamplingParams", "seed", None, "seed", drop=True),  # missing field
     # FrameLane (the prefill example)

@@ -63,6 +63,9 @@ class EngineConfig:
       the head frame's expected end (it sleeps in ``zmq_poll`` until then).
       Waking a sleeping thread costs tens of microseconds per hop; spinning
       costs a core.  0 never spins (right when the ranks need every core).
+    * ``external_publication``: a frontend reports when output became visible
+      (``Engine.publish``); otherwise the engine publishes every committed
+      token the moment it is applied.
     """
 
     world_size: int = 1
@@ -77,6 +80,7 @@ class EngineConfig:
     allow_remote: bool = False
     frame_stats: int = 100_000
     poll_spin_us: int = 0
+    external_publication: bool = False
 
     def __post_init__(self) -> None:
         ws = self.world_size
@@ -110,6 +114,10 @@ class EngineConfig:
         spin = self.poll_spin_us
         if isinstance(spin, bool) or not isinstance(spin, int) or not 0 <= spin <= 100_000:
             raise ConfigError(f"poll_spin_us must be an integer in [0, 100000], got {spin!r}")
+        if not isinstance(self.external_publication, bool):
+            raise ConfigError(
+                f"external_publication must be a bool, got {self.external_publication!r}"
+            )
         n = self.frame_stats
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"frame_stats must be a non-negative integer, got {n!r}")

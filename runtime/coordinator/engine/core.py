@@ -22,15 +22,27 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.engine.config import EngineConfig, EngineError, EngineStartError
-from runtime.coordinator.engine.frames import Dispatch, Live, build_frame, completion_records
+from runtime.coordinator.engine.frames import (
+    Dispatch,
+    Live,
+    build_frame,
+    completion_records,
+    lane_logprobs,
+)
 from runtime.coordinator.engine.startup import ModelFacts, agree, collect_reports
 from runtime.coordinator.engine.stats import EngineStats, FrameStat
-from runtime.coordinator.engine.stream import ABORTED, CANCELLED, ERROR, RequestStream
+from runtime.coordinator.engine.stream import (
+    ABORTED,
+    CANCELLED,
+    ERROR,
+    RequestStream,
+    TokenEvent,
+)
 from runtime.coordinator.engine.submission import check_submission
 from runtime.coordinator.errors import CompletionError, SchedulerError
 from runtime.coordinator.plan import ScheduledPlan
@@ -121,6 +133,16 @@ class Engine:
     def started(self) -> bool:
         return self.scheduler is not None
 
+    @property
+    def serving(self) -> bool:
+        """Started, not failed and not stopping: submissions are accepted."""
+        return (
+            self.started
+            and self.error is None
+            and not self._closed
+            and (not self._stopping.is_set())
+        )
+
     def bind(self) -> ChannelEndpoints:
         """Bind the coordinator channel (idempotent) and return its endpoints."""
         if self._channel is None:
@@ -175,11 +197,14 @@ class Engine:
         max_tokens: int,
         sampling: SamplingParams | None = None,
         ignore_eos: bool = False,
+        listener: Callable[[RequestStream, TokenEvent], None] | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream at once (any thread).
 
         ``ignore_eos``: the ranks' eos stop is ignored and the request runs to
-        ``max_tokens``.  Raises ValueError naming the argument for invalid input.
+        ``max_tokens``.  ``listener``: called with each event as it is queued
+        (see :class:`RequestStream`).  Raises ValueError naming the argument
+        for invalid input.
         """
         facts = self.facts
         if facts is None:
@@ -191,7 +216,9 @@ class Engine:
             self._check_open()
             request_id = self._next_request
             self._next_request += 1
-            stream = RequestStream(self, request_id, prompt, max_tokens, sampling, ignore_eos)
+            stream = RequestStream(
+                self, request_id, prompt, max_tokens, sampling, ignore_eos, listener
+            )
             self._commands.append(("submit", stream))
         self.stats.add(requests_submitted=1)
         self._wake.set()
@@ -209,6 +236,23 @@ class Engine:
             if self._closed:
                 return
             self._commands.append(("cancel", stream))
+        self._wake.set()
+
+    def publish(self, stream: RequestStream, fence: int, at_ns: int) -> None:
+        """``stream``'s output through ``fence`` became visible at ``at_ns`` (any thread).
+
+        For ``external_publication``: the frontend calls this when the client
+        can see the text (after detokenization and stop-string hold-back); the
+        output-age cost and delivery accounting run on that time.  Applied
+        before the engine handles the next completion; a request that is gone
+        is ignored.
+        """
+        if not isinstance(stream, RequestStream) or stream._engine is not self:
+            raise ValueError("publish takes a RequestStream of this engine")
+        with self._command_lock:
+            if self._closed:
+                return
+            self._commands.append(("publish", (stream, fence, at_ns)))
         self._wake.set()
 
     def measure_round_trip(self, count: int = 100, timeout_s: float = 60.0) -> list[int]:
@@ -297,6 +341,8 @@ class Engine:
             if self._inflight:
                 message = self._await_message(wait_ms)
                 with self._state_lock:
+                    if message is not None:  # publications first, then completions
+                        progressed |= self._drain_commands()
                     while message is not None:
                         progressed |= self._on_message(message)
                         message = channel.recv(timeout_ms=0)
@@ -347,6 +393,8 @@ class Engine:
             done = True
             if isinstance(item, _Probe):
                 self._probes.append(item)
+            elif kind == "publish":
+                self._publish(*item)
             elif kind == "submit":
                 self._admit(item)
             else:
@@ -378,6 +426,17 @@ class Engine:
             self.stats.add(requests_cancelled=1)
         stream._push((), CANCELLED)
         self._retire_if_gone(live)
+
+    def _publish(self, stream: RequestStream, fence: int, at_ns: int) -> None:
+        live = self._by_request.get(stream.request_id)
+        if live is None:
+            return  # finished, retired or cancelled meanwhile
+        scheduler = self.scheduler
+        assert scheduler is not None
+        try:
+            scheduler.published_output(live.handle, fence, at_ns)
+        except SchedulerError as exc:  # already covered by a later publication
+            log.debug("request %d: publication ignored: %s", stream.request_id, exc)
 
     def _retire_if_gone(self, live: Live) -> None:
         """Forget a request the scheduler retired; its slot is released on the ranks."""
@@ -522,16 +581,26 @@ class Engine:
             raise EngineError(
                 f"fence {dispatch.fence}: rank 0's results were refused: {exc}"
             ) from exc
+        lanes = dispatch.plan.lanes
+        asked = [self._by_handle[lane.handle.id].stream.sampling.logprobs for lane in lanes]
+        by_handle = {
+            lane.handle.id: entry
+            for lane, entry in zip(lanes, lane_logprobs(answers[0], asked))
+            if entry is not None
+        }
         tokens = finished = 0
         for item in generated:
             live = self._by_handle.get(item.handle.id)
             if live is None:  # pragma: no cover - the scheduler only reports live requests
                 continue
             reason = item.finish_reason if item.finished else None
-            if live.stream._push(item.tokens, reason):
+            entry = by_handle.get(item.handle.id)
+            logprobs = (entry,) if entry is not None and len(item.tokens) == 1 else ()
+            if live.stream._push(item.tokens, reason, item.fence, logprobs):
                 tokens += len(item.tokens)
                 finished += item.finished
-            scheduler.published_output(item.handle, item.fence, now)
+            if not self.config.external_publication:
+                scheduler.published_output(item.handle, item.fence, now)
         for lane in dispatch.plan.lanes:
             live = self._by_handle.get(lane.handle.id)
             if live is not None:
@@ -548,7 +617,8 @@ class Engine:
                 completed_ns=now,
                 rank_device_ns=rank_ns,
                 readiness_delay_ns=readiness,
-            )
+            ),
+            dispatch.plan.graph.kind.value,
         )
 
     def _check_overdue(self) -> None:
@@ -573,6 +643,35 @@ class Engine:
     def rejected_messages(self) -> int:
         """Messages the channel refused as malformed or misdirected."""
         return 0 if self._channel is None else self._channel.rejected
+
+    def metrics(self) -> dict[str, float]:
+        """Counters and gauges for export, read consistently from any thread.
+
+        Names follow the exported metric names without their prefix, e.g.
+        ``executions_total{class=ordinary}`` is ``executions_total:ordinary``.
+        """
+        out: dict[str, float] = dict(self.stats.counters())
+        for kind, (frames, device_ns) in self.stats.by_kind().items():
+            out[f"frames_total:{kind}"] = frames
+            out[f"device_nanoseconds_total:{kind}"] = device_ns
+        with self._state_lock:
+            scheduler = self.scheduler
+            if scheduler is None:
+                return out
+            for reason, count in scheduler.executions.items():
+                out[f"executions_total:{reason.value}"] = count
+                out[f"execution_nanoseconds_total:{reason.value}"] = scheduler.execution_ns[reason]
+            out["running"] = scheduler.running
+            out["waiting"] = scheduler.waiting
+            out["in_flight"] = scheduler.in_flight
+            out["free_pages"] = scheduler.free_pages
+            out["num_pages"] = scheduler.config.num_pages
+        return out
+
+    def graph_estimates(self) -> dict[str, int]:
+        """Each program's current duration estimate in ns (0: not measured yet)."""
+        with self._state_lock:
+            return {} if self.scheduler is None else self.scheduler.catalog.estimates()
 
     def snapshot(self) -> dict[str, int]:
         """Scheduler occupancy, read consistently from any thread."""

@@ -11,6 +11,7 @@ from runtime.coordinator.engine.stream import RequestStream
 from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan
 from runtime.coordinator.records import CompletionRecord
 from runtime.coordinator.requests import RequestHandle
+from runtime.transport.api import TokenLogprobs
 from runtime.transport.schema import Completion, Frame, FrameLane, LaneResult
 
 RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE)
@@ -111,3 +112,32 @@ def completion_records(
             reason = None
         records.append(CompletionRecord(result.slot, result.generation, result.tokens, reason))
     return records
+
+
+def lane_logprobs(completion: Completion, asked: Sequence[int]) -> list[TokenLogprobs | None]:
+    """Rank 0's log-probability sidecars as one entry per lane (None: not asked).
+
+    ``asked``: each lane's ``SamplingParams.logprobs`` (-1 = none); a lane gets
+    its sampled token's log probability and its own top ``asked`` entries.
+    """
+    out: list[TokenLogprobs | None] = [None] * len(asked)
+    values = completion.sidecars.get("logprobs")
+    ids = completion.sidecars.get("logprob_token_ids")
+    if values is None or ids is None or max(asked, default=-1) < 0:
+        return out
+    rows, width = values.shape[0], values.shape[1]
+    if rows < len(asked) or ids.shape != (rows, width - 1):
+        raise EngineError(
+            f"fence {completion.fence}: logprob sidecars of shape {list(values.shape)} and "
+            f"{list(ids.shape)} do not fit {len(asked)} lanes"
+        )
+    flat, flat_ids = values.values(), ids.values()
+    k_max = width - 1
+    for lane, k in enumerate(asked):
+        if k < 0:
+            continue
+        k = min(k, k_max)
+        row = flat[lane * width : (lane + 1) * width]
+        top_ids = flat_ids[lane * k_max : lane * k_max + k]
+        out[lane] = TokenLogprobs(row[0], tuple(top_ids), tuple(row[1 : 1 + k]))
+    return out

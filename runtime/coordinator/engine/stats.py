@@ -54,16 +54,27 @@ class EngineStats:
         self.requests_finished = 0  # finished by stop or length
         self.requests_cancelled = 0
         self._frames: deque[FrameStat] = deque(maxlen=frame_limit)
+        # Completed frames and their device time by program kind ("decode", ...).
+        self.frames_by_kind: dict[str, int] = {}
+        self.device_ns_by_kind: dict[str, int] = {}
 
     def add(self, **deltas: int) -> None:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
-    def record_frame(self, stat: FrameStat) -> None:
+    def record_frame(self, stat: FrameStat, kind: str = "") -> None:
         with self._lock:
             self.frames_completed += 1
             self._frames.append(stat)
+            if kind:
+                self.frames_by_kind[kind] = self.frames_by_kind.get(kind, 0) + 1
+                self.device_ns_by_kind[kind] = self.device_ns_by_kind.get(kind, 0) + stat.device_ns
+
+    def by_kind(self) -> dict[str, tuple[int, int]]:
+        """(frames, device ns) completed per program kind."""
+        with self._lock:
+            return {k: (n, self.device_ns_by_kind[k]) for k, n in self.frames_by_kind.items()}
 
     def frames(self) -> list[FrameStat]:
         with self._lock:

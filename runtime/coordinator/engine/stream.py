@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ from runtime.transport.schema import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.coordinator.engine.core import Engine
+
+log = logging.getLogger("runtime.coordinator.engine")
 
 # Finish reasons beyond the scheduler's "stop" and "length".
 CANCELLED = "cancelled"  # Engine.cancel (or RequestStream.cancel)
@@ -34,6 +37,8 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None
     at_ns: int = 0
+    fence: int = 0  # the frame that committed the tokens (0: none, e.g. a cancellation)
+    logprobs: tuple = ()  # TokenLogprobs per token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,13 @@ class RequestStream:
         max_tokens: int,
         sampling: SamplingParams,
         ignore_eos: bool,
+        listener: Callable[[RequestStream, TokenEvent], None] | None = None,
     ) -> None:
         self._engine = engine
+        # Called with every event right after it is queued, on the producing
+        # thread (the engine thread, or the thread that stops the engine): it
+        # must be quick and must not call back into the engine.
+        self.listener = listener
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
@@ -79,7 +89,13 @@ class RequestStream:
         self._taken_last = False
 
     # ------------------------------------------------------------ producer side
-    def _push(self, tokens: tuple[int, ...], finish_reason: str | None = None) -> bool:
+    def _push(
+        self,
+        tokens: tuple[int, ...],
+        finish_reason: str | None = None,
+        fence: int = 0,
+        logprobs: tuple = (),
+    ) -> bool:
         """Publish an event; False (and nothing published) once finished."""
         with self._lock:
             if self._done.is_set():
@@ -88,10 +104,17 @@ class RequestStream:
             finished = finish_reason is not None
             if finished:
                 self._finish_reason = finish_reason
-            event = TokenEvent(tokens, finished, finish_reason, time.monotonic_ns())
+            event = TokenEvent(
+                tokens, finished, finish_reason, time.monotonic_ns(), fence, logprobs
+            )
             self._events.put(event)
             if finished:
                 self._done.set()
+        if self.listener is not None:
+            try:
+                self.listener(self, event)
+            except Exception:  # a listener's bug must not take the engine down
+                log.exception("request %d: the stream listener failed", self.request_id)
         return True
 
     # ------------------------------------------------------------ consumer side

@@ -1,0 +1,67 @@
+"""Coordinator process of an HTTP deployment: ``python -m runtime.coordinator``.
+
+``flare run`` (serving) starts it with its own command-line flags plus
+``--api-requests`` / ``--api-outputs``, the endpoints the frontend bound.  It
+starts the engine and the rank processes (:class:`LocalDeployment`), then
+serves the frontend (:class:`FrontendBridge`) until SIGTERM or SIGINT, and
+stops the ranks on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import replace
+
+from runtime.coordinator.bridge import ApiEndpoints, FrontendBridge, ServingInfo
+from runtime.local import LocalDeployment
+
+log = logging.getLogger("runtime.coordinator")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from runtime.cli import build_parser, deployment_config
+
+    parser = build_parser()
+    args = parser.parse_args(["run", *(sys.argv[1:] if argv is None else argv)])
+    if not args.api_requests or not args.api_outputs:
+        parser.error("the coordinator process is started by `flare run` with --api-* endpoints")
+    logging.basicConfig(level=logging.INFO, format="[coordinator] %(levelname)s %(message)s")
+    config = replace(deployment_config(args, parser), external_publication=True)
+    endpoints = ApiEndpoints(args.api_requests, args.api_outputs)
+    deployment = LocalDeployment(config)
+    bridge: FrontendBridge | None = None
+
+    def stop(signum: int, frame: object) -> None:
+        if bridge is not None:
+            bridge.stop()
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        deployment.start()
+        facts = deployment.engine.facts
+        assert facts is not None
+        info = ServingInfo(
+            model_name=args.served_model_name or facts.model_name,
+            vocab_size=facts.vocab_size,
+            max_context=facts.max_context,
+            tensor_parallel_size=config.tensor_parallel_size,
+            max_concurrency=config.max_concurrency,
+        )
+        bridge = FrontendBridge(deployment.engine, endpoints, info)
+        bridge.serve()
+    except KeyboardInterrupt:
+        log.info("stopped during start-up")
+    finally:
+        if bridge is not None:
+            bridge.close()
+        deployment.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""The coordinator's side of the frontend link: API messages in, engine calls out.
+
+The HTTP frontend is a process of its own (so HTTP load does not steal the
+scheduler's time).  It binds two ZeroMQ sockets and passes their endpoints to
+the coordinator process, which connects:
+
+* ``requests`` (frontend PUSH -> coordinator PULL): :class:`Submit`,
+  :class:`Cancel`, :class:`Publish`, :class:`StatusQuery`;
+* ``outputs`` (coordinator PUSH -> frontend PULL): :class:`Output`,
+  :class:`Status`.
+
+Every message is the msgpack envelope of :mod:`runtime.transport.codec`,
+validated on receipt; a malformed one is logged and skipped.  The bridge thread
+turns requests into engine calls; the engine thread sends each request's
+outputs from the stream listener, so tokens leave the coordinator the moment a
+completion is applied.  Sends from both threads share one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import zmq
+
+from runtime.coordinator.engine import Engine, EngineError, RequestStream
+from runtime.coordinator.engine.stream import ERROR, TokenEvent
+from runtime.transport.api import (
+    MAX_ERROR_CHARS,
+    Cancel,
+    Output,
+    Publish,
+    Status,
+    StatusQuery,
+    Submit,
+)
+from runtime.transport.codec import decode, encode
+from runtime.transport.fields import ProtocolError
+
+log = logging.getLogger("runtime.coordinator.bridge")
+
+POLL_MS = 100
+
+
+@dataclass(frozen=True)
+class ApiEndpoints:
+    """Where the frontend listens: ``requests`` (it pushes), ``outputs`` (it pulls)."""
+
+    requests: str
+    outputs: str
+
+    def __post_init__(self) -> None:
+        for name in ("requests", "outputs"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.startswith(("ipc://", "tcp://")):
+                raise ValueError(f"{name} endpoint must be ipc:// or tcp://, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServingInfo:
+    """What a :class:`Status` says about the deployment besides the metric values."""
+
+    model_name: str
+    vocab_size: int
+    max_context: int
+    tensor_parallel_size: int
+    max_concurrency: int
+
+
+class FrontendBridge:
+    """Serves one frontend for one started engine; :meth:`serve` runs until ``stop``."""
+
+    def __init__(self, engine: Engine, endpoints: ApiEndpoints, info: ServingInfo) -> None:
+        self.engine = engine
+        self.info = info
+        self.rejected = 0
+        self._context = zmq.Context()
+        self._inbox = self._context.socket(zmq.PULL)
+        self._outbox = self._context.socket(zmq.PUSH)
+        for sock in (self._inbox, self._outbox):
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._inbox.connect(endpoints.requests)
+        self._outbox.connect(endpoints.outputs)
+        self._send_lock = threading.Lock()
+        self._streams: dict[int, RequestStream] = {}  # by the frontend's request id
+        self._streams_lock = threading.Lock()
+        self._stop = threading.Event()
+
+    # ------------------------------------------------------------------ loop
+    def serve(self) -> None:
+        """Announce readiness (an unsolicited Status) and answer until :meth:`stop`."""
+        self._send(self._status(0))
+        while not self._stop.is_set():
+            if not self._inbox.poll(POLL_MS):
+                continue
+            data = self._inbox.recv()
+            try:
+                message = decode(data)
+            except ProtocolError as exc:
+                self.rejected += 1
+                log.warning("frontend bridge: rejected message: %s", exc)
+                continue
+            try:
+                self._handle(message)
+            except EngineError as exc:
+                log.error("frontend bridge: the engine refused %s: %s", type(message).__name__, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._inbox.close(linger=0)
+        with self._send_lock:
+            self._outbox.close(linger=1000)
+        self._context.term()
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, message: object) -> None:
+        if isinstance(message, Submit):
+            self._submit(message)
+        elif isinstance(message, Cancel):
+            stream = self._stream(message.request_id)
+            if stream is not None:
+                self.engine.cancel(stream)
+        elif isinstance(message, Publish):
+            stream = self._stream(message.request_id)
+            if stream is not None:
+                self.engine.publish(stream, message.fence, message.at_ns)
+        elif isinstance(message, StatusQuery):
+            self._send(self._status(message.nonce))
+        else:
+            self.rejected += 1
+            log.warning("frontend bridge: unexpected %s", type(message).__name__)
+
+    def _submit(self, message: Submit) -> None:
+        rid = message.request_id
+        with self._streams_lock:
+            duplicate = rid in self._streams
+        if duplicate:
+            self._send(Output(rid, 0, finish_reason=ERROR, error=f"request id {rid} is in use"))
+            return
+
+        def listener(stream: RequestStream, event: TokenEvent) -> None:
+            error = None
+            if event.finish_reason == ERROR:
+                error = str(stream.error or "the engine failed")[:MAX_ERROR_CHARS]
+            self._send(
+                Output(
+                    rid,
+                    event.fence,
+                    event.token_ids,
+                    event.finish_reason,
+                    error,
+                    event.logprobs,
+                )
+            )
+            if event.finished:
+                with self._streams_lock:
+                    if self._streams.get(rid) is stream:
+                        del self._streams[rid]
+
+        try:
+            stream = self.engine.submit(
+                message.prompt_token_ids,
+                message.max_tokens,
+                message.sampling,
+                message.ignore_eos,
+                listener=listener,
+            )
+        except (ValueError, EngineError) as exc:
+            self._send(Output(rid, 0, finish_reason=ERROR, error=str(exc)[:MAX_ERROR_CHARS]))
+            return
+        with self._streams_lock:
+            if not stream.finished:
+                self._streams[rid] = stream
+
+    def _stream(self, request_id: int) -> RequestStream | None:
+        with self._streams_lock:
+            return self._streams.get(request_id)
+
+    def _status(self, nonce: int) -> Status:
+        engine = self.engine
+        info = self.info
+        return Status(
+            nonce,
+            engine.serving,
+            info.model_name,
+            info.vocab_size,
+            info.max_context,
+            info.tensor_parallel_size,
+            info.max_concurrency,
+            {key: float(value) for key, value in engine.metrics().items()},
+            engine.graph_estimates(),
+            None if engine.error is None else str(engine.error)[:MAX_ERROR_CHARS],
+        )
+
+    def _send(self, message: Output | Status) -> None:
+        data = encode(message)
+        with self._send_lock:
+            if not self._outbox.closed:
+                self._outbox.send(data)

@@ -1,0 +1,152 @@
+"""Chat templates: a conversation to the prompt text the model was trained on.
+
+``load_chat_template(model_dir, tokenizer)`` takes the model's jinja template from
+``chat_template.jinja`` (newer transformers exports) or the ``chat_template`` entry of
+``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` of which the one
+named ``"default"`` is used). It is rendered as transformers' ``apply_chat_template``
+renders it: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
+``lstrip_blocks``, the ``loopcontrols`` extension, the ``raise_exception`` and
+``strftime_now`` helpers, a ``tojson`` filter that does not escape HTML, and the
+variables ``messages`` (a list of ``{"role", "content"}`` dicts), ``add_generation_prompt``
+(always true: the model answers next), ``bos_token``, ``eos_token`` and ``tools`` (None).
+Such a template writes the BOS token itself, so its prompt is encoded without the
+tokenizer's special tokens (``ChatTemplate.add_special_tokens`` is False).
+
+When the model has no template, the fallback renders each message as
+``<|{role}|>\\n{content}\\n`` and then ``<|assistant|>\\n``; for example a system and a
+user message give::
+
+    <|system|>
+    You are terse.
+    <|user|>
+    Hi
+    <|assistant|>
+
+and that prompt is encoded with the tokenizer's special tokens (a BOS where the tokenizer
+adds one).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from runtime.frontend.tokenizer import ModelTokenizer, read_model_json
+
+__all__ = ["ROLES", "ChatMessage", "ChatTemplate", "ChatTemplateError", "load_chat_template"]
+
+Role = Literal["system", "user", "assistant"]
+ROLES: tuple[Role, ...] = ("system", "user", "assistant")
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (``raise_exception``, e.g. roles that do not
+    alternate) or failed while rendering it: the client's messages are at fault."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a conversation; list content is already joined into text."""
+
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A jinja chat template (``source``), or the fallback when ``source`` is None."""
+
+    source: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source is not None:
+            try:
+                _compile(self.source)  # a broken template fails at startup, not per request
+            except jinja2.TemplateSyntaxError as exc:
+                raise ValueError(f"chat_template does not compile: {exc}") from exc
+
+    @property
+    def add_special_tokens(self) -> bool:
+        """Whether the rendered prompt is encoded with the tokenizer's special tokens: only
+        for the fallback, since a model's template writes ``bos_token`` itself."""
+        return self.source is None
+
+    def render(self, messages: Sequence[ChatMessage]) -> str:
+        """The prompt text for ``messages``, ending where the assistant's answer starts."""
+        if self.source is None:
+            turns = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages)
+            return turns + "<|assistant|>\n"
+        try:
+            return _compile(self.source).render(
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=True,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+                tools=None,  # templates test `tools is not none`; undefined would pass that
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+
+
+def load_chat_template(model_dir: str | Path, tokenizer: ModelTokenizer) -> ChatTemplate:
+    """The model's chat template as described in the module docstring, with the
+    tokenizer's BOS/EOS strings; the fallback when the directory has none."""
+    jinja_file = Path(model_dir) / "chat_template.jinja"
+    if jinja_file.is_file():
+        source: Any = jinja_file.read_text(encoding="utf-8")
+    else:
+        source = (read_model_json(model_dir, "tokenizer_config.json") or {}).get("chat_template")
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if "default" not in named:
+            raise ValueError(
+                f"tokenizer_config.json: chat_template lists {sorted(map(str, named))}, "
+                "none named 'default'"
+            )
+        source = named["default"]
+    if source is not None and not isinstance(source, str):
+        raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {source!r}")
+    return ChatTemplate(source, tokenizer.bos_token or "", tokenizer.eos_token or "")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson``: plain ``json.dumps``, without jinja's HTML escaping."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

@@ -1,0 +1,164 @@
+"""The frontend's side of the coordinator link (see ``runtime.coordinator.bridge``).
+
+The frontend binds both sockets, ``ipc://`` in a private run directory (mode
+0700, removed on close), and the coordinator process connects to them:
+requests leave on a PUSH socket (sends never block: no high-water mark), and
+outputs and status replies arrive on a PULL socket read by one asyncio task,
+which routes each :class:`Output` to its request's queue.  Everything runs on
+the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+
+import zmq
+import zmq.asyncio
+
+from runtime.coordinator.bridge import ApiEndpoints
+from runtime.transport.api import Cancel, Output, Publish, Status, StatusQuery, Submit
+from runtime.transport.codec import decode, encode
+from runtime.transport.fields import ProtocolError
+from runtime.transport.schema import SamplingParams
+
+log = logging.getLogger("runtime.frontend")
+
+
+class CoordinatorGone(RuntimeError):
+    """The coordinator did not answer (not started yet, or exited)."""
+
+
+class CoordinatorClient:
+    def __init__(self, run_dir: str | None = None) -> None:
+        self.run_dir = tempfile.mkdtemp(prefix="flare-api-", dir=run_dir)
+        self._sync = zmq.Context()
+        self._async = zmq.asyncio.Context()
+        self._push = self._sync.socket(zmq.PUSH)
+        self._pull = self._async.socket(zmq.PULL)
+        for sock in (self._push, self._pull):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        self._push.bind(f"ipc://{os.path.join(self.run_dir, 'requests')}")
+        self._pull.bind(f"ipc://{os.path.join(self.run_dir, 'outputs')}")
+        self.endpoints = ApiEndpoints(
+            self._push.getsockopt_string(zmq.LAST_ENDPOINT),
+            self._pull.getsockopt_string(zmq.LAST_ENDPOINT),
+        )
+        self._queues: dict[int, asyncio.Queue[Output]] = {}
+        self._status_waiters: dict[int, asyncio.Future[Status]] = {}
+        self._nonces = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        self._reader: asyncio.Task | None = None
+        self._connected = False
+        self.status: Status | None = None  # the latest status seen
+        self.rejected = 0
+
+    # ------------------------------------------------------------------ life cycle
+    async def wait_ready(self, timeout_s: float) -> Status:
+        """Wait for the coordinator's first Status (sent once its engine serves)."""
+        while self.status is None:
+            try:
+                data = await asyncio.wait_for(self._pull.recv(), timeout_s)
+            except asyncio.TimeoutError:
+                raise CoordinatorGone(f"no word from the coordinator in {timeout_s:g} s") from None
+            self._route(data)
+        self._connected = True
+        self._reader = asyncio.create_task(self._read(), name="flare-coordinator-reader")
+        return self.status
+
+    async def _read(self) -> None:
+        while True:
+            data = await self._pull.recv()
+            self._route(data)
+
+    def _route(self, data: bytes) -> None:
+        try:
+            message = decode(data)
+        except ProtocolError as exc:
+            self.rejected += 1
+            log.warning("rejected a message from the coordinator: %s", exc)
+            return
+        if isinstance(message, Output):
+            queue = self._queues.get(message.request_id)
+            if queue is None:
+                return  # a request the frontend already gave up on
+            queue.put_nowait(message)
+            if message.finished:
+                del self._queues[message.request_id]
+        elif isinstance(message, Status):
+            self.status = message
+            waiter = self._status_waiters.pop(message.nonce, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
+        else:
+            self.rejected += 1
+            log.warning("unexpected %s from the coordinator", type(message).__name__)
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for queue in self._queues.values():
+            queue.put_nowait(Output(0, 0, finish_reason="aborted"))
+        self._queues.clear()
+        self._push.close(linger=0)
+        self._pull.close(linger=0)
+        self._sync.term()
+        self._async.term()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> int:
+        return next(self._request_ids)
+
+    def submit(
+        self,
+        request_id: int,
+        prompt_token_ids: tuple[int, ...],
+        max_tokens: int,
+        sampling: SamplingParams,
+        ignore_eos: bool = False,
+    ) -> asyncio.Queue[Output]:
+        """Send a request; its outputs arrive on the returned queue, the last one finished."""
+        if not self._connected:
+            raise CoordinatorGone("the coordinator is not connected")
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._send(Submit(request_id, prompt_token_ids, max_tokens, sampling, ignore_eos))
+        return queue
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request; its queue is dropped (nothing more is delivered)."""
+        self._queues.pop(request_id, None)
+        self._send(Cancel(request_id))
+
+    def publish(self, request_id: int, fence: int, at_ns: int) -> None:
+        self._send(Publish(request_id, fence, at_ns))
+
+    async def query_status(self, timeout_s: float = 2.0) -> Status:
+        if not self._connected:
+            raise CoordinatorGone("the coordinator is not connected")
+        nonce = next(self._nonces)
+        waiter: asyncio.Future[Status] = asyncio.get_running_loop().create_future()
+        self._status_waiters[nonce] = waiter
+        self._send(StatusQuery(nonce))
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            raise CoordinatorGone(f"no status from the coordinator in {timeout_s:g} s") from None
+        finally:
+            self._status_waiters.pop(nonce, None)
+
+    def _send(self, message: Submit | Cancel | Publish | StatusQuery) -> None:
+        try:
+            self._push.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:  # no connected peer: the coordinator exited
+            raise CoordinatorGone("the coordinator is not connected") from None

@@ -1,0 +1,154 @@
+"""Prometheus metrics of the serving frontend, through ``prometheus_client``.
+
+Two sources:
+
+* the frontend measures what clients see: time to first token, inter-token
+  latency, end-to-end latency, prompt and generation tokens, requests by
+  finish reason (histograms and counters updated as responses stream);
+* the coordinator's counters and gauges arrive in a :class:`Status` (queried
+  when /metrics is scraped) and are exported by a collector: the spec's
+  ``flare_scheduler_execution_nanoseconds_total`` and
+  ``flare_scheduler_executions_total`` by ``class`` (ordinary, discovery,
+  timing-refresh, acceptance-learning), ``flare_speculative_*`` for complete
+  speculative programs, running and waiting requests, KV pages, and each
+  prepared program's estimated duration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from runtime.transport.api import Status
+
+PREFIX = "flare"
+SELECTION_CLASSES = ("ordinary", "discovery", "timing-refresh", "acceptance-learning")
+SPECULATIVE_KIND = "speculative"
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class _StatusCollector(Collector):
+    """Exports the latest coordinator :class:`Status` (set before each scrape)."""
+
+    def __init__(self) -> None:
+        self.status: Status | None = None
+
+    def collect(self) -> Iterator:
+        status = self.status
+        if status is None:
+            return
+        v = status.values
+        executions = CounterMetricFamily(
+            f"{PREFIX}_scheduler_executions",
+            "Executed programs by selection class.",
+            labels=["class"],
+        )
+        execution_ns = CounterMetricFamily(
+            f"{PREFIX}_scheduler_execution_nanoseconds",
+            "Charged execution time by selection class.",
+            labels=["class"],
+        )
+        for name in SELECTION_CLASSES:
+            executions.add_metric([name], v.get(f"executions_total:{name}", 0.0))
+            execution_ns.add_metric([name], v.get(f"execution_nanoseconds_total:{name}", 0.0))
+        yield executions
+        yield execution_ns
+        yield CounterMetricFamily(
+            f"{PREFIX}_speculative_executions",
+            "Complete speculative programs executed.",
+            value=v.get(f"frames_total:{SPECULATIVE_KIND}", 0.0),
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_speculative_device_nanoseconds",
+            "Device time of complete speculative programs.",
+            value=v.get(f"device_nanoseconds_total:{SPECULATIVE_KIND}", 0.0),
+        )
+        frames = CounterMetricFamily(
+            f"{PREFIX}_frames", "Completed frames by program kind.", labels=["kind"]
+        )
+        for key, value in sorted(v.items()):
+            if key.startswith("frames_total:"):
+                frames.add_metric([key.split(":", 1)[1]], value)
+        yield frames
+        gauges = (
+            ("num_requests_running", "Requests resident on the ranks.", "running"),
+            ("num_requests_waiting", "Requests admitted but not yet resident.", "waiting"),
+            ("frames_in_flight", "Frames dispatched and not yet completed.", "in_flight"),
+            ("kv_pages_total", "KV cache pages.", "num_pages"),
+        )
+        for name, doc, key in gauges:
+            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=v.get(key, 0.0))
+        total = v.get("num_pages", 0.0)
+        used = total - v.get("free_pages", total)
+        yield GaugeMetricFamily(f"{PREFIX}_kv_pages_used", "KV cache pages in use.", value=used)
+        yield GaugeMetricFamily(
+            f"{PREFIX}_kv_cache_usage_perc",
+            "Fraction of KV cache pages in use (0..1).",
+            value=used / total if total else 0.0,
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_engine_serving", "1 while the engine accepts requests.", value=status.serving
+        )
+        estimates = GaugeMetricFamily(
+            f"{PREFIX}_graph_estimated_duration_seconds",
+            "Each prepared program's duration estimate (0: not measured yet).",
+            labels=["graph"],
+        )
+        for graph, ns in sorted(status.graph_estimates_ns.items()):
+            estimates.add_metric([graph], ns / 1e9)
+        yield estimates
+
+
+class ServingMetrics:
+    """The frontend's registry: request metrics plus the coordinator's status."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"labelnames": ["model_name"], "registry": self.registry}
+        self.ttft = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Time from request arrival to its first output token.",
+            buckets=LATENCY_BUCKETS,
+            **labels,
+        ).labels(model_name)
+        self.itl = Histogram(
+            f"{PREFIX}_inter_token_latency_seconds",
+            "Time between consecutive output tokens of a request.",
+            buckets=LATENCY_BUCKETS,
+            **labels,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_request_latency_seconds",
+            "Time from request arrival to its last output token.",
+            buckets=LATENCY_BUCKETS,
+            **labels,
+        ).labels(model_name)
+        self.prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of admitted requests.", **labels
+        ).labels(model_name)
+        self.generation_tokens = Counter(
+            f"{PREFIX}_generation_tokens", "Output tokens generated.", **labels
+        ).labels(model_name)
+        self._finished = Counter(
+            f"{PREFIX}_request_success",
+            "Finished requests by finish reason.",
+            labelnames=["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._model = model_name
+        self._status = _StatusCollector()
+        self.registry.register(self._status)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self._model, reason).inc()
+
+    def render(self, status: Status | None) -> bytes:
+        """The text exposition, with ``status`` as the coordinator's figures."""
+        self._status.status = status
+        return generate_latest(self.registry)

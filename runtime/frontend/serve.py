@@ -1,0 +1,157 @@
+"""``flare run`` serving: the frontend process starts the coordinator and serves HTTP.
+
+Process layout (``../ARCHITECTURE.md``)::
+
+    flare run (frontend: uvicorn + FastAPI)
+      └─ python -m runtime.coordinator   (engine, scheduler; same flags)
+           └─ python -m runtime.ranks × N (torchrun environment)
+
+The frontend binds the API sockets, starts the coordinator with its own flags
+plus the endpoints, waits for the coordinator's first status (the ranks print
+their program-preparation progress bar meanwhile), prints a one-line summary
+and serves until Ctrl-C or SIGTERM; then it stops the coordinator, which stops
+the ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from runtime.frontend.chat import load_chat_template
+from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.metrics import ServingMetrics
+from runtime.frontend.protocol import ServingLimits
+from runtime.frontend.server import Frontend, create_app
+from runtime.frontend.tokenizer import ModelTokenizer
+from runtime.launch import spawn_coordinator
+
+log = logging.getLogger("runtime.frontend")
+
+READY_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model_dir: str
+    host: str
+    port: int
+    api_key: str | None
+    startup_timeout_s: float
+    coordinator_args: tuple[str, ...]  # the run flags, passed on unchanged
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising the stop signal once it has stopped.
+
+    uvicorn re-raises SIGINT/SIGTERM after a graceful shutdown, which would end
+    this process before it stops the coordinator; here a signal only asks the
+    server to exit, and :func:`serve` cleans up and returns 0.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+async def _start_coordinator(client: CoordinatorClient, opts: ServeOptions):
+    endpoints = client.endpoints
+    api = ["--api-requests", endpoints.requests, "--api-outputs", endpoints.outputs]
+    proc = spawn_coordinator([*opts.coordinator_args, *api])
+    deadline = time.monotonic() + opts.startup_timeout_s
+    while True:
+        try:
+            return proc, await client.wait_ready(READY_POLL_S)
+        except CoordinatorGone:
+            if proc.poll() is not None:
+                raise StartupError(
+                    f"the coordinator exited with code {proc.returncode} during start-up"
+                ) from None
+            if time.monotonic() > deadline:
+                proc.terminate()
+                raise StartupError(
+                    f"the coordinator was not serving after {opts.startup_timeout_s:g} s"
+                ) from None
+
+
+def _stop_coordinator(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except Exception:
+            proc.kill()
+            proc.wait()
+
+
+async def _serve(opts: ServeOptions, tokenizer: ModelTokenizer, template) -> int:
+    client = CoordinatorClient()
+    proc = None
+    try:
+        started = time.monotonic()
+        proc, status = await _start_coordinator(client, opts)
+        limits = ServingLimits(status.model_name, status.vocab_size, status.max_context)
+        frontend = Frontend(
+            client, tokenizer, template, limits, ServingMetrics(status.model_name), opts.api_key
+        )
+        app = create_app(frontend)
+        config = uvicorn.Config(
+            app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=5
+        )
+        server = _Server(config)
+        watcher = asyncio.create_task(_watch(proc, server))
+        scheme_host = f"[{opts.host}]" if ":" in opts.host else opts.host
+        print(
+            f"flare: serving {status.model_name} with TP={status.tensor_parallel_size}, "
+            f"{len(status.graph_estimates_ns)} prepared programs, "
+            f"at http://{scheme_host}:{opts.port}/v1 "
+            f"(ready in {time.monotonic() - started:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        await server.serve()
+        watcher.cancel()
+        return 0 if proc.poll() is None else 1
+    finally:
+        if proc is not None:
+            await asyncio.get_running_loop().run_in_executor(None, _stop_coordinator, proc)
+        await client.close()
+
+
+async def _watch(proc, server: uvicorn.Server) -> None:
+    """Stop serving if the coordinator dies."""
+    while proc.poll() is None:
+        await asyncio.sleep(0.5)
+    log.error("the coordinator exited with code %s; stopping", proc.returncode)
+    server.should_exit = True
+
+
+def serve(opts: ServeOptions) -> int:
+    """Run the HTTP deployment until interrupted; the exit code."""
+    logging.basicConfig(level=logging.INFO, format="[frontend] %(levelname)s %(message)s")
+    tokenizer = ModelTokenizer.from_dir(opts.model_dir)
+    template = load_chat_template(opts.model_dir, tokenizer)
+    try:
+        return asyncio.run(_serve(opts, tokenizer, template))
+    except StartupError as exc:
+        print(f"flare: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,511 @@
+"""The OpenAI-compatible HTTP API (FastAPI on uvicorn), one process apart from the coordinator.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
+server-sent events in OpenAI's chunk format, ``data: [DONE]`` last),
+``GET /v1/models``, ``GET /health`` (503 unless the engine serves) and
+``GET /metrics`` (Prometheus text).
+
+A request is validated (:mod:`runtime.frontend.protocol`), tokenized, and
+each of its ``n`` choices is submitted to the coordinator as its own request
+(seeds ``seed``, ``seed + 1``, ...).  Outputs are detokenized incrementally;
+stop strings hold text back until they are ruled out, and stop token ids end
+a choice.  Each time text reaches the client (an SSE chunk written), the
+frontend reports the publication (request, fence, host time) to the
+coordinator, which applies it before that request's next completion: output
+age is measured to what the client saw.  A non-streaming response becomes
+visible only at its end, so it reports nothing.  A choice that ends on the
+frontend (stop string, stop token) or whose client disconnects is cancelled at
+the coordinator, which stops selecting it at once.
+
+Every invalid input gets a 4xx JSON error in OpenAI's shape naming the field.
+With an API key, every route but /health requires ``Authorization: Bearer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from runtime.frontend.chat import ChatTemplate
+from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.detokenizer import IncrementalDetokenizer
+from runtime.frontend.metrics import ServingMetrics
+from runtime.frontend.protocol import (
+    GenerationRequest,
+    RequestError,
+    ServingLimits,
+    parse_chat,
+    parse_completion,
+)
+from runtime.frontend.tokenizer import ModelTokenizer
+from runtime.transport.api import Output, TokenLogprobs
+from runtime.transport.schema import SamplingParams
+
+SEED_MODULUS = 1 << 63
+MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
+DISCONNECT_POLL_S = 0.1
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "aborted": "abort"}
+
+
+@dataclass
+class Frontend:
+    """What the routes share."""
+
+    client: CoordinatorClient
+    tokenizer: ModelTokenizer
+    template: ChatTemplate
+    limits: ServingLimits
+    metrics: ServingMetrics
+    api_key: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass
+class Piece:
+    """Part of one choice's output: new text, the tokens it accounts for, maybe the end."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...]
+    request_id: int
+    fence: int
+    finish_reason: str | None = None
+
+
+class EngineRefused(Exception):
+    """The coordinator refused a request before it produced anything."""
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return JSONResponse(RequestError(status, message, param, kind).to_json(), status_code=status)
+
+
+# ------------------------------------------------------------------ generation
+
+
+def _sampling(req: GenerationRequest, index: int, seed: int) -> SamplingParams:
+    return SamplingParams(
+        req.temperature,
+        req.top_p,
+        req.top_k,
+        (seed + index) % SEED_MODULUS,
+        min_tokens=req.min_tokens,
+        logprobs=-1 if req.logprobs is None else req.logprobs,
+    )
+
+
+async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
+    """One choice's pieces, in order; the last carries its finish reason."""
+    client = fe.client
+    rid = client.new_request_id()
+    queue = client.submit(
+        rid, req.prompt_token_ids, req.max_tokens, _sampling(req, index, seed), req.ignore_eos
+    )
+    detok = IncrementalDetokenizer(
+        fe.tokenizer, req.prompt_token_ids, req.stop, min_tokens=req.min_tokens
+    )
+    stop_ids = frozenset(req.stop_token_ids)
+    produced = 0
+    done = False
+    try:
+        while not done:
+            out: Output = await queue.get()
+            if out.finish_reason == "error":
+                if produced == 0 and out.fence == 0:
+                    raise EngineRefused(out.error or "refused")
+                raise RuntimeError(f"the engine failed: {out.error}")
+            tokens, logprobs = out.token_ids, out.logprobs
+            finish = FINISH_REASONS.get(out.finish_reason or "")
+            stop_at = next(
+                (
+                    j
+                    for j, token in enumerate(tokens)
+                    if token in stop_ids and produced + j + 1 > req.min_tokens
+                ),
+                None,
+            )
+            if stop_at is not None:  # the stop token counts but is not shown
+                tokens, logprobs, finish = tokens[: stop_at + 1], logprobs[: stop_at + 1], "stop"
+                delta = detok.push(tokens[:stop_at])
+            else:
+                delta = detok.push(tokens)
+            text = delta.text
+            if delta.stopped:  # a stop string: the text after it is dropped
+                used = delta.num_tokens
+                tokens, logprobs, finish = tokens[:used], logprobs[:used], "stop"
+            elif finish is not None:
+                tail = detok.finish()
+                text += tail.text
+                if tail.stopped:
+                    finish = "stop"
+            produced += len(tokens)
+            done = finish is not None
+            if done and not out.finished:
+                client.cancel(rid)  # ended here: the coordinator stops selecting it
+            yield Piece(index, text, tokens, logprobs, rid, out.fence, finish)
+    finally:
+        if not done:
+            client.cancel(rid)  # the client went away (or an error): free its slot
+
+
+async def _merged(fe: Frontend, req: GenerationRequest, seed: int) -> AsyncIterator[Piece]:
+    """Pieces of every choice as they come; errors surface here."""
+    if req.n == 1:
+        async for piece in _choice(fe, req, 0, seed):
+            yield piece
+        return
+    queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for piece in _choice(fe, req, index, seed):
+                await queue.put(piece)
+        except BaseException as exc:  # handed to the consumer
+            await queue.put(exc)
+            raise
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(req.n)]
+    try:
+        remaining = req.n
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Usage:
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+
+    def json(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+class Timing:
+    """Client-visible latency of one choice, for the metrics."""
+
+    def __init__(self, fe: Frontend, arrived: float) -> None:
+        self.fe, self.arrived = fe, arrived
+        self.last: dict[int, float] = {}
+
+    def tokens(self, piece: Piece) -> None:
+        if not piece.token_ids:
+            return
+        now = time.perf_counter()
+        m = self.fe.metrics
+        if piece.index not in self.last:
+            m.ttft.observe(now - self.arrived)
+        else:
+            m.itl.observe((now - self.last[piece.index]) / len(piece.token_ids))
+        self.last[piece.index] = now
+        m.generation_tokens.inc(len(piece.token_ids))
+
+    def finished(self, piece: Piece) -> None:
+        self.fe.metrics.e2e.observe(time.perf_counter() - self.arrived)
+        self.fe.metrics.finished(piece.finish_reason or "abort")
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def _lp(value: float) -> float:
+    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
+
+
+def _token_text(fe: Frontend, token: int) -> str:
+    return fe.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def _completion_logprobs(fe: Frontend, piece: Piece, offset: int) -> dict[str, Any]:
+    tokens = [_token_text(fe, t) for t in piece.token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_lp(item.logprob) for item in piece.logprobs],
+        "top_logprobs": [_top_by_text(fe, item) for item in piece.logprobs],
+        "text_offset": offsets,
+    }
+
+
+def _top_by_text(fe: Frontend, item: TokenLogprobs) -> dict[str, float]:
+    """The legacy completions map, text -> logprob; tokens decoding to the same
+    text (byte pieces) keep the best entry, so the map stays best-first."""
+    top: dict[str, float] = {}
+    for token, value in zip(item.top_token_ids, item.top_logprobs):
+        top.setdefault(_token_text(fe, token), _lp(value))
+    return top
+
+
+def _chat_logprobs(fe: Frontend, piece: Piece) -> list[dict[str, Any]]:
+    def entry(token: int, value: float) -> dict[str, Any]:
+        text = _token_text(fe, token)
+        return {"token": text, "logprob": _lp(value), "bytes": list(text.encode())}
+
+    return [
+        {
+            **entry(token, item.logprob),
+            "top_logprobs": [entry(t, v) for t, v in zip(item.top_token_ids, item.top_logprobs)],
+        }
+        for token, item in zip(piece.token_ids, piece.logprobs)
+    ]
+
+
+def _merge_completion_logprobs(into: dict[str, Any] | None, more: dict[str, Any]) -> dict:
+    if into is None:
+        return more
+    for key in into:
+        into[key].extend(more[key])
+    return into
+
+
+# ------------------------------------------------------------------ responses
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n"
+
+
+async def _stream(
+    fe: Frontend, req: GenerationRequest, chat: bool, request_id: str, arrived: float
+) -> AsyncIterator[str]:
+    """SSE chunks; publication is reported after each chunk with text reaches the client."""
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    usage = Usage(len(req.prompt_token_ids))
+    timing = Timing(fe, arrived)
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model}
+    offsets = [0] * req.n
+    if chat:
+        for i in range(req.n):
+            yield _sse(
+                {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+            )  # fmt: skip
+    try:
+        async for piece in _merged(fe, req, seed):
+            usage.completion_tokens += len(piece.token_ids)
+            timing.tokens(piece)
+            if not piece.text and piece.finish_reason is None and req.logprobs is None:
+                continue  # held back (stop-string prefix, partial character)
+            logprobs = None
+            if req.logprobs is not None and piece.token_ids:
+                if chat:
+                    logprobs = {"content": _chat_logprobs(fe, piece)}
+                else:
+                    logprobs = _completion_logprobs(fe, piece, offsets[piece.index])
+            offsets[piece.index] += len(piece.text)
+            if chat:
+                delta = {"content": piece.text} if piece.text else {}
+                choice = {"index": piece.index, "delta": delta, "logprobs": logprobs,
+                          "finish_reason": piece.finish_reason}  # fmt: skip
+            else:
+                choice = {"index": piece.index, "text": piece.text, "logprobs": logprobs,
+                          "finish_reason": piece.finish_reason}  # fmt: skip
+            yield _sse({**head, "choices": [choice]})
+            if piece.text and piece.finish_reason is None:
+                fe.client.publish(piece.request_id, piece.fence, time.monotonic_ns())
+            if piece.finish_reason is not None:
+                timing.finished(piece)
+    except (EngineRefused, RuntimeError, CoordinatorGone) as exc:
+        error = RequestError(500, str(exc), None, "server_error").to_json()
+        yield _sse(error)
+    if req.include_usage:
+        yield _sse({**head, "choices": [], "usage": usage.json()})
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(
+    fe: Frontend, req: GenerationRequest, chat: bool, request_id: str, arrived: float
+) -> dict[str, Any]:
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    usage = Usage(len(req.prompt_token_ids))
+    timing = Timing(fe, arrived)
+    texts = [""] * req.n
+    finish: list[str | None] = [None] * req.n
+    completion_lp: list[dict | None] = [None] * req.n
+    chat_lp: list[list] = [[] for _ in range(req.n)]
+    async for piece in _merged(fe, req, seed):
+        usage.completion_tokens += len(piece.token_ids)
+        timing.tokens(piece)
+        if req.logprobs is not None and piece.token_ids:
+            if chat:
+                chat_lp[piece.index] += _chat_logprobs(fe, piece)
+            else:
+                more = _completion_logprobs(fe, piece, len(texts[piece.index]))
+                completion_lp[piece.index] = _merge_completion_logprobs(
+                    completion_lp[piece.index], more
+                )
+        texts[piece.index] += piece.text
+        if piece.finish_reason is not None:
+            finish[piece.index] = piece.finish_reason
+            timing.finished(piece)
+    created = int(time.time())
+    if chat:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": {"content": chat_lp[i]} if req.logprobs is not None else None,
+                "finish_reason": finish[i],
+            }
+            for i in range(req.n)
+        ]
+        kind = "chat.completion"
+    else:
+        choices = [
+            {"index": i, "text": texts[i], "logprobs": completion_lp[i], "finish_reason": finish[i]}
+            for i in range(req.n)
+        ]
+        kind = "text_completion"
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": req.model,
+        "choices": choices,
+        "usage": usage.json(),
+    }
+
+
+async def _until_disconnect(request: Request) -> None:
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+# ------------------------------------------------------------------ app
+
+
+def create_app(fe: Frontend) -> FastAPI:
+    app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if fe.api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {fe.api_key}"
+            if not secrets.compare_digest(given.encode(), expected.encode()):
+                return _error(401, "missing or wrong API key", None, "authentication_error")
+        return await call_next(request)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception):
+        return _error(404, f"no route {request.method} {request.url.path}", None, "not_found")
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc: Exception):
+        return _error(405, f"{request.method} is not allowed on {request.url.path}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            status = await fe.client.query_status()
+        except CoordinatorGone as exc:
+            return _error(503, str(exc), None, "service_unavailable")
+        if not status.serving:
+            return _error(503, status.error or "the engine is not serving", None,
+                          "service_unavailable")  # fmt: skip
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": fe.limits.model_name,
+                    "object": "model",
+                    "created": fe.created,
+                    "owned_by": "flare",
+                    "max_model_len": fe.limits.max_context,
+                }
+            ],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            status = await fe.client.query_status()
+        except CoordinatorGone:
+            status = None
+        return Response(
+            fe.metrics.render(status), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    async def generate(request: Request, chat: bool) -> Response:
+        arrived = time.perf_counter()
+        content_type = request.headers.get("content-type", "")
+        if content_type.split(";")[0].strip().lower() != "application/json":
+            return _error(415, f"Content-Type must be application/json, got {content_type!r}")
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            return _error(400, f"body is not valid JSON: {exc}")
+        try:
+            if chat:
+                req = parse_chat(body, fe.limits, fe.tokenizer, fe.template)
+            else:
+                req = parse_completion(body, fe.limits, fe.tokenizer)
+        except RequestError as exc:
+            return JSONResponse(exc.to_json(), status_code=exc.status)
+        fe.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            if req.stream:
+                return StreamingResponse(
+                    _stream(fe, req, chat, request_id, arrived), media_type="text/event-stream"
+                )
+            work = asyncio.create_task(_collect(fe, req, chat, request_id, arrived))
+            watch = asyncio.create_task(_until_disconnect(request))
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client left: cancelling frees its requests
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+                return Response(status_code=499)
+            watch.cancel()
+            return JSONResponse(work.result())
+        except EngineRefused as exc:
+            return _error(400, str(exc))
+        except CoordinatorGone as exc:
+            return _error(503, str(exc), None, "service_unavailable")
+        except RuntimeError as exc:
+            return _error(500, str(exc))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    return app

@@ -1,0 +1,410 @@
+"""The HTTP frontend end to end: `flare run` as a real process tree (frontend,
+coordinator, rank) on a free loopback port, driven by the `openai` client and
+httpx.  The spec's HTTP scenarios run with four request slots and a 4096-token
+prefill capacity on the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+START_S = 180.0
+FLAGS = ["--max-concurrency", "4", "--max-prefill-tokens", "4096", "--device", "cpu"]
+
+
+class Server:
+    def __init__(self, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.cli", "run", "--port", str(self.port), *FLAGS, *extra],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + START_S
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"flare run exited: {self.proc.stderr.read()}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("flare run did not become healthy")
+            time.sleep(0.3)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    assert s.stop() == 0
+    # The coordinator and rank processes went with it.
+    out = subprocess.run(["pgrep", "-f", f"api-requests.*{s.port}"], capture_output=True)
+    assert out.stdout == b""
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def words(n: int, seed: int = 0) -> str:
+    """``n`` words: about 3.9 tokens each with the embedded model's tokenizer."""
+    vocab = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "sand"]
+    return " ".join(vocab[(i * 7 + seed) % len(vocab)] for i in range(n))
+
+
+def post(server: Server, path: str, body: object, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.base}{path}", json=body, timeout=120, **kwargs)
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_models_health_and_a_greedy_completion(server, client, model):
+    assert httpx.get(f"{server.base}/health").status_code == 200
+    out = client.completions.create(model=model, prompt="Hello there", max_tokens=8,
+                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 8
+    # Streaming gives the same greedy text, then [DONE].
+    chunks = list(client.completions.create(model=model, prompt="Hello there", max_tokens=8,
+                  temperature=0, stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks) == out.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_seeded_sampling_repeats_and_n_choices_differ(client, model):
+    kwargs = dict(model=model, prompt=words(20), max_tokens=12, temperature=1.0, seed=1234,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    a = client.completions.create(**kwargs, n=3)
+    b = client.completions.create(**kwargs, n=3)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert sorted(c.index for c in a.choices) == [0, 1, 2]
+    assert len({c.text for c in a.choices}) > 1  # seeds seed, seed+1, seed+2
+    assert a.usage.completion_tokens == 36
+
+
+def test_chat_completion_streams_role_then_content_with_usage(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+
+
+def test_stop_strings_and_stop_token_ids_end_the_choice(client, model):
+    base = client.completions.create(model=model, prompt=words(12, 3), max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    text = base.choices[0].text
+    stop = text[5:8]
+    assert stop and stop not in text[:5]
+    cut = client.completions.create(model=model, prompt=words(12, 3), max_tokens=24,
+                                    temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.usage.completion_tokens < 24
+
+
+def test_stop_token_ids_end_the_choice_and_count_the_stop_token(server, client, model):
+    every = list(range(512))  # the embedded model's vocabulary
+    body = {"prompt": words(12, 3), "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    plain = post(server, "/v1/completions", {**body, "max_tokens": 3}).json()
+    # Every token is a stop token: the first one ends the choice, unshown but counted.
+    first = post(server, "/v1/completions", {**body, "stop_token_ids": every}).json()
+    assert first["choices"][0]["finish_reason"] == "stop"
+    assert first["choices"][0]["text"] == "" and first["usage"]["completion_tokens"] == 1
+    # With min_tokens 3, stop tokens count only from the fourth token on.
+    later = post(server, "/v1/completions", {**body, "stop_token_ids": every, "min_tokens": 3})
+    later = later.json()
+    assert later["usage"]["completion_tokens"] == 4
+    assert later["choices"][0]["text"] == plain["choices"][0]["text"]
+
+
+def test_logprobs_are_sorted_and_the_sampled_one_is_reported(client, model):
+    out = client.completions.create(model=model, prompt=words(10), max_tokens=5, temperature=0,
+                                    logprobs=3, extra_body={"ignore_eos": True})  # fmt: skip
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for sampled, top in zip(lp.token_logprobs, lp.top_logprobs):
+        values = list(top.values())
+        assert 1 <= len(values) <= 3 and values == sorted(values, reverse=True)
+        assert sampled <= 0 and abs(sampled - values[0]) < 1e-4  # greedy takes the best
+    assert "".join(lp.tokens) == out.choices[0].text or len(out.choices[0].text) > 0
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "x"}], max_tokens=3, temperature=0,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_min_tokens_and_ignore_eos_give_exact_lengths(client, model):
+    out = client.completions.create(model=model, prompt=words(8), max_tokens=10,
+                                    extra_body={"min_tokens": 10})  # fmt: skip
+    assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
+
+
+# ------------------------------------------------------------------ the spec's HTTP scenarios
+
+
+async def _stream_times(
+    base: str, body: dict, times: list[float] | None = None
+) -> tuple[list[float], dict]:
+    """Arrival time of every content chunk (appended to ``times`` as they come), and usage."""
+    times = [] if times is None else times
+    usage: dict = {}
+    async with (
+        httpx.AsyncClient(timeout=300) as http,
+        http.stream("POST", f"{base}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            elif chunk["choices"] and chunk["choices"][0]["text"]:
+                times.append(time.monotonic())
+    return times, usage
+
+
+def _body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+
+
+@pytest.mark.parametrize("streams", [2, 4])
+def test_decode_streams_all_progress_together(server, streams):
+    async def run():
+        return await asyncio.gather(
+            *(_stream_times(server.base, _body(words(6, i), 24)) for i in range(streams))
+        )
+
+    results = asyncio.run(run())
+    ends = [times[-1] for times, _ in results]
+    for times, usage in results:
+        assert usage["completion_tokens"] == 24
+        assert times[0] < min(ends)  # every stream started before any finished: none starved
+
+
+def test_concurrent_long_prompts_complete_with_correct_usage(server):
+    async def run():
+        return await asyncio.gather(
+            *(_stream_times(server.base, _body(words(380, i), 8)) for i in range(4))
+        )
+
+    for times, usage in asyncio.run(run()):
+        assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] >= 1400
+        assert times
+
+
+def test_long_prompt_arriving_during_decode(server):
+    async def run():
+        seen: list[list[float]] = [[], []]
+        decode = [
+            asyncio.create_task(_stream_times(server.base, _body(words(4, i), 300), seen[i]))
+            for i in range(2)
+        ]
+        while min(len(times) for times in seen) < 3:  # both streams are decoding
+            await asyncio.sleep(0.01)
+        arrived = time.monotonic()
+        long = await _stream_times(server.base, _body(words(640), 4))
+        return arrived, long, await asyncio.gather(*decode)
+
+    arrived, (_, long_usage), decodes = asyncio.run(run())
+    assert long_usage["completion_tokens"] == 4 and long_usage["prompt_tokens"] >= 2400
+    for times, usage in decodes:
+        assert usage["completion_tokens"] == 300
+        # The decode streams kept producing after the long prompt arrived.
+        assert any(t > arrived for t in times)
+
+
+def test_short_and_long_prompt_contention(server):
+    async def run():
+        jobs = [_stream_times(server.base, _body(words(770, 1), 4))]
+        jobs += [_stream_times(server.base, _body(words(5, i), 8)) for i in range(3)]
+        return await asyncio.gather(*jobs)
+
+    (long_times, long_usage), *shorts = asyncio.run(run())
+    assert long_usage["completion_tokens"] == 4 and long_times
+    for times, usage in shorts:
+        assert usage["completion_tokens"] == 8 and times
+
+
+def test_cancellation_frees_the_slot_for_the_next_request(server, client, model):
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            # Fill the four slots with long streams, then walk away from one of them.
+            tasks = []
+            for i in range(3):
+                tasks.append(asyncio.create_task(
+                    _stream_times(server.base, _body(words(5, i), 64))
+                ))  # fmt: skip
+            async with http.stream(
+                "POST", f"{server.base}/v1/completions", json=_body(words(5, 9), 4000)
+            ) as response:
+                seen = 0
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= 3:
+                        break  # the client disconnects mid-stream
+            results = await asyncio.gather(*tasks)
+            return results
+
+    results = asyncio.run(run())
+    assert all(usage["completion_tokens"] == 64 for _, usage in results)
+    # The cancelled request's slot is free: a new request completes, and the server
+    # reports no running request afterwards.
+    out = client.completions.create(model=model, prompt="again", max_tokens=4,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.usage.completion_tokens == 4
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        families = _metrics(server)
+        if families["flare_num_requests_running"] == 0:
+            break
+        time.sleep(0.2)
+    assert families["flare_num_requests_running"] == 0
+    assert families["flare_kv_pages_used"] == 0
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+# ------------------------------------------------------------------ metrics
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.base}/metrics").text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name
+            if "class" in sample.labels:
+                key += f":{sample.labels['class']}"
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def test_metrics_parse_and_move(server, client, model):
+    before = _metrics(server)
+    client.completions.create(model=model, prompt=words(30), max_tokens=5,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    after = _metrics(server)
+    assert after["flare_generation_tokens_total"] - before["flare_generation_tokens_total"] == 5
+    assert after["flare_prompt_tokens_total"] > before["flare_prompt_tokens_total"]
+    assert after["flare_scheduler_executions_total:ordinary"] + after.get(
+        "flare_scheduler_executions_total:discovery", 0
+    ) > before["flare_scheduler_executions_total:ordinary"] + before.get(
+        "flare_scheduler_executions_total:discovery", 0
+    )
+    assert after["flare_scheduler_execution_nanoseconds_total:ordinary"] > 0
+    assert (
+        after["flare_time_to_first_token_seconds_count"]
+        > before["flare_time_to_first_token_seconds_count"]
+    )
+    assert "flare_speculative_executions_total" in after
+    assert after["flare_kv_pages_total"] > 0
+    assert any(k.startswith("flare_graph_estimated_duration_seconds") for k in after)
+
+
+# ------------------------------------------------------------------ bad input
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "", "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [], "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**9], "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [-1], "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5] * 5000, "max_tokens": 4}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [5] * 4000, "max_tokens": 200}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "nan"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "model": "nope"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ("/v1/completions", [1, 2], 400, None),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
+def test_bad_input_gets_an_openai_error_naming_the_field(server, path, body, status, param):
+    if isinstance(body, dict) and body.get("temperature") == "nan":
+        content = json.dumps({"prompt": "x", "temperature": float("nan")})
+        response = httpx.post(f"{server.base}{path}", content=content,
+                              headers={"content-type": "application/json"})  # fmt: skip
+    else:
+        response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+
+
+def test_wrong_content_type_and_broken_json_are_4xx_and_the_server_stays_healthy(server):
+    r = httpx.post(f"{server.base}/v1/completions", content=b"prompt=x",
+                   headers={"content-type": "application/x-www-form-urlencoded"})  # fmt: skip
+    assert r.status_code == 415 and "error" in r.json()
+    r = httpx.post(f"{server.base}/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"})  # fmt: skip
+    assert r.status_code == 400 and "error" in r.json()
+    assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+def test_api_key_guards_every_route_but_health():
+    s = Server("--api-key", "sekrit")
+    try:
+        assert httpx.get(f"{s.base}/health").status_code == 200
+        assert httpx.get(f"{s.base}/v1/models").status_code == 401
+        assert httpx.get(f"{s.base}/metrics").status_code == 401
+        r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        ok = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekrit", max_retries=0)
+        assert ok.completions.create(model=ok.models.list().data[0].id, prompt="x",
+                                     max_tokens=2).usage.completion_tokens >= 1  # fmt: skip
+    finally:
+        assert s.stop() == 0
