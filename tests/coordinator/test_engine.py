@@ -125,6 +125,38 @@ def test_spinning_engine_serves_the_same_tokens() -> None:
         assert served.close() == [fake_rank.EXIT_OK] * 2
 
 
+def test_external_publication_is_applied_before_the_next_completion() -> None:
+    served = Served(1, FakeSpec(), max_slots=4, external_publication=True).start(thread=False)
+    engine = served.engine
+    try:
+        stream = engine.submit([5, 6, 7], 6, ignore_eos=True)
+        event = None
+        while event is None or not event.token_ids:
+            engine.step(20)
+            try:
+                event = stream.get(timeout=0)
+            except TimeoutError:
+                event = None
+        live = engine._by_request[stream.request_id]
+        request = engine.scheduler.request(live.handle)
+        assert event.fence in request.unpublished  # nobody published it yet
+        assert request.last_visible_ns is None
+        seen_at = time.monotonic_ns()
+        engine.publish(stream, event.fence, seen_at)
+        engine.step(20)  # the publication goes in before anything else
+        assert event.fence not in request.unpublished
+        assert request.last_visible_ns == seen_at
+        # A late or repeated publication is ignored, not fatal.
+        engine.publish(stream, event.fence, seen_at + 1)
+        while not stream.finished:
+            engine.step(20)
+        assert stream.result(timeout=0).token_ids == reference([5, 6, 7], 6, ignore_eos=True)[0]
+        with pytest.raises(ValueError, match="publish"):
+            engine.publish(object(), 1, 1)  # type: ignore[arg-type]
+    finally:
+        assert served.close() == [fake_rank.EXIT_OK]
+
+
 def test_mismatched_catalog_is_refused() -> None:
     spec = FakeSpec(per_rank={1: {"num_pages": 256}}, idle_exit_s=WAIT_S)
     served = Served(2, spec, shutdown_grace_s=0.2)

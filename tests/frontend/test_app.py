@@ -1,0 +1,141 @@
+"""The HTTP app against a scripted coordinator: publication reports, cancellation on
+frontend-side stops, health.  (tests/frontend/test_server.py runs the real process tree.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from runtime.frontend.chat import load_chat_template
+from runtime.frontend.client import CoordinatorGone
+from runtime.frontend.metrics import ServingMetrics
+from runtime.frontend.protocol import ServingLimits
+from runtime.frontend.server import Frontend, create_app
+from runtime.frontend.tokenizer import ModelTokenizer
+from runtime.ranks.model import default_model_dir
+from runtime.transport.api import Output, Status
+
+MODEL = "tiny"
+
+
+class ScriptedClient:
+    """Stands in for CoordinatorClient: each request gets ``script`` as its outputs."""
+
+    def __init__(self, script: list[Output], serving: bool = True, gone: bool = False) -> None:
+        self.script = script
+        self.serving = serving
+        self.gone = gone
+        self.published: list[tuple[int, int]] = []
+        self.cancelled: list[int] = []
+        self.submitted: list[int] = []
+        self._ids = iter(range(1, 1000))
+
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, request_id, prompt, max_tokens, sampling, ignore_eos=False):
+        self.submitted.append(request_id)
+        queue: asyncio.Queue[Output] = asyncio.Queue()
+        for out in self.script:
+            queue.put_nowait(
+                Output(request_id, out.fence, out.token_ids, out.finish_reason, out.error)
+            )
+        return queue
+
+    def cancel(self, request_id: int) -> None:
+        self.cancelled.append(request_id)
+
+    def publish(self, request_id: int, fence: int, at_ns: int) -> None:
+        self.published.append((request_id, fence))
+
+    async def query_status(self, timeout_s: float = 2.0) -> Status:
+        if self.gone:
+            raise CoordinatorGone("no status")
+        return Status(1, self.serving, MODEL, 512, 4096, 1, 4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> ModelTokenizer:
+    return ModelTokenizer.from_dir(default_model_dir())
+
+
+def app(client: ScriptedClient, tokenizer: ModelTokenizer) -> TestClient:
+    template = load_chat_template(default_model_dir(), tokenizer)
+    frontend = Frontend(
+        client, tokenizer, template, ServingLimits(MODEL, 512, 4096), ServingMetrics(MODEL)
+    )
+    return TestClient(create_app(frontend))
+
+
+def script_for(tokenizer: ModelTokenizer, text: str, per_frame: int = 1) -> list[Output]:
+    """The outputs of a request producing ``text`` (as the tokenizer splits it)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    chunks = [ids[i : i + per_frame] for i in range(0, len(ids), per_frame)]
+    outs = [Output(0, 10 + i, tuple(c)) for i, c in enumerate(chunks)]
+    last = outs[-1]
+    outs[-1] = Output(0, last.fence, last.token_ids, "length")
+    return outs
+
+
+def sse(response) -> list[dict]:
+    return [
+        json.loads(line[6:])
+        for line in response.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+def test_streaming_publishes_each_chunk_with_its_fence(tokenizer):
+    client = ScriptedClient(script_for(tokenizer, "alpha beta gamma delta"))
+    with app(client, tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 50, "stream": True})
+    chunks = sse(r)
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == "alpha beta gamma delta"
+    shown = [10 + i for i, c in enumerate(chunks) if c["choices"][0]["text"]]
+    # Every chunk but the final one was reported, with the fence that produced it.
+    assert [f for _, f in client.published] == shown[:-1]
+    assert client.cancelled == []  # it ended at the coordinator
+
+
+def test_held_back_text_is_not_published_and_a_stop_string_cancels(tokenizer):
+    client = ScriptedClient(script_for(tokenizer, "alpha beta gamma delta"))
+    with app(client, tokenizer) as http:
+        r = http.post(
+            "/v1/completions",
+            json={"prompt": "x", "max_tokens": 50, "stream": True, "stop": ["gamma"]},
+        )
+    chunks = sse(r)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "alpha beta "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert client.cancelled == client.submitted  # the coordinator stops selecting it
+    # Publications never claim the held-back text: their fences precede the stop.
+    stop_fence = 10 + len(tokenizer.encode("alpha beta gamma", add_special_tokens=False)) - 1
+    assert all(f < stop_fence for _, f in client.published)
+
+
+def test_a_non_streaming_response_publishes_nothing(tokenizer):
+    client = ScriptedClient(script_for(tokenizer, "alpha beta"))
+    with app(client, tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 50})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "alpha beta"
+    assert client.published == []
+
+
+def test_a_refusal_before_any_token_is_a_400(tokenizer):
+    client = ScriptedClient([Output(0, 0, (), "error", "needs 9 KV pages, the ranks hold 8")])
+    with app(client, tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+    assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("serving", "gone"), [(False, False), (True, True)])
+def test_health_is_503_unless_the_engine_serves(tokenizer, serving, gone):
+    with app(ScriptedClient([], serving=serving, gone=gone), tokenizer) as http:
+        assert http.get("/health").status_code == 503
+        assert http.get("/v1/models").status_code == 200
+    with app(ScriptedClient([]), tokenizer) as http:
+        assert http.get("/health").status_code == 200
