@@ -28,6 +28,7 @@ from tqdm import tqdm
 from runtime.loadgen.client import PATHS, ClientConfig, first_model, run_benchmark
 from runtime.loadgen.report import format_table, per_request, summarize
 from runtime.loadgen.workload import (
+    TOKEN_ID_RANGE,
     Distribution,
     WorkloadSpec,
     arrival_offsets,
@@ -80,6 +81,19 @@ def _prompts_file(path: str) -> tuple[str, ...]:
     return prompts
 
 
+def _id_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        low, high = int(lo), int(hi)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI integers, got {text!r}") from None
+    if not 0 <= low < high:
+        raise argparse.ArgumentTypeError(f"need 0 <= LO < HI, got {text!r}")
+    return low, high
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flare bench",
@@ -109,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["words", "token-ids"],
         default="words",
         help="random words (about one token each), or token-id lists (completions only)",
+    )
+    p.add_argument(
+        "--token-id-range",
+        type=_id_range,
+        default=f"{TOKEN_ID_RANGE[0]}:{TOKEN_ID_RANGE[1]}",
+        help="LO:HI, token ids of token-id prompts (inside the model's vocabulary)",
     )
     p.add_argument(
         "--prompts-file",
@@ -144,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_kind=args.prompt_kind,
         prompts=args.prompts_file or (),
         seed=args.seed,
+        token_id_range=args.token_id_range,
     )
     config = ClientConfig(
         base_url=args.base_url,

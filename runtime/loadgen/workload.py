@@ -125,10 +125,14 @@ class WorkloadSpec:
     prompt_kind: PromptKind = "words"
     prompts: tuple[str, ...] = ()
     seed: int = 0
+    token_id_range: tuple[int, int] = TOKEN_ID_RANGE  # [lo, hi) for token-id prompts
 
     def __post_init__(self) -> None:
         if self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        lo, hi = self.token_id_range
+        if not 0 <= lo < hi:
+            raise ValueError(f"token_id_range must satisfy 0 <= lo < hi, got {lo}:{hi}")
 
 
 def build_requests(spec: WorkloadSpec) -> list[WorkRequest]:
@@ -142,7 +146,7 @@ def build_requests(spec: WorkloadSpec) -> list[WorkRequest]:
             length = len(prompt.split())
         elif spec.prompt_kind == "token-ids":
             length = spec.prompt_len.sample(rng)
-            prompt = tuple(rng.randrange(*TOKEN_ID_RANGE) for _ in range(length))
+            prompt = tuple(rng.randrange(*spec.token_id_range) for _ in range(length))
         else:
             length = spec.prompt_len.sample(rng)
             prompt = " ".join(rng.choices(WORDS, k=length))

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,17 +33,19 @@ class Server:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # A file, so a chatty server never blocks on a full pipe.
+        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli", "run", "--port", str(self.port), *FLAGS, *extra],
             env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
             text=True,
         )
         deadline = time.monotonic() + START_S
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"flare run exited: {self.proc.stderr.read()}")
+                raise RuntimeError(f"flare run exited: {self.output()}")
             try:
                 if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
                     break
@@ -53,6 +56,10 @@ class Server:
                 raise RuntimeError("flare run did not become healthy")
             time.sleep(0.3)
 
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
@@ -60,12 +67,16 @@ class Server:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        return self.proc.wait()
+        code = self.proc.wait()
+        self.log.close()
+        return code
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     s = Server()
+    # One summary line once serving: model, TP, catalog size, address.
+    assert f"TP=1, 10 prepared programs, at http://127.0.0.1:{s.port}/v1" in s.output()
     yield s
     assert s.stop() == 0
     # The coordinator and rank processes went with it.

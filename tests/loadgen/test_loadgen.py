@@ -280,6 +280,8 @@ def test_an_unreachable_server_without_model_fails_cleanly(capsys):
         (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file"),
         (["--endpoint", "chat", "--prompt-kind", "token-ids"], "--prompt-kind"),
         (["--request-rate", "2", "--concurrency", "2"], "--concurrency"),
+        (["--token-id-range", "9:3"], "--token-id-range"),
+        (["--token-id-range", "512"], "--token-id-range"),
     ],
 )
 def test_invalid_flags_fail_fast_naming_the_flag(capsys, argv, flag):
@@ -313,6 +315,8 @@ def test_workload_is_seeded_and_token_prompts_have_the_asked_length():
     for request in first:
         assert len(request.prompt) == request.prompt_len
         assert all(TOKEN_ID_RANGE[0] <= t < TOKEN_ID_RANGE[1] for t in request.prompt)
+    narrow = WorkloadSpec(30, lengths, spec.output_len, "token-ids", token_id_range=(3, 7))
+    assert {t for r in build_requests(narrow) for t in r.prompt} == {3, 4, 5, 6}
     words = build_requests(WorkloadSpec(5, lengths, spec.output_len, seed=4))
     assert all(len(r.prompt.split()) == r.prompt_len for r in words)
     explicit = WorkloadSpec(3, lengths, spec.output_len, prompts=("a b", "c"))
