@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import zmq
 
 from runtime.coordinator.engine import Engine, EngineError, RequestStream
-from runtime.coordinator.engine.stream import ERROR, TokenEvent
+from runtime.coordinator.engine.stream import ABORTED, ERROR, TokenEvent
 from runtime.transport.api import (
     MAX_ERROR_CHARS,
     Cancel,
@@ -171,8 +171,11 @@ class FrontendBridge:
                 message.ignore_eos,
                 listener=listener,
             )
-        except (ValueError, EngineError) as exc:
+        except ValueError as exc:  # the request does not fit (the frontend checked the rest)
             self._send(Output(rid, 0, finish_reason=ERROR, error=str(exc)[:MAX_ERROR_CHARS]))
+            return
+        except EngineError:  # stopping or failed: the frontend answers 503
+            self._send(Output(rid, 0, finish_reason=ABORTED))
             return
         with self._streams_lock:
             if not stream.finished:

@@ -49,6 +49,7 @@ from runtime.frontend.protocol import (
 )
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.transport.api import Output, TokenLogprobs
+from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import SamplingParams
 
 SEED_MODULUS = 1 << 63
@@ -95,11 +96,12 @@ def _error(status: int, message: str, param: str | None = None, kind: str | None
 # ------------------------------------------------------------------ generation
 
 
-def _sampling(req: GenerationRequest, index: int, seed: int) -> SamplingParams:
+def _sampling(req: GenerationRequest, index: int, seed: int, vocab: int) -> SamplingParams:
+    """Choice ``index``'s sampling; ProtocolError naming the field if out of range."""
     return SamplingParams(
         req.temperature,
         req.top_p,
-        req.top_k,
+        -1 if req.top_k >= vocab else req.top_k,  # top-k over the whole vocabulary: off
         (seed + index) % SEED_MODULUS,
         min_tokens=req.min_tokens,
         logprobs=-1 if req.logprobs is None else req.logprobs,
@@ -111,7 +113,11 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
     client = fe.client
     rid = client.new_request_id()
     queue = client.submit(
-        rid, req.prompt_token_ids, req.max_tokens, _sampling(req, index, seed), req.ignore_eos
+        rid,
+        req.prompt_token_ids,
+        req.max_tokens,
+        _sampling(req, index, seed, fe.limits.vocab_size),
+        req.ignore_eos,
     )
     detok = IncrementalDetokenizer(
         fe.tokenizer, req.prompt_token_ids, req.stop, min_tokens=req.min_tokens
@@ -122,6 +128,8 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
     try:
         while not done:
             out: Output = await queue.get()
+            if out.finish_reason == "aborted" and produced == 0 and out.fence == 0:
+                raise CoordinatorGone("the engine is not serving")
             if out.finish_reason == "error":
                 if produced == 0 and out.fence == 0:
                     raise EngineRefused(out.error or "refused")
@@ -477,6 +485,10 @@ def create_app(fe: Frontend) -> FastAPI:
                 req = parse_completion(body, fe.limits, fe.tokenizer)
         except RequestError as exc:
             return JSONResponse(exc.to_json(), status_code=exc.status)
+        try:
+            _sampling(req, 0, 0, fe.limits.vocab_size)
+        except ProtocolError as exc:
+            return _error(400, str(exc), exc.field)
         fe.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:

@@ -195,7 +195,7 @@ class PreparedProgram:
         """CUDA: capture the body as a graph (returns its memory pool). CPU: no-op."""
         if self.device.type != "cuda":
             return None
-        self._fill([])  # a valid all-padding input
+        self._fill([], full_width=True)  # all padding, over every page-table column
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -209,13 +209,15 @@ class PreparedProgram:
         return graph.pool()
 
     # -- one execution ---------------------------------------------------------
-    def _fill(self, inputs: list[LaneInput]) -> None:
+    def _fill(self, inputs: list[LaneInput], full_width: bool | None = None) -> None:
         """Pack ``inputs`` into one int64 and one float32 host tensor and bind them.
 
         Building tensors from Python lists dominates a frame's host time, so
         every field goes into one list.  Captured programs get one copy into
         their device arena; eager ones read the host tensors (CPU) or a copy of
-        them (eager CUDA).
+        them (eager CUDA).  ``full_width``: the page table spans every column
+        (default: when a graph was captured, since it reads them all; capture
+        itself asks for it).
         """
         shape, page_size = self.shape, self.page_size
         n, lanes = shape.tokens, shape.lanes
@@ -248,7 +250,9 @@ class PreparedProgram:
         if used > n:
             raise ProgramError(f"{used} tokens do not fit {self.desc.describe()}")
         pad_tokens, pad_lanes = n - used, lanes - len(inputs)
-        pages = self.max_pages if self.graph is not None else -(-longest // page_size)
+        if full_width is None:
+            full_width = self.graph is not None
+        pages = self.max_pages if full_width else -(-longest // page_size)
         packed = ids + [0] * pad_tokens
         packed += positions + [0] * pad_tokens
         packed += slots + [-1] * pad_tokens  # padding writes nothing

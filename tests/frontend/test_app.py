@@ -139,3 +139,13 @@ def test_health_is_503_unless_the_engine_serves(tokenizer, serving, gone):
         assert http.get("/v1/models").status_code == 200
     with app(ScriptedClient([]), tokenizer) as http:
         assert http.get("/health").status_code == 200
+
+
+def test_a_stopped_engine_is_a_503_and_a_huge_top_k_means_no_top_k(tokenizer):
+    with app(ScriptedClient([Output(0, 0, (), "aborted")]), tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    client = ScriptedClient(script_for(tokenizer, "alpha"))
+    with app(client, tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "top_k": 10**12})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "alpha"

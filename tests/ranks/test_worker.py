@@ -393,3 +393,17 @@ def test_logprobs_are_raw_and_sidecars_follow_the_frame(checkpoint):
     d2.fence = d.fence
     d2.prefill(2, 1, PROMPTS[2])
     assert d2.last.sidecars == {}
+
+
+def test_full_width_fill_spans_every_page_column_with_padding(checkpoint):
+    """What capture binds: the whole page-table width, padding rows all -1."""
+    path, _ = checkpoint
+    w = make_worker(path)
+    program = w.programs[GraphDescriptor(GraphKind.DECODE, 4).key]
+    program._fill([], full_width=True)
+    x = program.inputs
+    assert x.page_tables.shape == (4, program.max_pages)
+    assert (x.page_tables == -1).all() and (x.slot_mapping == -1).all()
+    assert (x.query_lens == 0).all() and (x.context_lens == 0).all()
+    program._fill([])  # an eager frame reads only the columns it needs
+    assert program.inputs.page_tables.shape == (4, 1)
