@@ -91,3 +91,15 @@ def test_config_file_errors_name_the_problem(tmp_path):
         assert "token_fairness" in str(exc)
     else:
         raise AssertionError("negative token_fairness accepted")
+
+
+def test_gpu_check_dry_runs_on_cpu(tmp_path):
+    """The prepared CUDA check must work when a GPU session finally runs it."""
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["all_ok"] and result == json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(result["replay_us"]) >= {"decode B=8", "prefill B=1 C=64"}
