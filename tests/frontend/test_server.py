@@ -1,75 +1,20 @@
-"""The HTTP frontend end to end: `flare run` as a real process tree (frontend,
+"""The HTTP API end to end: `flare run` as a real process tree (frontend,
 coordinator, rank) on a free loopback port, driven by the `openai` client and
-httpx.  The spec's HTTP scenarios run with four request slots and a 4096-token
-prefill capacity on the embedded model."""
+httpx: completions and chat, streaming, sampling controls, stop handling,
+logprobs, metrics, every bad input, the API key.  The spec's scheduling
+scenarios are tests/server/test_scheduler.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import signal
 import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.launch import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
-START_S = 180.0
-FLAGS = ["--max-concurrency", "4", "--max-prefill-tokens", "4096", "--device", "cpu"]
-
-
-class Server:
-    def __init__(self, *extra: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        # A file, so a chatty server never blocks on a full pipe.
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "run", "--port", str(self.port), *FLAGS, *extra],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        deadline = time.monotonic() + START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flare run exited: {self.output()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("flare run did not become healthy")
-            time.sleep(0.3)
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        code = self.proc.wait()
-        self.log.close()
-        return code
+from tests.server.harness import Server, words
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +37,6 @@ def client(server: Server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
-
-
-def words(n: int, seed: int = 0) -> str:
-    """``n`` words: about 3.9 tokens each with the embedded model's tokenizer."""
-    vocab = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "sand"]
-    return " ".join(vocab[(i * 7 + seed) % len(vocab)] for i in range(n))
-
-
-def post(server: Server, path: str, body: object, **kwargs) -> httpx.Response:
-    return httpx.post(f"{server.base}{path}", json=body, timeout=120, **kwargs)
 
 
 # ------------------------------------------------------------------ basics
@@ -160,13 +95,13 @@ def test_stop_strings_and_stop_token_ids_end_the_choice(client, model):
 def test_stop_token_ids_end_the_choice_and_count_the_stop_token(server, client, model):
     every = list(range(512))  # the embedded model's vocabulary
     body = {"prompt": words(12, 3), "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    plain = post(server, "/v1/completions", {**body, "max_tokens": 3}).json()
+    plain = server.post("/v1/completions", {**body, "max_tokens": 3}).json()
     # Every token is a stop token: the first one ends the choice, unshown but counted.
-    first = post(server, "/v1/completions", {**body, "stop_token_ids": every}).json()
+    first = server.post("/v1/completions", {**body, "stop_token_ids": every}).json()
     assert first["choices"][0]["finish_reason"] == "stop"
     assert first["choices"][0]["text"] == "" and first["usage"]["completion_tokens"] == 1
     # With min_tokens 3, stop tokens count only from the fourth token on.
-    later = post(server, "/v1/completions", {**body, "stop_token_ids": every, "min_tokens": 3})
+    later = server.post("/v1/completions", {**body, "stop_token_ids": every, "min_tokens": 3})
     later = later.json()
     assert later["usage"]["completion_tokens"] == 4
     assert later["choices"][0]["text"] == plain["choices"][0]["text"]
@@ -196,152 +131,14 @@ def test_min_tokens_and_ignore_eos_give_exact_lengths(client, model):
     assert out.usage.completion_tokens == 10 and out.choices[0].finish_reason == "length"
 
 
-# ------------------------------------------------------------------ the spec's HTTP scenarios
-
-
-async def _stream_times(
-    base: str, body: dict, times: list[float] | None = None
-) -> tuple[list[float], dict]:
-    """Arrival time of every content chunk (appended to ``times`` as they come), and usage."""
-    times = [] if times is None else times
-    usage: dict = {}
-    async with (
-        httpx.AsyncClient(timeout=300) as http,
-        http.stream("POST", f"{base}/v1/completions", json=body) as response,
-    ):
-        assert response.status_code == 200
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                times.append(time.monotonic())
-    return times, usage
-
-
-def _body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
-    return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream, "ignore_eos": True,
-            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
-
-
-@pytest.mark.parametrize("streams", [2, 4])
-def test_decode_streams_all_progress_together(server, streams):
-    async def run():
-        return await asyncio.gather(
-            *(_stream_times(server.base, _body(words(6, i), 24)) for i in range(streams))
-        )
-
-    results = asyncio.run(run())
-    ends = [times[-1] for times, _ in results]
-    for times, usage in results:
-        assert usage["completion_tokens"] == 24
-        assert times[0] < min(ends)  # every stream started before any finished: none starved
-
-
-def test_concurrent_long_prompts_complete_with_correct_usage(server):
-    async def run():
-        return await asyncio.gather(
-            *(_stream_times(server.base, _body(words(380, i), 8)) for i in range(4))
-        )
-
-    for times, usage in asyncio.run(run()):
-        assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] >= 1400
-        assert times
-
-
-def test_long_prompt_arriving_during_decode(server):
-    async def run():
-        seen: list[list[float]] = [[], []]
-        decode = [
-            asyncio.create_task(_stream_times(server.base, _body(words(4, i), 300), seen[i]))
-            for i in range(2)
-        ]
-        while min(len(times) for times in seen) < 3:  # both streams are decoding
-            await asyncio.sleep(0.01)
-        arrived = time.monotonic()
-        long = await _stream_times(server.base, _body(words(640), 4))
-        return arrived, long, await asyncio.gather(*decode)
-
-    arrived, (_, long_usage), decodes = asyncio.run(run())
-    assert long_usage["completion_tokens"] == 4 and long_usage["prompt_tokens"] >= 2400
-    for times, usage in decodes:
-        assert usage["completion_tokens"] == 300
-        # The decode streams kept producing after the long prompt arrived.
-        assert any(t > arrived for t in times)
-
-
-def test_short_and_long_prompt_contention(server):
-    async def run():
-        jobs = [_stream_times(server.base, _body(words(770, 1), 4))]
-        jobs += [_stream_times(server.base, _body(words(5, i), 8)) for i in range(3)]
-        return await asyncio.gather(*jobs)
-
-    (long_times, long_usage), *shorts = asyncio.run(run())
-    assert long_usage["completion_tokens"] == 4 and long_times
-    for times, usage in shorts:
-        assert usage["completion_tokens"] == 8 and times
-
-
-def test_cancellation_frees_the_slot_for_the_next_request(server, client, model):
-    async def run():
-        async with httpx.AsyncClient(timeout=60) as http:
-            # Fill the four slots with long streams, then walk away from one of them.
-            tasks = []
-            for i in range(3):
-                tasks.append(asyncio.create_task(
-                    _stream_times(server.base, _body(words(5, i), 64))
-                ))  # fmt: skip
-            async with http.stream(
-                "POST", f"{server.base}/v1/completions", json=_body(words(5, 9), 4000)
-            ) as response:
-                seen = 0
-                async for line in response.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen >= 3:
-                        break  # the client disconnects mid-stream
-            results = await asyncio.gather(*tasks)
-            return results
-
-    results = asyncio.run(run())
-    assert all(usage["completion_tokens"] == 64 for _, usage in results)
-    # The cancelled request's slot is free: a new request completes, and the server
-    # reports no running request afterwards.
-    out = client.completions.create(model=model, prompt="again", max_tokens=4,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
-    assert out.usage.completion_tokens == 4
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        families = _metrics(server)
-        if families["flare_num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
-    assert families["flare_num_requests_running"] == 0
-    assert families["flare_kv_pages_used"] == 0
-    assert httpx.get(f"{server.base}/health").status_code == 200
-
-
 # ------------------------------------------------------------------ metrics
 
 
-def _metrics(server: Server) -> dict[str, float]:
-    text = httpx.get(f"{server.base}/metrics").text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = sample.name
-            if "class" in sample.labels:
-                key += f":{sample.labels['class']}"
-            out[key] = out.get(key, 0.0) + sample.value
-    return out
-
-
 def test_metrics_parse_and_move(server, client, model):
-    before = _metrics(server)
+    before = server.metrics()
     client.completions.create(model=model, prompt=words(30), max_tokens=5,
                               extra_body={"ignore_eos": True})  # fmt: skip
-    after = _metrics(server)
+    after = server.metrics()
     assert after["flare_generation_tokens_total"] - before["flare_generation_tokens_total"] == 5
     assert after["flare_prompt_tokens_total"] > before["flare_prompt_tokens_total"]
     assert after["flare_scheduler_executions_total:ordinary"] + after.get(
@@ -390,7 +187,7 @@ def test_bad_input_gets_an_openai_error_naming_the_field(server, path, body, sta
         response = httpx.post(f"{server.base}{path}", content=content,
                               headers={"content-type": "application/json"})  # fmt: skip
     else:
-        response = post(server, path, body)
+        response = server.post(path, body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and error["message"] and error["type"]
@@ -412,7 +209,7 @@ def test_api_key_guards_every_route_but_health():
         assert httpx.get(f"{s.base}/health").status_code == 200
         assert httpx.get(f"{s.base}/v1/models").status_code == 401
         assert httpx.get(f"{s.base}/metrics").status_code == 401
-        r = post(s, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        r = s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         ok = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekrit", max_retries=0)
         assert ok.completions.create(model=ok.models.list().data[0].id, prompt="x",

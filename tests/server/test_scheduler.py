@@ -1,0 +1,154 @@
+"""The spec's HTTP scenarios against an idle service with four request slots and a
+4096-token prefill capacity: concurrent long prompts, two and four decode streams,
+a long prompt arriving during decode, short/long prompt contention, and
+cancellation followed by slot reuse.  Complete responses, correct usage, no
+stream starved.
+
+By default the test starts `flare run` on the embedded model (CPU).  With
+``FLARE_SCHEDULER_TEST_URL=http://HOST:PORT`` it drives that server instead
+(e.g. a GPU deployment, in ordinary, fixed-width or adaptive speculative mode).
+Run with ``-s`` to see each scenario's prompt/output token counts, client SSE
+arrival gaps and server graph-counter deltas (SSE gaps are not device times).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import statistics
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.harness import Server, body, stream_times, words
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    url = os.environ.get("FLARE_SCHEDULER_TEST_URL")
+    s = Server(url=url) if url else Server()
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture
+def report(server: Server, request: pytest.FixtureRequest) -> Iterator[list]:
+    """Collects (times, usage) per stream and prints the scenario's figures."""
+    before = server.metrics()
+    streams: list = []
+    yield streams
+    after = server.metrics()
+    deltas = {
+        k: after[k] - before.get(k, 0.0)
+        for k in sorted(after)
+        if k.startswith(("flare_frames_total:", "flare_scheduler_executions_total:"))
+        and after[k] != before.get(k, 0.0)
+    }
+    print(f"\n{request.node.name}: graph-counter deltas {deltas}")
+    for i, (times, usage) in enumerate(streams):
+        gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
+        gap = f"median {statistics.median(gaps):.1f} ms, max {max(gaps):.1f} ms" if gaps else "-"
+        print(
+            f"  stream {i}: prompt {usage.get('prompt_tokens')} + output "
+            f"{usage.get('completion_tokens')} tokens, SSE gaps {gap}"
+        )
+
+
+def gather(*jobs):
+    async def run():
+        return await asyncio.gather(*jobs)
+
+    return asyncio.run(run())
+
+
+def test_concurrent_long_prompts(server, report):
+    prompts = [server.prompt_of(1500, seed=i) for i in range(4)]
+    results = gather(*(stream_times(server.base, body(p, 8)) for p in prompts))
+    report.extend(results)
+    for times, usage in results:
+        assert usage["completion_tokens"] == 8 and usage["prompt_tokens"] >= 1300
+        assert len(times) >= 1
+
+
+@pytest.mark.parametrize("streams", [2, 4])
+def test_decode_streams_all_progress_together(server, report, streams):
+    results = gather(*(stream_times(server.base, body(words(6, i), 24)) for i in range(streams)))
+    report.extend(results)
+    ends = [times[-1] for times, _ in results]
+    for times, usage in results:
+        assert usage["completion_tokens"] == 24
+        assert times[0] < min(ends)  # every stream started before any finished: none starved
+
+
+def test_long_prompt_arriving_during_decode(server, report):
+    long_prompt = server.prompt_of(2500)
+
+    async def run():
+        seen: list[list[float]] = [[], []]
+        decode = [
+            asyncio.create_task(stream_times(server.base, body(words(4, i), 300), seen[i]))
+            for i in range(2)
+        ]
+        while min(len(times) for times in seen) < 3:  # both streams are decoding
+            await asyncio.sleep(0.01)
+        arrived = time.monotonic()
+        long = await stream_times(server.base, body(long_prompt, 4))
+        return arrived, long, await asyncio.gather(*decode)
+
+    arrived, long, decodes = asyncio.run(run())
+    report.extend([long, *decodes])
+    assert long[1]["completion_tokens"] == 4 and long[1]["prompt_tokens"] >= 2200
+    for times, usage in decodes:
+        assert usage["completion_tokens"] == 300
+        assert any(t > arrived for t in times)  # decoding went on after the long prompt came
+
+
+def test_short_and_long_prompt_contention(server, report):
+    long_prompt = server.prompt_of(3000, seed=1)
+    jobs = [stream_times(server.base, body(long_prompt, 4))]
+    jobs += [stream_times(server.base, body(words(5, i), 8)) for i in range(3)]
+    (long_times, long_usage), *shorts = gather(*jobs)
+    report.extend([(long_times, long_usage), *shorts])
+    assert long_usage["completion_tokens"] == 4 and long_times
+    for times, usage in shorts:
+        assert usage["completion_tokens"] == 8 and times
+
+
+def test_cancellation_followed_by_slot_reuse(server, report):
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as http:
+            # Fill the four slots, then walk away from one stream mid-way.
+            tasks = [
+                asyncio.create_task(stream_times(server.base, body(words(5, i), 64)))
+                for i in range(3)
+            ]
+            async with http.stream(
+                "POST", f"{server.base}/v1/completions", json=body(words(5, 9), 4000)
+            ) as response:
+                seen = 0
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen >= 3:
+                        break  # the client disconnects mid-stream
+            first = await asyncio.gather(*tasks)
+            # The freed slot takes new work: four more streams complete.
+            second = await asyncio.gather(
+                *(stream_times(server.base, body(words(5, 20 + i), 16)) for i in range(4))
+            )
+            return first, second
+
+    first, second = asyncio.run(run())
+    report.extend([*first, *second])
+    assert all(usage["completion_tokens"] == 64 for _, usage in first)
+    assert all(usage["completion_tokens"] == 16 for _, usage in second)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if metrics["flare_num_requests_running"] == 0 and metrics["flare_kv_pages_used"] == 0:
+            break
+        time.sleep(0.2)
+    assert metrics["flare_num_requests_running"] == 0 and metrics["flare_kv_pages_used"] == 0
+    assert httpx.get(f"{server.base}/health").status_code == 200
