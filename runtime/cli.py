@@ -181,8 +181,8 @@ def deployment_config(
             flag = "--" + dest.replace("_", "-")
             parser.error(f"{flag}: {feature} are not available in this build yet")
     policy = _policy(args, parser, data)
-    if args.startup_timeout <= 0:
-        parser.error("--startup-timeout must be > 0")
+    if not 0 < args.startup_timeout < float("inf"):
+        parser.error("--startup-timeout must be a finite number of seconds > 0")
     from runtime.ranks.model import default_model_dir
 
     model_dir = args.model or str(default_model_dir())
@@ -251,6 +251,21 @@ def generate_once(args: argparse.Namespace, config: DeploymentConfig, sampling) 
     return 0
 
 
+def _without_secrets(argv: list[str]) -> tuple[str, ...]:
+    """``argv`` minus ``--api-key``: the coordinator does not need it, and a child's
+    command line is visible to every local user."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--api-key":
+            skip = True
+        elif not arg.startswith("--api-key="):
+            out.append(arg)
+    return tuple(out)
+
+
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
     config = deployment_config(args, parser, argv)
     sampling = _sampling(args, parser)
@@ -265,7 +280,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
             port=args.port,
             api_key=args.api_key,
             startup_timeout_s=args.startup_timeout,
-            coordinator_args=tuple(argv),
+            coordinator_args=_without_secrets(argv),
         )
     )
 

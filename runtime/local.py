@@ -13,10 +13,11 @@ import threading
 from dataclasses import dataclass, field
 
 from runtime.coordinator.config import PolicyConfig
-from runtime.coordinator.engine import Engine, EngineConfig
+from runtime.coordinator.engine import Engine, EngineConfig, EngineError
 from runtime.launch import spawn_ranks, stop_ranks
 
 DEFAULT_SPIN_US = 200
+RANK_WATCH_S = 0.5
 
 
 def spin_budget_us(local_ranks: int) -> int:
@@ -100,6 +101,7 @@ class LocalDeployment:
             )
         )
         self.ranks: list = []
+        self._stopping = threading.Event()
 
     def start(self) -> LocalDeployment:
         endpoints = self.engine.bind()
@@ -133,9 +135,22 @@ class LocalDeployment:
         except BaseException:
             self.stop()
             raise
+        threading.Thread(target=self._watch_ranks, name="flare-rank-watch", daemon=True).start()
         return self
 
+    def _watch_ranks(self) -> None:
+        """A rank that exits while serving fails the engine at once: its requests
+        end with an error and /health turns 503, instead of frames waiting for a
+        completion that never comes."""
+        while not self._stopping.wait(RANK_WATCH_S):
+            dead = [(r, p.returncode) for r, p in enumerate(self.ranks) if p.poll() is not None]
+            if dead:
+                rank, code = dead[0]
+                self.engine.fail(EngineError(f"rank {rank} exited with code {code}"))
+                return
+
     def stop(self) -> list[int | None]:
+        self._stopping.set()
         try:
             self.engine.stop()
         finally:

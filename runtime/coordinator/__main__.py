@@ -23,15 +23,17 @@ log = logging.getLogger("runtime.coordinator")
 def main(argv: list[str] | None = None) -> int:
     from runtime.cli import build_parser, deployment_config
 
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(["run", *(sys.argv[1:] if argv is None else argv)])
+    args = parser.parse_args(["run", *argv])
     if not args.api_requests or not args.api_outputs:
         parser.error("the coordinator process is started by `flare run` with --api-* endpoints")
     logging.basicConfig(level=logging.INFO, format="[coordinator] %(levelname)s %(message)s")
-    config = replace(deployment_config(args, parser), external_publication=True)
+    config = replace(deployment_config(args, parser, argv), external_publication=True)
     endpoints = ApiEndpoints(args.api_requests, args.api_outputs)
     deployment = LocalDeployment(config)
     bridge: FrontendBridge | None = None
+    code = 0
 
     def stop(signum: int, frame: object) -> None:
         if bridge is not None:
@@ -51,16 +53,19 @@ def main(argv: list[str] | None = None) -> int:
             max_context=facts.max_context,
             tensor_parallel_size=config.tensor_parallel_size,
             max_concurrency=config.max_concurrency,
+            kv_tokens=facts.num_pages * facts.page_size,
         )
         bridge = FrontendBridge(deployment.engine, endpoints, info)
         bridge.serve()
+        if deployment.engine.error is not None:
+            code = 1
     except KeyboardInterrupt:
         log.info("stopped during start-up")
     finally:
         if bridge is not None:
             bridge.close()
         deployment.stop()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from runtime.transport.fields import ProtocolError
 log = logging.getLogger("runtime.coordinator.bridge")
 
 POLL_MS = 100
+ERROR_GRACE_S = 0.5
+REFUSED = "refused"
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class ServingInfo:
     max_context: int
     tensor_parallel_size: int
     max_concurrency: int
+    kv_tokens: int
 
 
 class FrontendBridge:
@@ -94,6 +97,12 @@ class FrontendBridge:
         """Announce readiness (an unsolicited Status) and answer until :meth:`stop`."""
         self._send(self._status(0))
         while not self._stop.is_set():
+            if self.engine.error is not None:
+                # Every open request got its error output from the engine's shutdown;
+                # exiting lets the frontend (and whatever supervises it) see the failure.
+                log.error("the engine failed (%s): the coordinator stops", self.engine.error)
+                self._stop.wait(ERROR_GRACE_S)  # let the engine's error outputs leave
+                break
             if not self._inbox.poll(POLL_MS):
                 continue
             data = self._inbox.recv()
@@ -141,7 +150,7 @@ class FrontendBridge:
         with self._streams_lock:
             duplicate = rid in self._streams
         if duplicate:
-            self._send(Output(rid, 0, finish_reason=ERROR, error=f"request id {rid} is in use"))
+            self._send(Output(rid, 0, finish_reason=REFUSED, error=f"request id {rid} is in use"))
             return
 
         def listener(stream: RequestStream, event: TokenEvent) -> None:
@@ -172,7 +181,7 @@ class FrontendBridge:
                 listener=listener,
             )
         except ValueError as exc:  # the request does not fit (the frontend checked the rest)
-            self._send(Output(rid, 0, finish_reason=ERROR, error=str(exc)[:MAX_ERROR_CHARS]))
+            self._send(Output(rid, 0, finish_reason=REFUSED, error=str(exc)[:MAX_ERROR_CHARS]))
             return
         except EngineError:  # stopping or failed: the frontend answers 503
             self._send(Output(rid, 0, finish_reason=ABORTED))
@@ -196,6 +205,7 @@ class FrontendBridge:
             info.max_context,
             info.tensor_parallel_size,
             info.max_concurrency,
+            info.kv_tokens,
             {key: float(value) for key, value in engine.metrics().items()},
             engine.graph_estimates(),
             None if engine.error is None else str(engine.error)[:MAX_ERROR_CHARS],

@@ -101,14 +101,20 @@ class CoordinatorClient:
             self.rejected += 1
             log.warning("unexpected %s from the coordinator", type(message).__name__)
 
+    def abort_all(self) -> None:
+        """End every open request with "aborted" and refuse new ones (the
+        coordinator exited, or the server is stopping)."""
+        self._connected = False
+        for request_id, queue in self._queues.items():
+            queue.put_nowait(Output(request_id, 0, finish_reason="aborted"))
+        self._queues.clear()
+
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
-        for queue in self._queues.values():
-            queue.put_nowait(Output(0, 0, finish_reason="aborted"))
-        self._queues.clear()
+        self.abort_all()
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._sync.term()
@@ -132,7 +138,11 @@ class CoordinatorClient:
             raise CoordinatorGone("the coordinator is not connected")
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._send(Submit(request_id, prompt_token_ids, max_tokens, sampling, ignore_eos))
+        try:
+            self._send(Submit(request_id, prompt_token_ids, max_tokens, sampling, ignore_eos))
+        except CoordinatorGone:
+            del self._queues[request_id]
+            raise
         return queue
 
     def cancel(self, request_id: int) -> None:
@@ -160,5 +170,5 @@ class CoordinatorClient:
     def _send(self, message: Submit | Cancel | Publish | StatusQuery) -> None:
         try:
             self._push.send(encode(message), zmq.NOBLOCK)
-        except zmq.Again:  # no connected peer: the coordinator exited
+        except zmq.ZMQError:  # no connected peer (zmq.Again), or the socket is closed
             raise CoordinatorGone("the coordinator is not connected") from None

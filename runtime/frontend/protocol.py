@@ -107,6 +107,7 @@ class ServingLimits:
     vocab_size: int
     max_context: int
     default_max_tokens: int | None = None
+    kv_tokens: int | None = None  # tokens the KV cache holds for one request (pages x size)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -218,12 +219,15 @@ def _build(
     if not ids:
         raise RequestError(400, "the prompt encodes to no tokens", prompt_param)
     context = limits.max_context
+    limit = f"This model's maximum context length is {context} tokens"
+    if limits.kv_tokens is not None and limits.kv_tokens < context:
+        context = limits.kv_tokens  # the KV cache, not the model, is the tighter limit
+        limit = f"The KV cache holds {context} tokens for one request"
     room = context - len(ids)
     if room < 1:
         raise RequestError(
             400,
-            f"This model's maximum context length is {context} tokens; the prompt has "
-            f"{len(ids)} tokens, leaving no room to generate",
+            f"{limit}; the prompt has {len(ids)} tokens, leaving no room to generate",
             prompt_param,
             code="context_length_exceeded",
         )
@@ -234,7 +238,7 @@ def _build(
     elif max_tokens > room:
         raise RequestError(
             400,
-            f"This model's maximum context length is {context} tokens; the prompt has "
+            f"{limit}; the prompt has "
             f"{len(ids)} tokens and {max_param} asks for {max_tokens} more "
             f"(at most {room} fit)",
             max_param,
@@ -323,7 +327,7 @@ def _completion_prompt(value: Any, limits: ServingLimits) -> str | tuple[int, ..
     if isinstance(value, (str, list)) and not value:
         raise RequestError(400, "prompt must not be empty", "prompt")
     if isinstance(value, str):
-        return value
+        return _utf8(value, "prompt")
     if not isinstance(value, list) or not all(_is_int(t) for t in value):
         raise RequestError(
             400,
@@ -353,6 +357,8 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
         if not isinstance(message, dict):
             raise RequestError(400, f"{where} must be an object", where)
         role = message.get("role")
+        if role == "developer":  # OpenAI's newer name for the system role
+            role = "system"
         if role not in ROLES:
             raise RequestError(
                 400,
@@ -363,10 +369,20 @@ def _messages(value: Any) -> tuple[ChatMessage, ...]:
     return tuple(out)
 
 
+def _utf8(value: str, param: str) -> str:
+    """``value`` if it is valid Unicode text (JSON can carry lone surrogates, which no
+    tokenizer or client can take)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(400, f"{param} is not valid Unicode text", param) from None
+    return value
+
+
 def _content(value: Any, where: str) -> str:
     """Message content: a string, or a non-empty list of text parts joined by newlines."""
     if isinstance(value, str):
-        return value
+        return _utf8(value, where)
     if not isinstance(value, list) or not value:
         raise RequestError(
             400, f"{where} must be a string or a non-empty list of text parts", where
@@ -384,7 +400,7 @@ def _content(value: Any, where: str) -> str:
         text = part.get("text")
         if not isinstance(text, str):
             raise RequestError(400, f"{at}.text must be a string", f"{at}.text")
-        texts.append(text)
+        texts.append(_utf8(text, f"{at}.text"))
     return "\n".join(texts)
 
 
@@ -398,7 +414,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise RequestError(400, f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
     if not all(stops):
         raise RequestError(400, "stop strings must not be empty", "stop")
-    return tuple(stops)
+    return tuple(_utf8(s, "stop") for s in stops)
 
 
 def _stop_token_ids(value: Any, limits: ServingLimits) -> tuple[int, ...]:
@@ -406,6 +422,10 @@ def _stop_token_ids(value: Any, limits: ServingLimits) -> tuple[int, ...]:
         return ()
     if not isinstance(value, list) or not all(_is_int(t) for t in value):
         raise RequestError(400, "stop_token_ids must be a list of integers", "stop_token_ids")
+    if len(value) > limits.vocab_size:
+        raise RequestError(
+            400, "stop_token_ids has more entries than the vocabulary", "stop_token_ids"
+        )
     bad = next((t for t in value if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise RequestError(
@@ -443,7 +463,10 @@ def _float(obj: Mapping[str, Any], name: str, default: float) -> float:
         return default
     if type(value) not in (int, float):
         raise RequestError(400, f"{name} must be a number, got {_json_type(value)}", name)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a JSON integer beyond float range
+        raise RequestError(400, f"{name} must be a finite number >= 0", name) from None
     if not math.isfinite(value) or value < 0:
         raise RequestError(400, f"{name} must be a finite number >= 0, got {value}", name)
     return value

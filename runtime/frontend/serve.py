@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -57,8 +58,19 @@ class _Server(uvicorn.Server):
 
     uvicorn re-raises SIGINT/SIGTERM after a graceful shutdown, which would end
     this process before it stops the coordinator; here a signal only asks the
-    server to exit, and :func:`serve` cleans up and returns 0.
+    server to exit, and :func:`serve` cleans up and returns 0.  Open requests
+    end at once with finish_reason "abort" (streams get their last chunk and
+    ``[DONE]``) rather than being cut when the graceful period runs out.
     """
+
+    def __init__(self, config: uvicorn.Config, client: CoordinatorClient) -> None:
+        super().__init__(config)
+        self.client = client
+        self.loop = asyncio.get_running_loop()  # built inside the serving coroutine
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.loop.call_soon_threadsafe(self.client.abort_all)
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -107,7 +119,9 @@ async def _serve(opts: ServeOptions, tokenizer: ModelTokenizer, template) -> int
     try:
         started = time.monotonic()
         proc, status = await _start_coordinator(client, opts)
-        limits = ServingLimits(status.model_name, status.vocab_size, status.max_context)
+        limits = ServingLimits(
+            status.model_name, status.vocab_size, status.max_context, kv_tokens=status.kv_tokens
+        )
         frontend = Frontend(
             client, tokenizer, template, limits, ServingMetrics(status.model_name), opts.api_key
         )
@@ -115,19 +129,18 @@ async def _serve(opts: ServeOptions, tokenizer: ModelTokenizer, template) -> int
         config = uvicorn.Config(
             app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=5
         )
-        server = _Server(config)
-        watcher = asyncio.create_task(_watch(proc, server))
+        server = _Server(config, client)
+        watcher = asyncio.create_task(_watch(proc, server, client))
         scheme_host = f"[{opts.host}]" if ":" in opts.host else opts.host
-        print(
+        summary = (
             f"flare: serving {status.model_name} with TP={status.tensor_parallel_size}, "
             f"{len(status.graph_estimates_ns)} prepared programs, "
-            f"at http://{scheme_host}:{opts.port}/v1 "
-            f"(ready in {time.monotonic() - started:.1f} s)",
-            file=sys.stderr,
-            flush=True,
+            f"at http://{scheme_host}:{opts.port}/v1"
         )
+        announce = asyncio.create_task(_announce(server, summary, started))
         await server.serve()
         watcher.cancel()
+        announce.cancel()
         return 0 if proc.poll() is None else 1
     finally:
         if proc is not None:
@@ -135,11 +148,30 @@ async def _serve(opts: ServeOptions, tokenizer: ModelTokenizer, template) -> int
         await client.close()
 
 
-async def _watch(proc, server: uvicorn.Server) -> None:
-    """Stop serving if the coordinator dies."""
+async def _announce(server: uvicorn.Server, summary: str, started: float) -> None:
+    """The one-line summary, once the socket listens."""
+    while not server.started:
+        await asyncio.sleep(0.02)
+    print(f"{summary} (ready in {time.monotonic() - started:.1f} s)", file=sys.stderr, flush=True)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before the model loads if the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient) -> None:
+    """Stop serving if the coordinator dies; open requests end as aborted."""
     while proc.poll() is None:
         await asyncio.sleep(0.5)
     log.error("the coordinator exited with code %s; stopping", proc.returncode)
+    client.abort_all()
     server.should_exit = True
 
 
@@ -149,6 +181,7 @@ def serve(opts: ServeOptions) -> int:
     tokenizer = ModelTokenizer.from_dir(opts.model_dir)
     template = load_chat_template(opts.model_dir, tokenizer)
     try:
+        _check_port(opts.host, opts.port)
         return asyncio.run(_serve(opts, tokenizer, template))
     except StartupError as exc:
         print(f"flare: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ With an API key, every route but /health requires ``Authorization: Bearer``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import secrets
@@ -55,6 +56,7 @@ from runtime.transport.schema import SamplingParams
 SEED_MODULUS = 1 << 63
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
 DISCONNECT_POLL_S = 0.1
+MAX_BODY_BYTES = 32 << 20
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "aborted": "abort"}
 
 
@@ -88,9 +90,17 @@ class EngineRefused(Exception):
     """The coordinator refused a request before it produced anything."""
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str | None = None):
+def _error(
+    status: int,
+    message: str,
+    param: str | None = None,
+    kind: str | None = None,
+    code: str | None = None,
+):
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse(RequestError(status, message, param, kind).to_json(), status_code=status)
+    return JSONResponse(
+        RequestError(status, message, param, kind, code=code).to_json(), status_code=status
+    )
 
 
 # ------------------------------------------------------------------ generation
@@ -130,9 +140,9 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
             out: Output = await queue.get()
             if out.finish_reason == "aborted" and produced == 0 and out.fence == 0:
                 raise CoordinatorGone("the engine is not serving")
+            if out.finish_reason == "refused":
+                raise EngineRefused(out.error or "refused")
             if out.finish_reason == "error":
-                if produced == 0 and out.fence == 0:
-                    raise EngineRefused(out.error or "refused")
                 raise RuntimeError(f"the engine failed: {out.error}")
             tokens, logprobs = out.token_ids, out.logprobs
             finish = FINISH_REASONS.get(out.finish_reason or "")
@@ -161,11 +171,13 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
             produced += len(tokens)
             done = finish is not None
             if done and not out.finished:
-                client.cancel(rid)  # ended here: the coordinator stops selecting it
+                with contextlib.suppress(CoordinatorGone):
+                    client.cancel(rid)  # ended here: the coordinator stops selecting it
             yield Piece(index, text, tokens, logprobs, rid, out.fence, finish)
     finally:
         if not done:
-            client.cancel(rid)  # the client went away (or an error): free its slot
+            with contextlib.suppress(CoordinatorGone):
+                client.cancel(rid)  # the client went away (or an error): free its slot
 
 
 async def _merged(fe: Frontend, req: GenerationRequest, seed: int) -> AsyncIterator[Piece]:
@@ -341,7 +353,8 @@ async def _stream(
                           "finish_reason": piece.finish_reason}  # fmt: skip
             yield _sse({**head, "choices": [choice]})
             if piece.text and piece.finish_reason is None:
-                fe.client.publish(piece.request_id, piece.fence, time.monotonic_ns())
+                with contextlib.suppress(CoordinatorGone):
+                    fe.client.publish(piece.request_id, piece.fence, time.monotonic_ns())
             if piece.finish_reason is not None:
                 timing.finished(piece)
     except (EngineRefused, RuntimeError, CoordinatorGone) as exc:
@@ -413,21 +426,74 @@ async def _until_disconnect(request: Request) -> None:
 # ------------------------------------------------------------------ app
 
 
+class ApiKeyMiddleware:
+    """Every HTTP route but /health needs ``Authorization: Bearer KEY``.
+
+    Plain ASGI rather than ``@app.middleware``: Starlette's BaseHTTPMiddleware
+    hides client disconnects from the routes, and a route must see them to
+    cancel the requests of a client that left.
+    """
+
+    def __init__(self, app, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = _error(401, "missing or wrong API key", None, "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _text_chars(body: object, chat: bool) -> int:
+    """Characters of prompt text a body carries (before any tokenization)."""
+    if not isinstance(body, dict):
+        return 0
+    if not chat:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return len(prompt) if isinstance(prompt, str) else 0
+    total = 0
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            texts = [p.get("text") for p in content if isinstance(p, dict)]
+            total += sum(len(t) for t in texts if isinstance(t, str))
+    return total
+
+
 def create_app(fe: Frontend) -> FastAPI:
     app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if fe.api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {fe.api_key}"
-            if not secrets.compare_digest(given.encode(), expected.encode()):
-                return _error(401, "missing or wrong API key", None, "authentication_error")
-        return await call_next(request)
+    if fe.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=fe.api_key)
+    # No token decodes to more characters than the longest in the vocabulary, so
+    # a text longer than this cannot fit the context: refused before tokenizing.
+    max_chars = fe.limits.max_context * fe.tokenizer.max_token_chars
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception):
-        return _error(404, f"no route {request.method} {request.url.path}", None, "not_found")
+        return _error(404, f"no route {request.method} {request.url.path}")
 
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc: Exception):
@@ -475,14 +541,28 @@ def create_app(fe: Frontend) -> FastAPI:
         if content_type.split(";")[0].strip().lower() != "application/json":
             return _error(415, f"Content-Type must be application/json, got {content_type!r}")
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return _error(400, f"body is not valid JSON: {exc}")
+            body = json.loads(await _read_body(request))
+        except BodyTooLarge:
+            return _error(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            return _error(400, f"body is not valid JSON: {str(exc)[:200]}")
+        if _text_chars(body, chat) > max_chars:
+            param = "messages" if chat else "prompt"
+            return _error(
+                400,
+                f"{param} is longer than the model's maximum context of "
+                f"{fe.limits.max_context} tokens",
+                param,
+                code="context_length_exceeded",
+            )
         try:
+            # Tokenizing and rendering templates take time: keep the event loop free.
             if chat:
-                req = parse_chat(body, fe.limits, fe.tokenizer, fe.template)
+                req = await asyncio.to_thread(
+                    parse_chat, body, fe.limits, fe.tokenizer, fe.template
+                )
             else:
-                req = parse_completion(body, fe.limits, fe.tokenizer)
+                req = await asyncio.to_thread(parse_completion, body, fe.limits, fe.tokenizer)
         except RequestError as exc:
             return JSONResponse(exc.to_json(), status_code=exc.status)
         try:
@@ -498,13 +578,15 @@ def create_app(fe: Frontend) -> FastAPI:
                 )
             work = asyncio.create_task(_collect(fe, req, chat, request_id, arrived))
             watch = asyncio.create_task(_until_disconnect(request))
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if not work.done():  # the client left: cancelling frees its requests
-                work.cancel()
-                await asyncio.gather(work, return_exceptions=True)
-                return Response(status_code=499)
-            watch.cancel()
-            return JSONResponse(work.result())
+            try:
+                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                if not work.done():  # the client left: cancelling frees its requests
+                    return Response(status_code=499)
+                return JSONResponse(work.result())
+            finally:  # also when this handler itself is cancelled (shutdown)
+                for task in (work, watch):
+                    task.cancel()
+                await asyncio.gather(work, watch, return_exceptions=True)
         except EngineRefused as exc:
             return _error(400, str(exc))
         except CoordinatorGone as exc:

@@ -20,6 +20,7 @@ added, ``<|bos|>``/``<|eos|>`` come from the ids in ``config.json``.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -113,6 +114,13 @@ class ModelTokenizer:
     def vocab_size(self) -> int:
         """Tokens the tokenizer knows, added (special) tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound of the characters one token stands for: the longest
+        vocabulary entry (byte-level entries are at least as long as their text)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens`` the post-processor's tokens

@@ -36,6 +36,9 @@ from runtime.transport.schema import MAX_LOGPROBS
 _MASK32 = 0xFFFFFFFF
 
 
+MAX_TEMPERATURE = 1e6  # logits / 1e6 is already uniform in float32
+
+
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
     """(x * c) mod 2**32 for int64 ``x`` in [0, 2**32), without int64 overflow."""
     lo, hi = c & 0xFFFF, c >> 16
@@ -139,7 +142,9 @@ def sample(
         logits = suppress_eos(logits, params.step, params.min_tokens, eos)
     vocab = logits.shape[-1]
     greedy = logits.argmax(dim=-1)  # (R,)
-    temperature = params.temperature.clamp_min(1e-6)[:, None]  # (R, 1)
+    # Bounded above too: a temperature beyond float32 range would be inf here, and
+    # -inf / inf (a barred EOS logit) is NaN, which argmax would pick.
+    temperature = params.temperature.clamp(1e-6, MAX_TEMPERATURE)[:, None]  # (R, 1)
     scaled = logits / temperature  # (R, V)
 
     sorted_vals, order = scaled.sort(dim=-1, descending=True)  # (R, V)

@@ -40,7 +40,7 @@ from runtime.transport.fields import (
 from runtime.transport.schema import MAX_LANE_TOKENS, SamplingParams
 
 MAX_LOGPROBS = 20
-OUTPUT_FINISH_REASONS = ("stop", "length", "cancelled", "aborted", "error")
+OUTPUT_FINISH_REASONS = ("stop", "length", "cancelled", "aborted", "error", "refused")
 MAX_ERROR_CHARS = 4096
 MAX_STATUS_VALUES = 1024
 MAX_NAME = 256
@@ -213,9 +213,11 @@ class Output:
     """Tokens frame ``fence`` committed for a request (possibly none, when finishing).
 
     ``finish_reason`` is set on the request's last output: "stop" (an eos
-    token), "length", "cancelled", "aborted" (the engine stopped) or "error"
-    (``error`` says why).  ``logprobs``: one entry per token when the request
-    asked for them, else empty.
+    token), "length", "cancelled", "aborted" (the engine stopped), "error"
+    (the engine failed; ``error`` says why) or "refused" (the request cannot
+    run, e.g. it needs more KV pages than the ranks hold; ``error`` says why).
+    ``logprobs``: one entry per token when the request asked for them, else
+    empty.
     """
 
     request_id: int
@@ -232,8 +234,8 @@ class Output:
         if self.finish_reason is not None:
             check_choice("finish_reason", self.finish_reason, OUTPUT_FINISH_REASONS)
         error = _check_error(self.error)
-        if error is not None and self.finish_reason != "error":
-            raise ProtocolError("error", "only an output finishing with 'error' carries one")
+        if error is not None and self.finish_reason not in ("error", "refused"):
+            raise ProtocolError("error", "only an 'error' or 'refused' output carries one")
         logprobs = check_seq("logprobs", self.logprobs, MAX_LANE_TOKENS)
         for i, item in enumerate(logprobs):
             if not isinstance(item, TokenLogprobs):
@@ -284,6 +286,7 @@ class Status:
     max_context: int
     tensor_parallel_size: int
     max_concurrency: int
+    kv_tokens: int = 1  # tokens the KV cache holds (pages x page size)
     values: Mapping[str, float] = field(default_factory=dict)
     graph_estimates_ns: Mapping[str, int] = field(default_factory=dict)
     error: str | None = None
@@ -296,6 +299,7 @@ class Status:
         check_int("max_context", self.max_context, 1, INT32_MAX)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, INT32_MAX)
         check_int("max_concurrency", self.max_concurrency, 1, INT32_MAX)
+        check_int("kv_tokens", self.kv_tokens, 1, INT32_MAX)
         set_field(self, "values", _check_map("values", self.values, float))
         estimates = _check_map("graph_estimates_ns", self.graph_estimates_ns, int)
         set_field(self, "graph_estimates_ns", estimates)
@@ -310,6 +314,7 @@ class Status:
             "max_context": self.max_context,
             "tensor_parallel_size": self.tensor_parallel_size,
             "max_concurrency": self.max_concurrency,
+            "kv_tokens": self.kv_tokens,
             "values": dict(self.values),
             "graph_estimates_ns": dict(self.graph_estimates_ns),
             "error": self.error,

@@ -54,7 +54,7 @@ class ScriptedClient:
     async def query_status(self, timeout_s: float = 2.0) -> Status:
         if self.gone:
             raise CoordinatorGone("no status")
-        return Status(1, self.serving, MODEL, 512, 4096, 1, 4)
+        return Status(1, self.serving, MODEL, 512, 4096, 1, 4, kv_tokens=4096)
 
 
 @pytest.fixture(scope="module")
@@ -125,11 +125,58 @@ def test_a_non_streaming_response_publishes_nothing(tokenizer):
     assert client.published == []
 
 
-def test_a_refusal_before_any_token_is_a_400(tokenizer):
-    client = ScriptedClient([Output(0, 0, (), "error", "needs 9 KV pages, the ranks hold 8")])
+def test_a_refusal_is_a_400_and_an_engine_failure_a_500(tokenizer):
+    client = ScriptedClient([Output(0, 0, (), "refused", "needs 9 KV pages, the ranks hold 8")])
     with app(client, tokenizer) as http:
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
     assert r.status_code == 400 and "KV pages" in r.json()["error"]["message"]
+    client = ScriptedClient([Output(0, 0, (), "error", "rank 0: CUDA out of memory")])
+    with app(client, tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "param"),
+    [
+        (b"[" * 5000 + b"]" * 5000, 400, None),  # nesting deeper than the parser's recursion
+        (b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}", 400, None),  # a 5000-digit int
+        (b'{"prompt": "hi", "temperature": 1' + b"0" * 400 + b"}", 400, "temperature"),
+        (b'{"prompt": "hi", "top_p": 1' + b"0" * 400 + b"}", 400, "top_p"),
+        (b'{"prompt": "\\ud800", "max_tokens": 2}', 400, "prompt"),  # a lone surrogate
+        (b'{"prompt": "hi", "stop": ["\\udc00"]}', 400, "stop"),
+        (b'{"prompt": "' + b"word " * 200_000 + b'"}', 400, "prompt"),  # longer than any context
+    ],
+)
+def test_hostile_bodies_are_4xx_naming_the_field(tokenizer, content, status, param):
+    client = ScriptedClient(script_for(tokenizer, "ok"))
+    with app(client, tokenizer) as http:
+        r = http.post("/v1/completions", content=content,
+                      headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == status, r.text
+        assert r.json()["error"]["param"] == param
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+    assert client.submitted == [client.submitted[-1]]  # only the good request went through
+
+
+def test_a_body_over_the_limit_is_a_413(tokenizer, monkeypatch):
+    from runtime.frontend import server
+
+    monkeypatch.setattr(server, "MAX_BODY_BYTES", 1000)
+    with app(ScriptedClient([]), tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": "x" * 2000})
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_developer_messages_are_system_messages(tokenizer):
+    client = ScriptedClient(script_for(tokenizer, "ok"))
+    with app(client, tokenizer) as http:
+        r = http.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "developer", "content": "be brief"},
+                               {"role": "user", "content": "hi"}]},
+        )  # fmt: skip
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
 
 
 @pytest.mark.parametrize(("serving", "gone"), [(False, False), (True, True)])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -20,8 +21,12 @@ from tests.server.harness import Server, words
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     s = Server()
-    # One summary line once serving: model, TP, catalog size, address.
-    assert f"TP=1, 10 prepared programs, at http://127.0.0.1:{s.port}/v1" in s.output()
+    # One summary line once listening: model, TP, catalog size, address.
+    line = f"TP=1, 10 prepared programs, at http://127.0.0.1:{s.port}/v1"
+    deadline = time.monotonic() + 10
+    while line not in s.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert line in s.output()
     yield s
     assert s.stop() == 0
     # The coordinator and rank processes went with it.
@@ -201,18 +206,3 @@ def test_wrong_content_type_and_broken_json_are_4xx_and_the_server_stays_healthy
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and "error" in r.json()
     assert httpx.get(f"{server.base}/health").status_code == 200
-
-
-def test_api_key_guards_every_route_but_health():
-    s = Server("--api-key", "sekrit")
-    try:
-        assert httpx.get(f"{s.base}/health").status_code == 200
-        assert httpx.get(f"{s.base}/v1/models").status_code == 401
-        assert httpx.get(f"{s.base}/metrics").status_code == 401
-        r = s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-        ok = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekrit", max_retries=0)
-        assert ok.completions.create(model=ok.models.list().data[0].id, prompt="x",
-                                     max_tokens=2).usage.completion_tokens >= 1  # fmt: skip
-    finally:
-        assert s.stop() == 0

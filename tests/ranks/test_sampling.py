@@ -182,3 +182,19 @@ def test_token_logprobs_are_the_raw_log_softmax():
     # Rows are independent of their batch.
     alone = token_logprobs(logits[2:3], tokens[2:3], 20)
     assert torch.equal(alone[0], chosen[2:3]) and torch.equal(alone[2], ids[2:3])
+
+
+def test_a_temperature_beyond_float32_never_picks_a_barred_eos():
+    import torch
+
+    from runtime.ranks.sampling import SamplingBatch, eos_index, sample
+
+    logits = torch.randn(4, 50)
+    logits[:, 7] = 100.0  # EOS would win
+    huge = torch.full((4,), float("inf"))  # 1e39 in float32
+    steps = torch.zeros(4, dtype=torch.long)
+    params = SamplingBatch(
+        huge, torch.ones(4), torch.full((4,), -1), torch.arange(4), steps, torch.full((4,), 5)
+    )
+    tokens = sample(logits, params, eos_index([7], "cpu"))
+    assert (tokens != 7).all() and (tokens >= 0).all() and (tokens < 50).all()

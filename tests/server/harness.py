@@ -87,7 +87,10 @@ class Server:
 
     def metrics(self) -> dict[str, float]:
         """Every sample summed over labels but ``class`` and ``kind`` (kept as ``name:label``)."""
-        text = httpx.get(f"{self.base}/metrics").text
+        return self.metrics_with({})
+
+    def metrics_with(self, headers: dict[str, str]) -> dict[str, float]:
+        text = httpx.get(f"{self.base}/metrics", headers=headers).text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.engine.config import EngineConfig, EngineError, EngineStartError
@@ -106,7 +107,7 @@ class Engine:
         self._channel: CoordinatorChannel | None = None
         self._world = self.config.world_size
         # Commands from any thread; the engine thread drains them.
-        self._commands: deque[tuple[str, RequestStream | _Probe]] = deque()
+        self._commands: deque[tuple[str, Any]] = deque()
         self._command_lock = threading.Lock()
         self._wake = threading.Event()
         self._state_lock = threading.RLock()  # held by the engine thread while it mutates
@@ -236,6 +237,18 @@ class Engine:
             if self._closed:
                 return
             self._commands.append(("cancel", stream))
+        self._wake.set()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the engine from any thread (say, a rank process died).
+
+        The engine thread raises ``exc`` at its next round: every open stream
+        ends with finish_reason "error", the ranks are told to shut down.
+        """
+        with self._command_lock:
+            if self._closed:
+                return
+            self._commands.append(("fail", exc))
         self._wake.set()
 
     def publish(self, stream: RequestStream, fence: int, at_ns: int) -> None:
@@ -391,6 +404,8 @@ class Engine:
                     return done
                 kind, item = self._commands.popleft()
             done = True
+            if kind == "fail":
+                raise item
             if isinstance(item, _Probe):
                 self._probes.append(item)
             elif kind == "publish":

@@ -1,0 +1,134 @@
+"""The serving process tree over its life: API key and config precedence, clients
+that leave, a rank or the coordinator dying, Ctrl-C with streams open."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.server.harness import Server, body, words
+
+AUTH = {"authorization": "Bearer sekrit"}
+
+
+def children(server: Server, module: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if module in " ".join(proc.cmdline()):
+                found.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def wait_for(predicate, timeout_s: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+class Stream(threading.Thread):
+    """A long streaming request read in the background; keeps every data line."""
+
+    def __init__(self, server: Server, headers: dict | None = None) -> None:
+        super().__init__(daemon=True)
+        self.server, self.headers = server, headers or {}
+        self.lines: list[str] = []
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with httpx.stream("POST", f"{self.server.base}/v1/completions", timeout=60,
+                              json=body(words(5), 3000), headers=self.headers) as r:  # fmt: skip
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.lines.append(line[6:])
+        except httpx.HTTPError as exc:
+            self.error = exc
+
+    def finish_reasons(self) -> list[str]:
+        out = []
+        for line in self.lines:
+            if line != "[DONE]":
+                chunk = json.loads(line)
+                out += [c["finish_reason"] for c in chunk.get("choices", []) if c["finish_reason"]]
+        return out
+
+
+def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text("[run]\nnum-pages = 64\nmax-concurrency = 2\n")
+    s = Server("--api-key", "sekrit", "--config", str(config), "--num-pages", "200")
+    try:
+        assert "sekrit" not in " ".join(" ".join(p.cmdline()) for p in children(s, "coordinator"))
+        assert httpx.get(f"{s.base}/health").status_code == 200
+        assert httpx.get(f"{s.base}/v1/models").status_code == 401
+        assert httpx.get(f"{s.base}/metrics").status_code == 401
+        r = s.post("/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        ok = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekrit", max_retries=0)
+        assert ok.completions.create(model=ok.models.list().data[0].id, prompt="x",
+                                     max_tokens=2).usage.completion_tokens >= 1  # fmt: skip
+        metrics = s.metrics_with(AUTH)
+        # The command line beat the file in the coordinator and the ranks too.
+        assert metrics["flare_kv_pages_total"] == 200
+        # A non-streaming client that gives up: its requests are cancelled, pages freed.
+        long = {"prompt": "x", "max_tokens": 3000, "ignore_eos": True, "n": 2}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{s.base}/v1/completions", headers=AUTH, timeout=1.0, json=long)
+        assert wait_for(lambda: s.metrics_with(AUTH)["flare_kv_pages_used"] == 0, 10)
+        assert s.metrics_with(AUTH)["flare_num_requests_running"] == 0
+    finally:
+        assert s.stop() == 0
+
+
+def test_ctrl_c_ends_open_streams_cleanly():
+    s = Server()
+    stream = Stream(s)
+    assert wait_for(lambda: len(stream.lines) >= 3)
+    s.proc.send_signal(signal.SIGINT)
+    stream.join(30)
+    assert not stream.is_alive() and stream.error is None
+    assert stream.lines[-1] == "[DONE]" and stream.finish_reasons() == ["abort"]
+    assert s.stop() == 0
+
+
+def test_a_dead_rank_fails_requests_and_the_server_exits():
+    s = Server()
+    stream = Stream(s)
+    assert wait_for(lambda: len(stream.lines) >= 3)
+    (rank,) = children(s, "runtime.ranks")
+    rank.kill()
+    stream.join(30)
+    assert not stream.is_alive()
+    assert any('"error"' in line for line in stream.lines) or "abort" in stream.finish_reasons()
+    assert wait_for(lambda: s.proc.poll() is not None, 30)
+    assert s.stop() == 1  # the coordinator exited on the engine failure, then the frontend
+
+
+def test_a_dead_coordinator_aborts_streams_and_the_server_exits():
+    s = Server()
+    stream = Stream(s)
+    assert wait_for(lambda: len(stream.lines) >= 3)
+    (coordinator,) = children(s, "runtime.coordinator")
+    ranks = children(s, "runtime.ranks")
+    assert ranks
+    coordinator.kill()
+    stream.join(30)
+    assert not stream.is_alive() and stream.lines[-1] == "[DONE]"
+    assert stream.finish_reasons() == ["abort"]
+    assert wait_for(lambda: s.proc.poll() is not None, 30)
+    assert s.stop() == 1
+    assert wait_for(lambda: not any(r.is_running() and r.status() != "zombie" for r in ranks))
