@@ -188,6 +188,15 @@ def deployment_config(
     model_dir = args.model or str(default_model_dir())
     if not os.path.isdir(model_dir):
         parser.error(f"--model {model_dir}: not a directory")
+    if args.max_model_len is not None:
+        from runtime.ranks.model.config import ModelConfig
+
+        try:
+            limit = ModelConfig.from_dir(model_dir).max_position_embeddings
+        except (OSError, ValueError) as exc:
+            parser.error(f"--model {model_dir}: {exc}")
+        if args.max_model_len > limit:
+            parser.error(f"--max-model-len {args.max_model_len} exceeds the model's {limit}")
     try:
         return DeploymentConfig(
             model=model_dir,

@@ -59,6 +59,8 @@ def test_bad_config_files_fail_naming_the_key(tmp_path, capsys, toml, needle):
         (["--scheduler-terminal-value", "-3"], "--scheduler"),
         (["--model", "/nonexistent/model"], "--model"),
         (["--startup-timeout", "0"], "--startup-timeout"),
+        (["--startup-timeout", "nan"], "--startup-timeout"),
+        (["--max-model-len", "100000"], "--max-model-len"),
     ],
 )
 def test_bad_flags_fail_fast_naming_the_flag(capsys, argv, needle):

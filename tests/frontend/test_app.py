@@ -196,3 +196,15 @@ def test_a_stopped_engine_is_a_503_and_a_huge_top_k_means_no_top_k(tokenizer):
     with app(client, tokenizer) as http:
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "top_k": 10**12})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "alpha"
+
+
+def test_the_kv_cache_bounds_max_tokens_like_the_context(tokenizer):
+    template = load_chat_template(default_model_dir(), tokenizer)
+    limits = ServingLimits(MODEL, 512, 4096, kv_tokens=64)
+    client = ScriptedClient(script_for(tokenizer, "ok"))
+    frontend = Frontend(client, tokenizer, template, limits, ServingMetrics(MODEL))
+    with TestClient(create_app(frontend)) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 100})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+        assert "KV cache" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
