@@ -4,7 +4,8 @@ a long prompt arriving during decode, short/long prompt contention, and
 cancellation followed by slot reuse.  Complete responses, correct usage, no
 stream starved.
 
-By default the test starts `flare run` on the embedded model (CPU).  With
+By default the test starts `flare run` on the embedded model (CPU), with any
+extra flags in ``FLARE_SCHEDULER_TEST_FLAGS`` (e.g. a speculative mode).  With
 ``FLARE_SCHEDULER_TEST_URL=http://HOST:PORT`` it drives that server instead
 (e.g. a GPU deployment, in ordinary, fixed-width or adaptive speculative mode).
 Run with ``-s`` to see each scenario's prompt/output token counts, client SSE
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shlex
 import statistics
 import time
 from collections.abc import Iterator
@@ -29,7 +31,8 @@ from tests.server.harness import Server, body, stream_times, words
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     url = os.environ.get("FLARE_SCHEDULER_TEST_URL")
-    s = Server(url=url) if url else Server()
+    flags = shlex.split(os.environ.get("FLARE_SCHEDULER_TEST_FLAGS", ""))
+    s = Server(url=url) if url else Server(*flags)
     yield s
     assert s.stop() == 0
 
