@@ -35,6 +35,7 @@ from runtime.transport.api import (
     StatusQuery,
     Submit,
 )
+from runtime.transport.channels import make_socket
 from runtime.transport.codec import decode, encode
 from runtime.transport.fields import ProtocolError
 
@@ -79,12 +80,8 @@ class FrontendBridge:
         self.info = info
         self.rejected = 0
         self._context = zmq.Context()
-        self._inbox = self._context.socket(zmq.PULL)
-        self._outbox = self._context.socket(zmq.PUSH)
-        for sock in (self._inbox, self._outbox):
-            sock.setsockopt(zmq.LINGER, 1000)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+        self._inbox = make_socket(self._context, zmq.PULL)
+        self._outbox = make_socket(self._context, zmq.PUSH)
         self._inbox.connect(endpoints.requests)
         self._outbox.connect(endpoints.outputs)
         self._send_lock = threading.Lock()

@@ -23,6 +23,7 @@ import zmq.asyncio
 
 from runtime.coordinator.bridge import ApiEndpoints
 from runtime.transport.api import Cancel, Output, Publish, Status, StatusQuery, Submit
+from runtime.transport.channels import make_socket
 from runtime.transport.codec import decode, encode
 from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import SamplingParams
@@ -39,12 +40,8 @@ class CoordinatorClient:
         self.run_dir = tempfile.mkdtemp(prefix="flare-api-", dir=run_dir)
         self._sync = zmq.Context()
         self._async = zmq.asyncio.Context()
-        self._push = self._sync.socket(zmq.PUSH)
-        self._pull = self._async.socket(zmq.PULL)
-        for sock in (self._push, self._pull):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+        self._push = make_socket(self._sync, zmq.PUSH)
+        self._pull = make_socket(self._async, zmq.PULL)
         self._push.bind(f"ipc://{os.path.join(self.run_dir, 'requests')}")
         self._pull.bind(f"ipc://{os.path.join(self.run_dir, 'outputs')}")
         self.endpoints = ApiEndpoints(

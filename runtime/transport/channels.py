@@ -116,7 +116,8 @@ def _remaining_ms(deadline: float | None) -> int | None:
     return max(0, math.ceil((deadline - time.monotonic()) * 1000))
 
 
-def _socket(context: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
+def make_socket(context: zmq.Context, kind: int, endpoint: str = "") -> zmq.Socket:
+    """A socket that never drops or blocks on a full queue and closes at once."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)  # 0 = no limit: never drop, never block
@@ -145,7 +146,7 @@ class _Channel:
         self._closed = False
 
     def _open(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
-        sock = _socket(self._context, kind, endpoint)
+        sock = make_socket(self._context, kind, endpoint)
         self._sockets.append(sock)
         try:
             sock.bind(endpoint) if bind else sock.connect(endpoint)

@@ -162,13 +162,17 @@ def test_rank_handshake_times_out_without_a_coordinator(coordinator_factory: Any
         rank.handshake(timeout_ms=100)
 
 
+def _handshake_in_process(coordinator: CoordinatorChannel, rank: RankChannel) -> None:
+    thread = threading.Thread(target=rank.handshake, kwargs={"timeout_ms": WAIT_MS})
+    thread.start()
+    coordinator.handshake(timeout_s=WAIT_S)
+    thread.join(timeout=WAIT_S)
+
+
 def test_handshake_in_process_then_frames_and_late_readies(coordinator_factory: Any) -> None:
     coordinator = coordinator_factory(world_size=1)
     with RankChannel(coordinator.endpoints, 0) as rank:
-        thread = threading.Thread(target=rank.handshake, kwargs={"timeout_ms": WAIT_MS})
-        thread.start()
-        coordinator.handshake(timeout_s=WAIT_S)
-        thread.join(timeout=WAIT_S)
+        _handshake_in_process(coordinator, rank)
         # Pings still queued at the rank are answered inside recv, never returned.
         coordinator.publish(_frame(0))
         assert rank.recv(timeout_ms=WAIT_MS) == _frame(0)
@@ -181,10 +185,7 @@ def test_handshake_in_process_then_frames_and_late_readies(coordinator_factory: 
 def test_spinning_receive_gets_messages_and_still_times_out(coordinator_factory: Any) -> None:
     coordinator = coordinator_factory(world_size=1)
     with RankChannel(coordinator.endpoints, 0) as rank:
-        thread = threading.Thread(target=rank.handshake, kwargs={"timeout_ms": WAIT_MS})
-        thread.start()
-        coordinator.handshake(timeout_s=WAIT_S)
-        thread.join(timeout=WAIT_S)
+        _handshake_in_process(coordinator, rank)
         for fence in range(3):
             coordinator.publish(_frame(fence))
             assert rank.recv(timeout_ms=WAIT_MS, spin_us=2000) == _frame(fence)
