@@ -2,9 +2,10 @@
 
 One thread owns the channel and the scheduler (the engine thread of
 :meth:`Engine.run_in_thread`, or whoever calls :meth:`Engine.step`).  Other
-threads talk to it only through :meth:`Engine.submit` and :meth:`Engine.cancel`,
-which queue commands, and through the thread-safe :class:`RequestStream` and
-:class:`EngineStats`.
+threads talk to it only through :meth:`Engine.submit`, :meth:`Engine.cancel`,
+:meth:`Engine.publish`, :meth:`Engine.fail` and
+:meth:`Engine.measure_round_trip`, which queue commands, and through the
+thread-safe :class:`RequestStream` and :class:`EngineStats`.
 
 One round of the loop: admit queued submissions and cancellations; advance the
 scheduler's clock; while ``plan()`` offers a program, commit it under the next
@@ -12,8 +13,9 @@ fence, publish it as a :class:`Frame` and remember when and whether it was
 dispatched behind another; then take completions.  A fence is applied when every
 rank has answered it, strictly in fence order: timing (each rank's interval, the
 largest readiness delay, host wall from dispatch, queued) and rank 0's lanes go
-to ``Scheduler.complete``; the committed tokens go to their streams and are
-published at once (there is no detokenizer yet).
+to ``Scheduler.complete``; the committed tokens go to their streams.  They
+count as published at once, unless ``external_publication``: then a frontend
+reports when the client saw them (:meth:`Engine.publish`).
 """
 
 from __future__ import annotations
