@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +39,10 @@ class Server:
             return
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        # The processes' run directories (ipc sockets) go here, so a test that kills
+        # a process leaves nothing behind in the system temp directory.
+        self.tmp = tempfile.mkdtemp(prefix="flare-test-")
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=self.tmp)
         # A file, so a chatty server never blocks on a full pipe.
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
@@ -79,6 +83,7 @@ class Server:
                 self.proc.kill()
         code = self.proc.wait()
         self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return code
 
     # -------------------------------------------------------------- client side
