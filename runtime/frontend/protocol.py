@@ -13,7 +13,8 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   ``model_not_found`` naming ``model``.
 - completions ``prompt``: a non-empty string, a list of one string, or a non-empty list
   of token ids in ``[0, vocab_size)``. Text is encoded with the tokenizer's special
-  tokens (a BOS where the tokenizer adds one).
+  tokens (a BOS where the tokenizer adds one). ``parse_completions`` also takes a
+  batch: a list of such prompts (strings or token-id lists), one request each.
 - chat ``messages``: a non-empty list of ``{"role": "system"|"user"|"assistant",
   "content": str | [{"type": "text", "text": str}, ...]}``; text parts are joined with
   "\\n" (as vLLM does). The prompt is the chat template's rendering.
@@ -55,9 +56,11 @@ __all__ = [
     "ServingLimits",
     "parse_chat",
     "parse_completion",
+    "parse_completions",
 ]
 
 MAX_N = 16
+MAX_PROMPTS = 64  # prompts in one batched completions request
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 _SEED_END = 2**63
@@ -171,6 +174,37 @@ def parse_completion(body: object, limits: ServingLimits, tokenizer: Encoder) ->
     else:
         text, ids = None, prompt
     return _build(model, ids, text, "prompt", max_tokens, "max_tokens", logprobs, fields, limits)
+
+
+def parse_completions(
+    body: object, limits: ServingLimits, tokenizer: Encoder
+) -> list[GenerationRequest]:
+    """A ``/v1/completions`` body whose prompt may be a batch: a list of strings or a
+    list of token-id lists (vLLM and OpenAI accept both).  One request per prompt,
+    each checked like a single one; an error names ``prompt[i]``."""
+    obj = _object(body)
+    prompts = obj.get("prompt")
+    batched = (
+        isinstance(prompts, list)
+        and len(prompts) > 0
+        and all(isinstance(p, (str, list)) for p in prompts)
+        and not (len(prompts) == 1 and isinstance(prompts[0], str))
+    )
+    if not batched:
+        return [parse_completion(obj, limits, tokenizer)]
+    if len(prompts) > MAX_PROMPTS:
+        raise RequestError(
+            400, f"prompt takes at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt"
+        )
+    out = []
+    for i, prompt in enumerate(prompts):
+        try:
+            out.append(parse_completion({**obj, "prompt": prompt}, limits, tokenizer))
+        except RequestError as exc:
+            param = f"prompt[{i}]" if exc.param == "prompt" else exc.param
+            message = f"prompt[{i}]: {exc.message}" if exc.param == "prompt" else exc.message
+            raise RequestError(exc.status, message, param, exc.type, code=exc.code) from None
+    return out
 
 
 def parse_chat(
@@ -331,7 +365,7 @@ def _completion_prompt(value: Any, limits: ServingLimits) -> str | tuple[int, ..
     if not isinstance(value, list) or not all(_is_int(t) for t in value):
         raise RequestError(
             400,
-            "prompt must be a string or a list of token ids (batched prompts are not supported)",
+            "prompt must be a string, a list of token ids, or a list of such prompts",
             "prompt",
         )
     bad = next((t for t in value if not 0 <= t < limits.vocab_size), None)

@@ -46,7 +46,7 @@ from runtime.frontend.protocol import (
     RequestError,
     ServingLimits,
     parse_chat,
-    parse_completion,
+    parse_completions,
 )
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.transport.api import Output, TokenLogprobs
@@ -180,15 +180,22 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
                 client.cancel(rid)  # the client went away (or an error): free its slot
 
 
-async def _merged(fe: Frontend, req: GenerationRequest, seed: int) -> AsyncIterator[Piece]:
+def _choices(reqs: list[GenerationRequest]) -> list[tuple[GenerationRequest, int]]:
+    """Every choice as (its prompt's request, its index): prompt i's choice j is
+    ``i * n + j``, OpenAI's numbering for batched prompts."""
+    return [(req, i * req.n + j) for i, req in enumerate(reqs) for j in range(req.n)]
+
+
+async def _merged(fe: Frontend, reqs: list[GenerationRequest], seed: int) -> AsyncIterator[Piece]:
     """Pieces of every choice as they come; errors surface here."""
-    if req.n == 1:
-        async for piece in _choice(fe, req, 0, seed):
+    choices = _choices(reqs)
+    if len(choices) == 1:
+        async for piece in _choice(fe, reqs[0], 0, seed):
             yield piece
         return
     queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
 
-    async def pump(index: int) -> None:
+    async def pump(req: GenerationRequest, index: int) -> None:
         try:
             async for piece in _choice(fe, req, index, seed):
                 await queue.put(piece)
@@ -198,9 +205,9 @@ async def _merged(fe: Frontend, req: GenerationRequest, seed: int) -> AsyncItera
         finally:
             await queue.put(None)
 
-    tasks = [asyncio.create_task(pump(i)) for i in range(req.n)]
+    tasks = [asyncio.create_task(pump(req, index)) for req, index in choices]
     try:
-        remaining = req.n
+        remaining = len(choices)
         while remaining:
             item = await queue.get()
             if item is None:
@@ -315,24 +322,37 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'), allow_nan=False)}\n\n"
 
 
+def _seed(req: GenerationRequest) -> int:
+    return req.seed if req.seed is not None else secrets.randbits(63)
+
+
+def _usage(reqs: list[GenerationRequest]) -> Usage:
+    return Usage(sum(len(req.prompt_token_ids) for req in reqs))  # each prompt once
+
+
 async def _stream(
-    fe: Frontend, req: GenerationRequest, chat: bool, request_id: str, arrived: float
+    fe: Frontend, reqs: list[GenerationRequest], chat: bool, request_id: str, arrived: float
 ) -> AsyncIterator[str]:
-    """SSE chunks; publication is reported after each chunk with text reaches the client."""
-    seed = req.seed if req.seed is not None else secrets.randbits(63)
-    usage = Usage(len(req.prompt_token_ids))
+    """SSE chunks; publication is reported after each chunk with text reaches the client.
+
+    ``reqs``: one request per prompt (several for a batched completions prompt);
+    they share every setting but the prompt.
+    """
+    req, total = reqs[0], len(_choices(reqs))
+    seed = _seed(req)
+    usage = _usage(reqs)
     timing = Timing(fe, arrived)
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model}
-    offsets = [0] * req.n
+    offsets = [0] * total
     if chat:
-        for i in range(req.n):
+        for i in range(total):
             yield _sse(
                 {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]}
             )  # fmt: skip
     try:
-        async for piece in _merged(fe, req, seed):
+        async for piece in _merged(fe, reqs, seed):
             usage.completion_tokens += len(piece.token_ids)
             timing.tokens(piece)
             if not piece.text and piece.finish_reason is None and req.logprobs is None:
@@ -366,16 +386,17 @@ async def _stream(
 
 
 async def _collect(
-    fe: Frontend, req: GenerationRequest, chat: bool, request_id: str, arrived: float
+    fe: Frontend, reqs: list[GenerationRequest], chat: bool, request_id: str, arrived: float
 ) -> dict[str, Any]:
-    seed = req.seed if req.seed is not None else secrets.randbits(63)
-    usage = Usage(len(req.prompt_token_ids))
+    req, total = reqs[0], len(_choices(reqs))
+    seed = _seed(req)
+    usage = _usage(reqs)
     timing = Timing(fe, arrived)
-    texts = [""] * req.n
-    finish: list[str | None] = [None] * req.n
-    completion_lp: list[dict | None] = [None] * req.n
-    chat_lp: list[list] = [[] for _ in range(req.n)]
-    async for piece in _merged(fe, req, seed):
+    texts = [""] * total
+    finish: list[str | None] = [None] * total
+    completion_lp: list[dict | None] = [None] * total
+    chat_lp: list[list] = [[] for _ in range(total)]
+    async for piece in _merged(fe, reqs, seed):
         usage.completion_tokens += len(piece.token_ids)
         timing.tokens(piece)
         if req.logprobs is not None and piece.token_ids:
@@ -399,13 +420,13 @@ async def _collect(
                 "logprobs": {"content": chat_lp[i]} if req.logprobs is not None else None,
                 "finish_reason": finish[i],
             }
-            for i in range(req.n)
+            for i in range(total)
         ]
         kind = "chat.completion"
     else:
         choices = [
             {"index": i, "text": texts[i], "logprobs": completion_lp[i], "finish_reason": finish[i]}
-            for i in range(req.n)
+            for i in range(total)
         ]
         kind = "text_completion"
     return {
@@ -463,14 +484,13 @@ async def _read_body(request: Request) -> bytes:
 
 
 def _text_chars(body: object, chat: bool) -> int:
-    """Characters of prompt text a body carries (before any tokenization)."""
+    """Characters of the longest prompt text a body carries (before tokenization)."""
     if not isinstance(body, dict):
         return 0
-    if not chat:
+    if not chat:  # a prompt, or a batch of them: the longest counts
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        return len(prompt) if isinstance(prompt, str) else 0
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        return max((len(p) for p in prompts if isinstance(p, str)), default=0)
     total = 0
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else ():
@@ -561,22 +581,24 @@ def create_app(fe: Frontend) -> FastAPI:
                 req = await asyncio.to_thread(
                     parse_chat, body, fe.limits, fe.tokenizer, fe.template
                 )
+                reqs = [req]
             else:
-                req = await asyncio.to_thread(parse_completion, body, fe.limits, fe.tokenizer)
+                reqs = await asyncio.to_thread(parse_completions, body, fe.limits, fe.tokenizer)
+                req = reqs[0]
         except RequestError as exc:
             return JSONResponse(exc.to_json(), status_code=exc.status)
         try:
             _sampling(req, 0, 0, fe.limits.vocab_size)
         except ProtocolError as exc:
             return _error(400, str(exc), exc.field)
-        fe.metrics.prompt_tokens.inc(len(req.prompt_token_ids))
+        fe.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             if req.stream:
                 return StreamingResponse(
-                    _stream(fe, req, chat, request_id, arrived), media_type="text/event-stream"
+                    _stream(fe, reqs, chat, request_id, arrived), media_type="text/event-stream"
                 )
-            work = asyncio.create_task(_collect(fe, req, chat, request_id, arrived))
+            work = asyncio.create_task(_collect(fe, reqs, chat, request_id, arrived))
             watch = asyncio.create_task(_until_disconnect(request))
             try:
                 await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)

@@ -350,3 +350,32 @@ def test_template_refusal_is_a_400_naming_messages(tok):
     error = refusal(parse_chat, {"messages": USER}, LIMITS, tok, template)
     assert (error.status, error.param) == (400, "messages")
     assert "roles must alternate" in error.message
+
+
+def test_batched_completion_prompts_give_one_request_each():
+    from runtime.frontend.protocol import parse_completions
+
+    limits = ServingLimits("m", 512, 64)
+    tok = _BatchTokenizer()
+    reqs = parse_completions({"prompt": ["ab", "cde"], "max_tokens": 3, "n": 2}, limits, tok)
+    assert [r.prompt_token_ids for r in reqs] == [(97, 98), (99, 100, 101)]
+    assert all(r.n == 2 and r.max_tokens == 3 for r in reqs)
+    ids = parse_completions({"prompt": [[1, 2], [3]], "max_tokens": 2}, limits, tok)
+    assert [r.prompt_token_ids for r in ids] == [(1, 2), (3,)]
+    single = parse_completions({"prompt": ["only"], "max_tokens": 2}, limits, tok)
+    assert len(single) == 1 and single[0].prompt == "only"
+    assert len(parse_completions({"prompt": [5, 6], "max_tokens": 2}, limits, tok)) == 1
+    with pytest.raises(RequestError) as raised:
+        parse_completions({"prompt": ["ok", ""], "max_tokens": 2}, limits, tok)
+    assert raised.value.param == "prompt[1]" and raised.value.status == 400
+    with pytest.raises(RequestError) as raised:
+        parse_completions({"prompt": [[1], [999]], "max_tokens": 2}, limits, tok)
+    assert raised.value.param == "prompt[1]"
+    with pytest.raises(RequestError) as raised:
+        parse_completions({"prompt": ["x"] * 65}, limits, tok)
+    assert raised.value.param == "prompt"
+
+
+class _BatchTokenizer:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]

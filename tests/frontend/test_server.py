@@ -72,6 +72,25 @@ def test_seeded_sampling_repeats_and_n_choices_differ(client, model):
     assert a.usage.completion_tokens == 36
 
 
+def test_batched_prompts_number_choices_prompt_major(client, model):
+    prompts = [words(6, 1), words(9, 2)]
+    kwargs = dict(model=model, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    batch = client.completions.create(prompt=prompts, n=2, **kwargs)
+    alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in batch.choices}
+    for i, single in enumerate(alone):  # prompt i's choices are 2i and 2i + 1 (greedy)
+        assert by_index[2 * i] == by_index[2 * i + 1] == single.choices[0].text
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 20
+    chunks = list(client.completions.create(prompt=prompts, stream=True, **kwargs))
+    streamed = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == {0: alone[0].choices[0].text, 1: alone[1].choices[0].text}
+
+
 def test_chat_completion_streams_role_then_content_with_usage(client, model):
     stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
