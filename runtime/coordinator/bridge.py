@@ -36,8 +36,7 @@ from runtime.transport.api import (
     Submit,
 )
 from runtime.transport.channels import make_socket
-from runtime.transport.codec import decode, encode
-from runtime.transport.fields import ProtocolError
+from runtime.transport.codec import decode_or_log, encode
 
 log = logging.getLogger("runtime.coordinator.bridge")
 
@@ -102,12 +101,9 @@ class FrontendBridge:
                 break
             if not self._inbox.poll(POLL_MS):
                 continue
-            data = self._inbox.recv()
-            try:
-                message = decode(data)
-            except ProtocolError as exc:
+            message = decode_or_log(self._inbox.recv(), "the frontend")
+            if message is None:
                 self.rejected += 1
-                log.warning("frontend bridge: rejected message: %s", exc)
                 continue
             try:
                 self._handle(message)

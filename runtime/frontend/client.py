@@ -24,8 +24,7 @@ import zmq.asyncio
 from runtime.coordinator.bridge import ApiEndpoints
 from runtime.transport.api import Cancel, Output, Publish, Status, StatusQuery, Submit
 from runtime.transport.channels import make_socket
-from runtime.transport.codec import decode, encode
-from runtime.transport.fields import ProtocolError
+from runtime.transport.codec import decode_or_log, encode
 from runtime.transport.schema import SamplingParams
 
 log = logging.getLogger("runtime.frontend")
@@ -76,11 +75,9 @@ class CoordinatorClient:
             self._route(data)
 
     def _route(self, data: bytes) -> None:
-        try:
-            message = decode(data)
-        except ProtocolError as exc:
+        message = decode_or_log(data, "the coordinator")
+        if message is None:
             self.rejected += 1
-            log.warning("rejected a message from the coordinator: %s", exc)
             return
         if isinstance(message, Output):
             queue = self._queues.get(message.request_id)

@@ -368,14 +368,7 @@ def _completion_prompt(value: Any, limits: ServingLimits) -> str | tuple[int, ..
             "prompt must be a string, a list of token ids, or a list of such prompts",
             "prompt",
         )
-    bad = next((t for t in value if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise RequestError(
-            400,
-            f"prompt token id {bad} is outside the vocabulary [0, {limits.vocab_size})",
-            "prompt",
-        )
-    return tuple(value)
+    return _in_vocabulary(value, limits, "prompt", "prompt token id")
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
@@ -460,14 +453,18 @@ def _stop_token_ids(value: Any, limits: ServingLimits) -> tuple[int, ...]:
         raise RequestError(
             400, "stop_token_ids has more entries than the vocabulary", "stop_token_ids"
         )
-    bad = next((t for t in value if not 0 <= t < limits.vocab_size), None)
+    return _in_vocabulary(value, limits, "stop_token_ids", "stop_token_ids:")
+
+
+def _in_vocabulary(
+    ids: list[int], limits: ServingLimits, param: str, label: str
+) -> tuple[int, ...]:
+    bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
     if bad is not None:
         raise RequestError(
-            400,
-            f"stop_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})",
-            "stop_token_ids",
+            400, f"{label} {bad} is outside the vocabulary [0, {limits.vocab_size})", param
         )
-    return tuple(value)
+    return tuple(ids)
 
 
 # -- scalar fields ----------------------------------------------------------------------
