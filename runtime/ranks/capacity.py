@@ -6,12 +6,17 @@
 * Decode buckets: power-of-two batch capacities through the padded concurrency:
   a concurrency of 6 captures batches 1, 2, 4 and 8.
 
-Speculative and mixed shapes join with their issues (the spec's "Speculative
-graph coverage" and ``mixed_shapes``).
+* Mixed prefill/decode shapes (opt-in, ``mixed_prefill``): :func:`mixed_shapes`,
+  the spec's joint-catalog rule ("Mixed execution contract"), over those two
+  ladders.
+
+Speculative shapes join with their issue (the spec's "Speculative graph
+coverage").
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
@@ -31,8 +36,11 @@ class CapacityConfig:
     max_concurrency: int = 8
     min_prefill_tokens: int = 64
     max_prefill_tokens: int = 2048
+    mixed_prefill: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.mixed_prefill, bool):
+            raise CapacityError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
         c = self.max_concurrency
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_BATCH_CAPACITY:
             raise CapacityError(f"max_concurrency must be in 1..{MAX_BATCH_CAPACITY}, got {c!r}")
@@ -67,10 +75,70 @@ class CapacityConfig:
         return tuple(1 << i for i in range(top.bit_length()))
 
 
+def balanced_prompt_bucket(prompt_buckets: Sequence[int]) -> int:
+    """The bucket minimizing max(P / P_min, P_max / P); ties choose the smaller.
+
+    It balances the worst multiplicative distance to short and long prompt
+    chunks (the geometric middle of the ladder).
+    """
+    lo, hi = min(prompt_buckets), max(prompt_buckets)
+    return min(sorted(prompt_buckets), key=lambda p: max(p / lo, hi / p))
+
+
+def mixed_shapes(
+    batch_buckets: Sequence[int],
+    prompt_buckets: Sequence[int],
+    *,
+    wider_widths: Sequence[int] = (),
+    token_envelope: int | None = None,
+) -> list[GraphDescriptor]:
+    """The joint mixed prefill/decode catalog (spec, "Mixed execution contract").
+
+    Each batch bucket of at least two rows gets every prompt bucket at
+    verification width one, and, for each wider width ``W`` the loaded decode
+    mode verifies (``wider_widths``; proposal depth ``W - 1``) whose ``B * W``
+    fits the target-token envelope ``token_envelope`` (``--speculative-token-
+    capacity``; ``None``: unbounded), one graph at the balanced prompt bucket
+    (:func:`balanced_prompt_bucket`).  The prompt bucket limits the
+    prompt/depth combinations; the envelope limits the batch/depth ones.
+    Ordinary execution passes no wider widths.
+    """
+    if not prompt_buckets:
+        raise CapacityError("prompt_buckets: a mixed catalog needs at least one prompt bucket")
+    for w in wider_widths:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 2:
+            raise CapacityError(f"wider_widths must hold integers >= 2, got {w!r}")
+    if token_envelope is not None and (
+        isinstance(token_envelope, bool)
+        or not isinstance(token_envelope, int)
+        or token_envelope < 1
+    ):
+        raise CapacityError(f"token_envelope must be a positive integer, got {token_envelope!r}")
+    balanced = balanced_prompt_bucket(prompt_buckets)
+    out: list[GraphDescriptor] = []
+    for b in sorted(set(batch_buckets)):
+        if b < 2:
+            continue
+        out += [
+            GraphDescriptor(GraphKind.MIXED, b, prompt_capacity=c) for c in sorted(prompt_buckets)
+        ]
+        for w in sorted(set(wider_widths)):
+            if token_envelope is not None and b * w > token_envelope:
+                continue
+            out.append(
+                GraphDescriptor(
+                    GraphKind.MIXED, b, token_capacity=w, proposal_depth=w - 1,
+                    prompt_capacity=balanced,
+                )
+            )  # fmt: skip
+    return out
+
+
 def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[GraphDescriptor]:
-    out = [
-        GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c)
-        for c in cfg.prefill_buckets(max_context)
-    ]
-    out += [GraphDescriptor(GraphKind.DECODE, b) for b in cfg.decode_batches()]
+    prompts = cfg.prefill_buckets(max_context)
+    batches = cfg.decode_batches()
+    out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in prompts]
+    out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
+    if cfg.mixed_prefill:
+        out += mixed_shapes(batches, prompts)
     return out
