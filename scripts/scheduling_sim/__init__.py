@@ -12,16 +12,32 @@ from scripts.scheduling_sim.catalogs import (
     build_catalog,
 )
 from scripts.scheduling_sim.engine import Simulation
-from scripts.scheduling_sim.workload import Arrival, WorkloadConfig, make_workload
+from scripts.scheduling_sim.workload import (
+    Arrival,
+    LogNormal,
+    Uniform,
+    WorkloadConfig,
+    burst,
+    chat,
+    long_prompt_contention,
+    make_workload,
+    two_tenants,
+)
 
 __all__ = [
     "PROFILES",
     "AdditiveProfile",
     "Arrival",
     "CostProfile",
+    "LogNormal",
     "RooflineProfile",
     "Simulation",
+    "Uniform",
     "WorkloadConfig",
     "build_catalog",
+    "burst",
+    "chat",
+    "long_prompt_contention",
     "make_workload",
+    "two_tenants",
 ]

@@ -1,9 +1,34 @@
-"""Seeded synthetic workloads: arrivals, prompt and output lengths, message endpoints."""
+"""Seeded synthetic workloads: arrivals, prompt and output lengths, message endpoints.
+
+Two ways to build one:
+
+* :func:`make_workload` over a :class:`WorkloadConfig` (the command line's
+  knobs): uniform or log-normal lengths, all at t = 0 or Poisson arrivals.
+* The suite builders, each seeded and deterministic with fixed request counts,
+  each returning ``list[Arrival]`` sorted by arrival time:
+
+  ================================  ==================================================
+  :func:`burst`                     64 chat-shaped requests at t = 0
+  :func:`chat`                      ShareGPT-like lengths, Poisson arrivals at a rate
+  :func:`long_prompt_contention`    decoding streams while 2k-8k-token prompts arrive
+  :func:`two_tenants`               tenant 0 floods, tenant 1 sends steadily and low
+  ================================  ==================================================
+
+  Each takes its parameters as one frozen dataclass (:class:`BurstConfig`,
+  :class:`ChatConfig`, :class:`LongPromptConfig`, :class:`TwoTenantsConfig`)
+  whose defaults are documented on the fields; the builders also accept the
+  fields as keyword arguments.
+
+Chat-shaped lengths (:data:`CHAT_PROMPT`, :data:`CHAT_OUTPUT`) follow the shape
+of public chat traces (ShareGPT): log-normal, prompt median 200 tokens with a
+long tail, output median 200 with a lighter one.  See the constants.
+"""
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 from runtime.coordinator import RequestSpec
 
@@ -12,16 +37,87 @@ from runtime.coordinator import RequestSpec
 class Arrival:
     at_ns: int
     spec: RequestSpec
+    tenant: int = 0
+
+
+# -- length distributions -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Uniform:
+    """Integers uniform on ``[lo, hi]`` inclusive (one ``rng.randint`` draw)."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.lo <= self.hi:
+            raise ValueError(f"expected 1 <= lo <= hi, got {self.lo}, {self.hi}")
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class LogNormal:
+    """``round(median * exp(sigma * N(0, 1)))``, clipped to ``[lo, hi]``.
+
+    ``median`` is the median before clipping (clipping keeps it when
+    ``lo <= median <= hi``); ``sigma`` the standard deviation of the log.  One
+    ``rng.normalvariate`` draw per sample.
+    """
+
+    median: float
+    sigma: float
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.lo <= self.hi:
+            raise ValueError(f"expected 1 <= lo <= hi, got {self.lo}, {self.hi}")
+        if self.median <= 0 or self.sigma < 0:
+            raise ValueError(f"expected median > 0 and sigma >= 0, got {self}")
+
+    def sample(self, rng: random.Random) -> int:
+        value = round(self.median * math.exp(self.sigma * rng.normalvariate(0.0, 1.0)))
+        return min(self.hi, max(self.lo, value))
+
+
+Lengths = tuple[int, int] | Uniform | LogNormal
+
+
+def sample_length(dist: Lengths, rng: random.Random) -> int:
+    """A ``(lo, hi)`` tuple is uniform, drawn exactly as ``rng.randint(lo, hi)``."""
+    if isinstance(dist, tuple):
+        return rng.randint(*dist)
+    return dist.sample(rng)
+
+
+# ShareGPT-like chat lengths.  Public ShareGPT conversations have a median
+# prompt of roughly 150-250 tokens with a multi-turn tail into the thousands,
+# and replies of a few hundred tokens with a lighter tail.
+#
+# Prompt: median 200, sigma 1.0: mean ~330, p90 ~720, p99 ~2050; about 0.1 %
+# beyond 4096 is clipped there (the largest default prefill bucket), and the
+# shortest prompts are held at 4 tokens (a chat template's minimum).
+CHAT_PROMPT = LogNormal(median=200, sigma=1.0, lo=4, hi=4096)
+# Output: median 200, sigma 0.8: mean ~275, p90 ~560; about 2 % beyond 1024
+# are clipped there (a common max_tokens for chat), the shortest at 4 tokens.
+CHAT_OUTPUT = LogNormal(median=200, sigma=0.8, lo=4, hi=1024)
+
+
+# -- the command line's workload ------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class WorkloadConfig:
     requests: int = 16
     arrival_rate_per_s: float = 0.0  # 0: everything arrives at t=0; else Poisson
-    prompt_len: tuple[int, int] = (64, 64)  # uniform inclusive range
-    output_len: tuple[int, int] = (128, 128)
+    prompt_len: Lengths = (64, 64)  # (lo, hi): uniform inclusive range; or a distribution
+    output_len: Lengths = (128, 128)
     messages: tuple[int, int] = (1, 1)  # message count per prompt (endpoints between)
     seed: int = 0
+    tenant: int = 0
 
 
 def make_workload(cfg: WorkloadConfig) -> list[Arrival]:
@@ -31,10 +127,169 @@ def make_workload(cfg: WorkloadConfig) -> list[Arrival]:
     for _ in range(cfg.requests):
         if cfg.arrival_rate_per_s > 0:
             t_ns += rng.expovariate(cfg.arrival_rate_per_s) * 1e9
-        prompt = rng.randint(*cfg.prompt_len)
-        output = rng.randint(*cfg.output_len)
+        prompt = sample_length(cfg.prompt_len, rng)
+        output = sample_length(cfg.output_len, rng)
         n_msgs = min(prompt, rng.randint(*cfg.messages))
         endpoints = tuple(sorted(rng.sample(range(1, prompt), n_msgs - 1))) if n_msgs > 1 else ()
         spec = RequestSpec(prompt, output, message_endpoints=endpoints)
-        out.append(Arrival(int(t_ns), spec))
+        out.append(Arrival(int(t_ns), spec, cfg.tenant))
     return out
+
+
+# -- the suite ------------------------------------------------------------------------
+
+
+def _config(cls, cfg, overrides):
+    if cfg is None:
+        cfg = cls()
+    elif not isinstance(cfg, cls):
+        raise TypeError(f"expected {cls.__name__}, got {type(cfg).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = set(overrides) - names
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
+    return replace(cfg, **overrides)
+
+
+def _requests(
+    rng: random.Random, n: int, prompt: Lengths, output: Lengths
+) -> list[tuple[int, int]]:
+    return [(sample_length(prompt, rng), sample_length(output, rng)) for _ in range(n)]
+
+
+def _poisson(rng: random.Random, n: int, rate_per_s: float, start_ns: int = 0) -> list[int]:
+    if rate_per_s <= 0:
+        raise ValueError(f"rate must be positive, got {rate_per_s}")
+    t = float(start_ns)
+    out = []
+    for _ in range(n):
+        t += rng.expovariate(rate_per_s) * 1e9
+        out.append(int(t))
+    return out
+
+
+@dataclass(frozen=True)
+class BurstConfig:
+    requests: int = 64  # all at t = 0
+    prompt_len: Lengths = CHAT_PROMPT
+    output_len: Lengths = CHAT_OUTPUT
+    seed: int = 0
+
+
+def burst(cfg: BurstConfig | None = None, **overrides) -> list[Arrival]:
+    """``requests`` (64) chat-shaped requests, all arriving at t = 0."""
+    cfg = _config(BurstConfig, cfg, overrides)
+    rng = random.Random(cfg.seed)
+    return [
+        Arrival(0, RequestSpec(p, o))
+        for p, o in _requests(rng, cfg.requests, cfg.prompt_len, cfg.output_len)
+    ]
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    rate_per_s: float = 10.0  # Poisson arrival rate
+    requests: int = 128
+    prompt_len: Lengths = CHAT_PROMPT
+    output_len: Lengths = CHAT_OUTPUT
+    seed: int = 0
+
+
+def chat(
+    rate_per_s: float | None = None,
+    n: int | None = None,
+    cfg: ChatConfig | None = None,
+    **overrides,
+) -> list[Arrival]:
+    """``n`` ShareGPT-like requests (:data:`CHAT_PROMPT`, :data:`CHAT_OUTPUT`),
+    Poisson arrivals at ``rate_per_s``; the first arrives one gap after t = 0."""
+    if rate_per_s is not None:
+        overrides["rate_per_s"] = rate_per_s
+    if n is not None:
+        overrides["requests"] = n
+    cfg = _config(ChatConfig, cfg, overrides)
+    rng = random.Random(cfg.seed)
+    lengths = _requests(rng, cfg.requests, cfg.prompt_len, cfg.output_len)
+    times = _poisson(rng, cfg.requests, cfg.rate_per_s)
+    return [Arrival(t, RequestSpec(p, o)) for t, (p, o) in zip(times, lengths, strict=True)]
+
+
+@dataclass(frozen=True)
+class LongPromptConfig:
+    streams: int = 12  # decoding streams present from t = 0 (the brief: 8 to 16)
+    stream_prompt_len: Lengths = Uniform(32, 256)  # short prompts
+    stream_output_len: Lengths = Uniform(1024, 1536)  # long outputs: decoding outlasts the prompts
+    long_prompts: int = 6  # a handful of long prompts
+    long_prompt_len: Lengths = Uniform(2048, 8192)
+    long_output_len: Lengths = Uniform(64, 256)  # modest outputs
+    start_ms: float = 100.0  # the long prompts arrive after the streams started decoding
+    rate_per_s: float = 8.0  # Poisson, from start_ms
+    seed: int = 0
+
+
+def long_prompt_contention(cfg: LongPromptConfig | None = None, **overrides) -> list[Arrival]:
+    """``streams`` short-prompt, long-output requests at t = 0; then ``long_prompts``
+    prompts of 2k-8k tokens arrive by Poisson from ``start_ms`` on.
+
+    At the defaults the streams are decoding by 100 ms (twelve prompts of at
+    most 256 tokens take about 20 ms of prefill on the 1B profile) and keep
+    decoding for more than a second (1024+ tokens at one batch step each),
+    while the six long prompts arrive within about a second of ``start_ms``.
+    """
+    cfg = _config(LongPromptConfig, cfg, overrides)
+    rng = random.Random(cfg.seed)
+    streams = _requests(rng, cfg.streams, cfg.stream_prompt_len, cfg.stream_output_len)
+    longs = _requests(rng, cfg.long_prompts, cfg.long_prompt_len, cfg.long_output_len)
+    times = _poisson(rng, cfg.long_prompts, cfg.rate_per_s, int(cfg.start_ms * 1e6))
+    out = [Arrival(0, RequestSpec(p, o)) for p, o in streams]
+    out += [Arrival(t, RequestSpec(p, o)) for t, (p, o) in zip(times, longs, strict=True)]
+    return out
+
+
+@dataclass(frozen=True)
+class TwoTenantsConfig:
+    capacity_req_per_s: float = 20.0  # what the system can serve; set it per profile
+    flood_factor: float = 4.0  # tenant 0: Poisson at this multiple of capacity
+    flood_requests: int = 96
+    steady_factor: float = 0.25  # tenant 1: evenly spaced at this multiple of capacity
+    steady_requests: int = 16
+    prompt_len: Lengths = CHAT_PROMPT  # both tenants, so only the scheduler tells them apart
+    output_len: Lengths = CHAT_OUTPUT
+    seed: int = 0
+
+
+def two_tenants(
+    capacity_req_per_s: float | None = None,
+    cfg: TwoTenantsConfig | None = None,
+    **overrides,
+) -> list[Arrival]:
+    """Tenant 0 floods (``flood_requests`` by Poisson at ``flood_factor`` x
+    capacity); tenant 1 sends ``steady_requests`` evenly spaced at
+    ``steady_factor`` x capacity, the first at t = 0.
+
+    At the defaults the flood arrives within 24 / capacity seconds but needs
+    about 96 / capacity to serve, and tenant 1 sends over 64 / capacity
+    seconds: all of tenant 1's requests meet tenant 0's backlog.
+    """
+    if capacity_req_per_s is not None:
+        overrides["capacity_req_per_s"] = capacity_req_per_s
+    cfg = _config(TwoTenantsConfig, cfg, overrides)
+    if cfg.capacity_req_per_s <= 0 or cfg.steady_factor <= 0:
+        raise ValueError("capacity_req_per_s and steady_factor must be positive")
+    rng = random.Random(cfg.seed)
+    flood = _requests(rng, cfg.flood_requests, cfg.prompt_len, cfg.output_len)
+    steady = _requests(rng, cfg.steady_requests, cfg.prompt_len, cfg.output_len)
+    flood_times = _poisson(rng, cfg.flood_requests, cfg.flood_factor * cfg.capacity_req_per_s)
+    period_ns = 1e9 / (cfg.steady_factor * cfg.capacity_req_per_s)
+    out = [Arrival(t, RequestSpec(p, o), 0) for t, (p, o) in zip(flood_times, flood, strict=True)]
+    out += [Arrival(int(i * period_ns), RequestSpec(p, o), 1) for i, (p, o) in enumerate(steady)]
+    out.sort(key=lambda a: (a.at_ns, a.tenant))
+    return out
+
+
+SUITE = {
+    "burst": burst,
+    "chat": chat,
+    "long_prompt_contention": long_prompt_contention,
+    "two_tenants": two_tenants,
+}
