@@ -71,6 +71,17 @@ class ScheduledPlan:
     def selection_log_scale(self) -> float:
         return self.log_scale
 
+    @property
+    def prompt_row(self) -> int:
+        """Index of the lane that consumes prompt tokens (-1: none).
+
+        A prefill plan's only lane; a mixed plan's prompt row, if it has one.
+        """
+        for i, lane in enumerate(self.lanes):
+            if lane.phase is LanePhase.PREFILL:
+                return i
+        return -1
+
     def unscaled_value_rate(self) -> float:
         return self.value_rate_scaled / math.exp(self.log_scale)
 
@@ -102,6 +113,9 @@ class TraceRecord:
     value_rate_scaled: float
     log_scale: float
     requests: tuple[int, ...]
+    prompt_row: int = -1  # index of the lane consuming prompt tokens, -1: none
+    prompt_tokens: int = 0  # prompt tokens the frame consumes
+    decode_rows: int = 0  # lanes that decode
 
     def to_json(self) -> dict:
         return dict(self.__dict__)

@@ -14,7 +14,16 @@ a smaller shape doing the same logical work, and ranks the rest:
 Nothing here enumerates request subsets: for a fixed graph, lane values are
 additive and every decoder shares the family's age slope, so the best cohort of
 a decode graph is a prefix of the lanes sorted by value; a prefill graph serves
-one request, so each request/capacity pair is one candidate.
+one request, so each request/capacity pair is one candidate.  A mixed graph
+(spec, "Mixed execution contract") compares its best decode-only cohort (a
+prefix of the decoders) with its best prompt row plus the highest-value
+decoders fitting the remaining rows (that prefix again, one row shorter): one
+decode-only and one prompt-row candidate per mixed shape.
+
+Dominance: candidates of one graph kind with the same cohort and logical work
+keep only shapes no larger in every capacity than an alternative; mixed
+candidates also need the same prompt row and prompt tokens.  A shape removed
+by the exploration rule dominates nothing.
 """
 
 from __future__ import annotations
@@ -53,10 +62,30 @@ class SelectionContext:
     decode: list[LaneView]  # decoders that may run a decode row
     decode_age_slope: float  # c * sigma of the decode family
     active_age_price: float  # sum of c over active decoders
+    # The decoders sorted by value (best first) and their prefix sums; built
+    # once per decision by sort_decoders(), shared by decode and mixed builders.
+    prefix_value: list[float] | None = None
+    prefix_lru: list[int] | None = None
+
+    def sort_decoders(self) -> tuple[list[float], list[int]]:
+        if self.prefix_value is None or self.prefix_lru is None:
+            self.decode.sort(key=lambda v: (-v.decode_value, v.lru, v.request.handle.id))
+            values = [0.0]
+            lrus = [-1]
+            for lane in self.decode:
+                values.append(values[-1] + lane.decode_value)
+                lrus.append(max(lrus[-1], lane.lru))
+            self.prefix_value, self.prefix_lru = values, lrus
+        return self.prefix_value, self.prefix_lru
 
 
 class Candidate:
-    """One physical program with its best cohort (a decode prefix, or one prefill row)."""
+    """One physical program with its best cohort.
+
+    ``lanes`` in plan order; ``prompt_row`` is the index of the lane that
+    consumes ``prompt_tokens`` prompt tokens (-1: none, a decode-only cohort);
+    every other lane is a decode row.
+    """
 
     __slots__ = (
         "age_slope",
@@ -65,6 +94,7 @@ class Candidate:
         "lanes",
         "lru",
         "padding",
+        "prompt_row",
         "prompt_tokens",
         "score",
         "stale",
@@ -84,6 +114,7 @@ class Candidate:
         lru: int,
         prompt_tokens: int,
         ctx: SelectionContext,
+        prompt_row: int = -1,
     ) -> None:
         self.entry = entry
         self.index = index
@@ -93,6 +124,7 @@ class Candidate:
         self.padding = padding
         self.lru = lru
         self.prompt_tokens = prompt_tokens
+        self.prompt_row = prompt_row
         self.unknown = not entry.known
         self.stale = entry.known and entry.stale(ctx.now_ns, ctx.ttl_ns)
         if self.unknown:
@@ -146,7 +178,9 @@ def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
             finishes = tokens == remaining
             value = tokens * a + (finish_bonus if finishes else 0.0)
             padding = capacity - tokens
-            out.append(Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx))
+            out.append(
+                Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx, 0)
+            )
             included = previous = capacity
 
 
@@ -155,13 +189,8 @@ def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
     lanes = ctx.decode
     if not entries or not lanes:
         return
-    lanes.sort(key=lambda v: (-v.decode_value, v.lru, v.request.handle.id))
+    prefix_value, prefix_lru = ctx.sort_decoders()
     n_lanes = len(lanes)
-    prefix_value = [0.0]
-    prefix_lru = [-1]
-    for lane in lanes:
-        prefix_value.append(prefix_value[-1] + lane.decode_value)
-        prefix_lru.append(max(prefix_lru[-1], lane.lru))
     slope = ctx.decode_age_slope
     covered = False
     for index, entry in enumerate(entries):
@@ -185,7 +214,100 @@ def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
         )
 
 
-CANDIDATE_BUILDERS = (prefill_candidates, decode_candidates)
+def _prompt_value(lane: LaneView, tokens: int, beta: float) -> float:
+    """Consumed prompt tokens, plus the one output token a chunk ending the prompt commits."""
+    value = tokens * (1.0 + lane.token_price)
+    if lane.prompt_pos + tokens == lane.request.spec.prompt_len:
+        value += beta + lane.token_price
+    return value
+
+
+def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
+    """Per mixed shape: the best decode-only cohort, and the best prompt row plus
+    the highest-value decoders fitting the remaining rows.
+
+    Width-one shapes only: wider verification rows join with speculative rounds.
+    Dominance (same cohort, same prompt row and prompt tokens, capacities all at
+    least as large) is applied per prompt row before the best row of a shape is
+    chosen, so a row whose work fits a smaller shape never lends that larger
+    shape its value.  The exploration rule works on each batch's prompt ladder:
+    an unmeasured capacity is skipped when a smaller capacity of that batch
+    already reaches the row's next endpoint.
+    """
+    entries = [e for e in ctx.catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity == 1]
+    if not entries or not (ctx.decode or ctx.prefill):
+        return
+    prefix_value, prefix_lru = ctx.sort_decoders()
+    n_dec = len(ctx.decode)
+    slope = ctx.decode_age_slope
+    beta = ctx.beta
+    by_batch: dict[int, list[tuple[int, CostEntry]]] = {}
+    for index, entry in enumerate(entries):
+        by_batch.setdefault(entry.descriptor.batch_capacity, []).append((index, entry))
+    batches = sorted(by_batch)
+    for ladder in by_batch.values():
+        ladder.sort(key=lambda item: item[1].descriptor.prompt_capacity)
+
+    # Decode-only populations: the prompt capacity is padding, so per batch only
+    # the smallest capacity stays, and batches stop at the first that covers
+    # every decoder.
+    for batch in batches:
+        if not n_dec:
+            break
+        index, entry = by_batch[batch][0]
+        n = min(batch, n_dec)
+        desc = entry.descriptor
+        padding = desc.prompt_capacity + (batch - 1) - n
+        out.append(
+            Candidate(
+                entry, index, ctx.decode[:n], prefix_value[n], slope * n, padding,
+                prefix_lru[n], 0, ctx,
+            )
+        )  # fmt: skip
+        if batch >= n_dec:
+            break
+
+    if not ctx.prefill:
+        return
+    # Prompt row + decoders: the kept shapes of each row, then the best row per shape.
+    # shape index -> (prompt value, -lru, row, tokens) of its best undominated row
+    best_row: dict[int, tuple[float, int, LaneView, int]] = {}
+    for lane in ctx.prefill:
+        avail, to_end = lane.available, lane.to_endpoint
+        kept: dict[tuple[int, int], int] = {}  # (decoders, tokens) -> smallest capacity kept
+        for batch in batches:
+            n = min(batch - 1, n_dec)
+            previous = 0  # largest smaller capacity of this batch seen, kept or not
+            for index, entry in by_batch[batch]:
+                capacity = entry.descriptor.prompt_capacity
+                if not entry.known and previous >= to_end:
+                    previous = capacity
+                    continue  # exploration: a smaller capacity reaches the endpoint
+                previous = capacity
+                tokens = capacity if capacity < avail else avail
+                held = kept.get((n, tokens))
+                if held is not None and held <= capacity:
+                    continue  # dominated: the same cohort and work on a smaller shape
+                kept[(n, tokens)] = capacity
+                value = _prompt_value(lane, tokens, beta)
+                rank = (value, -lane.lru)
+                current = best_row.get(index)
+                if current is None or rank > current[:2]:
+                    best_row[index] = (value, -lane.lru, lane, tokens)
+    for index, (value, _, lane, tokens) in best_row.items():
+        entry = entries[index]
+        desc = entry.descriptor
+        n = min(desc.batch_capacity - 1, n_dec)
+        padding = desc.prompt_capacity - tokens + (desc.batch_capacity - 1) - n
+        out.append(
+            Candidate(
+                entry, index, [lane, *ctx.decode[:n]], value + prefix_value[n], slope * n,
+                padding, max(lane.lru, prefix_lru[n]), tokens, ctx, 0,
+            )
+        )  # fmt: skip
+
+
+CANDIDATE_BUILDERS = (prefill_candidates, decode_candidates, mixed_candidates)
 
 
 def candidates(ctx: SelectionContext) -> list[Candidate]:

@@ -43,14 +43,16 @@ class CatalogView:
         return cache[1]
 
     def decode_sigma_ms(self, streams: int) -> float:
-        """The decode family's reference interval for ``streams`` streams (k = K)."""
+        """The decode family's reference interval for ``streams`` streams (k = K).
+
+        The family is every measured graph that can serve a decode-only
+        population: ordinary decode, and mixed shapes (their B rows all decode
+        when no prompt row rides along).
+        """
         cache = self._sigma
         if cache is None or cache[0] != self.catalog.version or cache[1] != streams:
-            graphs = [
-                (e.estimate_ns / 1e6, e.descriptor.batch_capacity)
-                for e in self.catalog.entries(GraphKind.DECODE)
-                if e.known
-            ]
+            family = self.catalog.entries(GraphKind.DECODE) + self.catalog.entries(GraphKind.MIXED)
+            graphs = [(e.estimate_ns / 1e6, e.descriptor.batch_capacity) for e in family if e.known]
             sigma = reference_interval_ms(graphs, streams, streams)
             cache = (self.catalog.version, streams, sigma)
             self._sigma = cache

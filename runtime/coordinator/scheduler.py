@@ -46,7 +46,7 @@ from runtime.coordinator.refresh import choose_refresh, timing_ledger
 from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestSpec
 from runtime.coordinator.resources import PagePool, SlotTable
 from runtime.coordinator.service import account_interval, starting_rate
-from runtime.coordinator.utility import log_scale_for
+from runtime.coordinator.utility import log_scale_for, prefill_lane_value
 
 # Bursts kept per request awaiting publication (oldest dropped beyond this).
 MAX_UNPUBLISHED = 64
@@ -208,14 +208,11 @@ class Scheduler:
         desc = winner.entry.descriptor
         lanes: list[LaneWork] = []
         beta = ctx.beta
-        for view in winner.lanes:
+        for i, view in enumerate(winner.lanes):
             r = view.request
-            if desc.kind is GraphKind.PREFILL:
+            if i == winner.prompt_row:
                 tokens = winner.prompt_tokens
                 finishes = view.prompt_pos + tokens == r.spec.prompt_len
-                value = tokens * (1.0 + view.token_price)
-                if finishes:
-                    value += beta + view.token_price
                 lanes.append(
                     LaneWork(
                         r.handle,
@@ -228,7 +225,7 @@ class Scheduler:
                         1 if finishes else 0,
                         1.0 if finishes else 0.0,
                         0.0,
-                        value,
+                        prefill_lane_value(tokens, finishes, view.token_price, beta),
                     )
                 )
             else:
@@ -338,6 +335,9 @@ class Scheduler:
                 value_rate_scaled=plan.value_rate_scaled,
                 log_scale=plan.log_scale,
                 requests=tuple(lane.handle.id for lane in plan.lanes),
+                prompt_row=plan.prompt_row,
+                prompt_tokens=sum(lane.prompt_tokens for lane in plan.lanes),
+                decode_rows=sum(1 for lane in plan.lanes if lane.phase is LanePhase.DECODE),
             )
         )
 
@@ -348,6 +348,14 @@ class Scheduler:
             raise CommitError("plan has no lanes")
         if len(plan.lanes) > plan.graph.batch_capacity:
             raise CommitError("plan has more lanes than its batch capacity")
+        kind = plan.graph.kind
+        prompt_rows = sum(1 for lane in plan.lanes if lane.phase is LanePhase.PREFILL)
+        if kind is GraphKind.PREFILL and (prompt_rows, len(plan.lanes)) != (1, 1):
+            raise CommitError("a prefill plan has exactly one lane, its prompt row")
+        if kind is GraphKind.DECODE and prompt_rows:
+            raise CommitError("a decode plan has no prompt row")
+        if kind is GraphKind.MIXED and prompt_rows > 1:
+            raise CommitError(f"a mixed plan has at most one prompt row, got {prompt_rows}")
         seen: set[int] = set()
         out: list[Request] = []
         for lane in plan.lanes:
@@ -370,9 +378,20 @@ class Scheduler:
                     raise CommitError(f"request {lane.handle.id}: prompt extent out of range")
                 if lane.prompt_tokens > plan.graph.prompt_capacity:
                     raise CommitError(f"request {lane.handle.id}: chunk exceeds prompt capacity")
+                ends = lane.prompt_start + lane.prompt_tokens == r.spec.prompt_len
+                if lane.max_tokens != (1 if ends else 0):
+                    raise CommitError(
+                        f"request {lane.handle.id}: a prompt row commits one token exactly "
+                        "when it ends the prompt"
+                    )
             else:
                 if r.phase is not Phase.DECODE:
                     raise CommitError(f"request {lane.handle.id} is not decoding")
+                if lane.prompt_tokens or not 1 <= lane.max_tokens <= plan.graph.token_capacity:
+                    raise CommitError(
+                        f"request {lane.handle.id}: a decode row takes no prompt tokens and "
+                        f"commits 1..{plan.graph.token_capacity} tokens"
+                    )
                 if lane.output_start != r.committed_output + r.inflight_output:
                     raise CommitError(f"request {lane.handle.id}: output epoch changed")
                 if r.inflight_fences and r.spec.step_feedback:

@@ -89,15 +89,24 @@ class Normalizers:
 
 
 def catalog_normalizers(catalog: CostCatalog) -> Normalizers:
+    """The best per-stream rates of the measured catalog.
+
+    Mixed shapes take part (spec: "Mixed shapes also participate in service-rate
+    references"): as generation graphs through their decode rows (W / T
+    tokens, 1 / T deliveries) and as prompt graphs through their prompt
+    capacity (C / T).
+    """
     tokens = None
     deliveries = None
-    for entry in catalog.entries(GraphKind.DECODE):
-        if entry.known:
-            rate = 1.0 / (entry.estimate_ns / 1e6)
-            tokens = rate if tokens is None or rate > tokens else tokens
-            deliveries = tokens
     prefill = None
-    for entry in catalog.entries(GraphKind.PREFILL):
+    generation = catalog.entries(GraphKind.DECODE) + catalog.entries(GraphKind.MIXED)
+    for entry in generation:
+        if entry.known:
+            t_ms = entry.estimate_ns / 1e6
+            rate = entry.descriptor.token_capacity / t_ms
+            tokens = rate if tokens is None or rate > tokens else tokens
+            deliveries = 1.0 / t_ms if deliveries is None else max(deliveries, 1.0 / t_ms)
+    for entry in catalog.entries(GraphKind.PREFILL) + catalog.entries(GraphKind.MIXED):
         if entry.known:
             rate = entry.descriptor.prompt_capacity / (entry.estimate_ns / 1e6)
             prefill = rate if prefill is None or rate > prefill else prefill
