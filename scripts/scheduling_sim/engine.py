@@ -6,17 +6,24 @@ every tensor-parallel rank reports that interval, one rank ``slow_rank_factor``
 slower if asked.  Completion is observed ``host_delay_ns`` after the device
 finishes, and output is published at once (the frontend has nothing to hold
 back), so the output age the scheduler sees is the publication time.
+
+Arrivals carry a tenant.  A scheduler that declares ``tenant_aware = True`` (the
+VTC baseline) is admitted with ``admit(spec, tenant=...)``; others (the
+production scheduler has no tenants) with ``admit(spec)``.
+
+:func:`solo_latency_ns` is a request's end-to-end latency alone under the same
+costs, the denominator of the slowdown the metrics report.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from runtime.catalog import GraphDescriptor
-from runtime.coordinator import CompletionRecord, ExecutionTiming, RequestHandle
+from runtime.catalog import PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
+from runtime.coordinator import CompletionRecord, ExecutionTiming, RequestHandle, RequestSpec
 from scripts.scheduling_sim.workload import Arrival
 
 
@@ -29,14 +36,99 @@ class RequestStats:
     publications_ns: list[int] = field(default_factory=list)
     output_tokens: int = 0
     finished_ns: int | None = None
+    tenant: int = 0
 
     @property
     def ttft_ns(self) -> int | None:
         return self.publications_ns[0] - self.arrival_ns if self.publications_ns else None
 
+    @property
+    def e2e_ns(self) -> int | None:
+        """Arrival to the last output (finished requests only)."""
+        return None if self.finished_ns is None else self.finished_ns - self.arrival_ns
+
+    @property
+    def tpot_ns(self) -> float | None:
+        """Time per output token after the first: (e2e - TTFT) / (output - 1);
+        0 for a single-token output; ``None`` until finished."""
+        e2e, ttft = self.e2e_ns, self.ttft_ns
+        if e2e is None or ttft is None:
+            return None
+        return (e2e - ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
     def gaps_ns(self) -> list[int]:
         p = self.publications_ns
         return [b - a for a, b in pairwise(p)]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def solo_frames(spec: RequestSpec, catalog: Sequence[GraphDescriptor]) -> list[GraphDescriptor]:
+    """The frames prefill-first FCFS runs for ``spec`` alone, in order.
+
+    The prompt in chunks of the largest prefill bucket, the tail in the smallest
+    bucket covering it (the first output token comes with the last chunk);
+    then ``max_output_tokens - 1`` decode steps at the smallest decode batch.
+    Without prefill buckets the whole prompt runs in one prefill of the prompt
+    rounded up to 64, and without decode batches decode runs at B = 1 (the
+    shapes the baselines synthesize).
+    """
+    prefill = sorted(
+        (d for d in catalog if d.kind is GraphKind.PREFILL), key=lambda d: d.prompt_capacity
+    )
+    decode = sorted(
+        (d for d in catalog if d.kind is GraphKind.DECODE), key=lambda d: d.batch_capacity
+    )
+    frames: list[GraphDescriptor] = []
+    remaining = spec.prompt_len
+    if not prefill:
+        capacity = _round_up(remaining, PROMPT_ALIGNMENT)
+        frames.append(GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=capacity))
+    else:
+        largest = prefill[-1]
+        while remaining > largest.prompt_capacity:
+            frames.append(largest)
+            remaining -= largest.prompt_capacity
+        frames.append(next(d for d in prefill if d.prompt_capacity >= remaining))
+    step = decode[0] if decode else GraphDescriptor(GraphKind.DECODE, 1)
+    frames += [step] * (spec.max_output_tokens - 1)
+    return frames
+
+
+def solo_latency_ns(
+    spec: RequestSpec,
+    catalog: Sequence[GraphDescriptor],
+    duration_ns: Callable[[GraphDescriptor], int],
+    host_delay_ns: int,
+) -> int:
+    """The request's end-to-end latency alone under the same costs.
+
+    Arrival to last output for prefill-first FCFS serving ``spec`` alone
+    (:func:`solo_frames`): each frame's cost, each followed by the host delay
+    before its completion is observed and the next frame dispatched, exactly as
+    a :class:`Simulation` without jitter times ``FcfsScheduler`` running that
+    one request.
+    """
+    costs: dict[GraphDescriptor, int] = {}
+    total = 0
+    for frame in solo_frames(spec, catalog):
+        if frame not in costs:
+            costs[frame] = duration_ns(frame)
+        total += costs[frame] + host_delay_ns
+    return total
+
+
+def _scheduler_catalog(scheduler) -> tuple[GraphDescriptor, ...] | None:
+    """The scheduler's prepared catalog where it exposes one (best effort)."""
+    for path in (("catalog", "descriptors"), ("shapes", "catalog"), ("catalog",)):
+        obj = scheduler
+        for name in path:
+            obj = getattr(obj, name, None)
+        if isinstance(obj, (list, tuple)) and all(isinstance(d, GraphDescriptor) for d in obj):
+            return tuple(obj)
+    return None
 
 
 @dataclass
@@ -61,8 +153,14 @@ class Simulation:
         slow_rank_factor: float = 1.0,
         host_delay_ns: int = 50_000,
         seed: int = 0,
+        catalog: Sequence[GraphDescriptor] | None = None,
     ) -> None:
+        """``catalog``: the prepared shapes, for :meth:`solo_ns`; by default taken
+        from the scheduler where it exposes them (the production scheduler and
+        the baselines do)."""
         self.scheduler = scheduler
+        self.catalog = tuple(catalog) if catalog is not None else _scheduler_catalog(scheduler)
+        self._solo_cache: dict[tuple[int, int], int] = {}
         self.duration_ns = duration_ns
         self.pending = sorted(arrivals, key=lambda a: a.at_ns)
         self.tp = tp
@@ -92,10 +190,30 @@ class Simulation:
     def _admit_due(self) -> None:
         while self.pending and self.pending[0].at_ns <= self.now_ns:
             arrival = self.pending.pop(0)
-            handle = self.scheduler.admit(arrival.spec)
+            if getattr(self.scheduler, "tenant_aware", False):
+                handle = self.scheduler.admit(arrival.spec, tenant=arrival.tenant)
+            else:
+                handle = self.scheduler.admit(arrival.spec)
             self.requests[handle.id] = RequestStats(
-                handle, arrival.at_ns, arrival.spec.prompt_len, arrival.spec.max_output_tokens
+                handle,
+                arrival.at_ns,
+                arrival.spec.prompt_len,
+                arrival.spec.max_output_tokens,
+                tenant=arrival.tenant,
             )
+
+    def solo_ns(self, stats: RequestStats) -> int:
+        """:func:`solo_latency_ns` of a request of this simulation, under its costs
+        (without jitter) and host delay; needs :attr:`catalog`."""
+        if self.catalog is None:
+            raise ValueError("solo latency needs the catalog: pass Simulation(catalog=...)")
+        key = (stats.prompt_len, stats.output_target)
+        if key not in self._solo_cache:
+            spec = RequestSpec(stats.prompt_len, stats.output_target)
+            self._solo_cache[key] = solo_latency_ns(
+                spec, self.catalog, self.duration_ns, self.host_delay_ns
+            )
+        return self._solo_cache[key]
 
     def _dispatch(self) -> None:
         while True:
