@@ -1,8 +1,29 @@
-"""Summaries of a simulation: TTFT, output gaps, throughput, Jain fairness."""
+"""Summaries of a simulation: TTFT, output gaps, throughput, goodput, fairness.
+
+* Goodput: finished requests meeting both TTFT <= ``ttft_slo_ms`` and TPOT <=
+  ``tpot_slo_ms``, where TPOT = (e2e - TTFT) / (output tokens - 1) (0 for a
+  one-token output), per second of the span (first arrival to last finish);
+  ``goodput_fraction`` is their share of all admitted requests (unfinished
+  ones count as misses).
+* Fairness: Jain's index over per-request slowdown, slowdown = e2e latency /
+  the request's latency alone under the same costs (``solo_ns``, by default
+  :meth:`Simulation.solo_ns`).  Unfinished requests count with their residence
+  so far, a lower bound of their slowdown.  Slowdown, unlike tokens per
+  residence time, does not mix request size into fairness.
+* With several tenants: each tenant's mean slowdown, Jain's index over those
+  means, and each tenant's TTFT p99.
+"""
 
 from __future__ import annotations
 
-from scripts.scheduling_sim.engine import Simulation
+from collections.abc import Callable
+
+from scripts.scheduling_sim.engine import RequestStats, Simulation
+
+# Interactive chat on a small model: the first token within half a second, then
+# at least 20 tokens per second (well above reading speed).
+DEFAULT_TTFT_SLO_MS = 500.0
+DEFAULT_TPOT_SLO_MS = 50.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -15,6 +36,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def jain(values: list[float]) -> float:
+    """Jain's index (sum x)^2 / (n sum x^2): 1 when all equal, 1/n when one has all."""
     if not values:
         return 1.0
     total = sum(values)
@@ -22,21 +44,41 @@ def jain(values: list[float]) -> float:
     return (total * total) / (len(values) * squares) if squares > 0 else 1.0
 
 
-def summarize(sim: Simulation) -> dict:
+def meets_slo(s: RequestStats, ttft_slo_ms: float, tpot_slo_ms: float) -> bool:
+    """Finished, TTFT <= ``ttft_slo_ms`` and TPOT <= ``tpot_slo_ms``."""
+    ttft, tpot = s.ttft_ns, s.tpot_ns
+    if s.finished_ns is None or ttft is None or tpot is None:
+        return False
+    return ttft <= ttft_slo_ms * 1e6 and tpot <= tpot_slo_ms * 1e6
+
+
+def slowdown(s: RequestStats, solo_ns: int, now_ns: int) -> float:
+    """e2e latency / solo latency; an unfinished request's residence so far."""
+    end = s.finished_ns if s.finished_ns is not None else now_ns
+    return (end - s.arrival_ns) / max(1, solo_ns)
+
+
+def _ttfts_ms(stats: list[RequestStats]) -> list[float]:
+    return [s.ttft_ns / 1e6 for s in stats if s.ttft_ns is not None]
+
+
+def summarize(
+    sim: Simulation,
+    *,
+    ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS,
+    tpot_slo_ms: float = DEFAULT_TPOT_SLO_MS,
+    solo_ns: Callable[[RequestStats], int] | None = None,
+) -> dict:
     stats = list(sim.requests.values())
-    ttfts = [s.ttft_ns / 1e6 for s in stats if s.ttft_ns is not None]
+    ttfts = _ttfts_ms(stats)
     gaps = [g / 1e6 for s in stats for g in s.gaps_ns()]
     output = sum(s.output_tokens for s in stats)
     prompt = sum(s.prompt_len for s in stats)
     end_ns = max((s.finished_ns or sim.now_ns for s in stats), default=sim.now_ns)
     start_ns = min((s.arrival_ns for s in stats), default=0)
     span_s = max(1e-9, (end_ns - start_ns) / 1e9)
-    # Per-request service rate while present: (prompt + output tokens) / residence.
-    rates = [
-        (s.prompt_len + s.output_tokens) / max(1, (s.finished_ns or sim.now_ns) - s.arrival_ns)
-        for s in stats
-    ]
-    return {
+    good = sum(1 for s in stats if meets_slo(s, ttft_slo_ms, tpot_slo_ms))
+    report = {
         "requests": len(stats),
         "finished": sum(1 for s in stats if s.finished_ns is not None),
         "frames": sim.frames,
@@ -50,6 +92,39 @@ def summarize(sim: Simulation) -> dict:
         "output_tokens_per_s": round(output / span_s, 1),
         "total_tokens_per_s": round((output + prompt) / span_s, 1),
         "device_utilization": round(sim.busy_ns / max(1, end_ns - start_ns), 4),
-        "jain_fairness": round(jain(rates), 4),
-        "frames_by_graph": dict(sorted(sim.frames_by_graph.items())),
+        "goodput_req_per_s": round(good / span_s, 3),
+        "goodput_fraction": round(good / len(stats), 4) if stats else 0.0,
+        "goodput_ttft_slo_ms": ttft_slo_ms,
+        "goodput_tpot_slo_ms": tpot_slo_ms,
     }
+    if solo_ns is None and getattr(sim, "catalog", None) is not None:
+        solo_ns = sim.solo_ns
+    if solo_ns is None:
+        # No catalog to price requests alone: fairness is unknown.
+        report.update(fairness_jain=None, slowdown_p50=None, slowdown_p99=None)
+    else:
+        slowdowns = {id(s): slowdown(s, solo_ns(s), sim.now_ns) for s in stats}
+        values = list(slowdowns.values())
+        report.update(
+            fairness_jain=round(jain(values), 4),
+            slowdown_p50=round(percentile(values, 50), 3),
+            slowdown_p99=round(percentile(values, 99), 3),
+        )
+    tenants = sorted({s.tenant for s in stats})
+    if len(tenants) > 1:
+        by_tenant = {t: [s for s in stats if s.tenant == t] for t in tenants}
+        report["tenant_ttft_ms_p99"] = {
+            str(t): round(percentile(_ttfts_ms(group), 99), 3) for t, group in by_tenant.items()
+        }
+        if solo_ns is not None:
+            means = {
+                t: sum(slowdowns[id(s)] for s in group) / len(group)
+                for t, group in by_tenant.items()
+            }
+            report["tenant_slowdown_mean"] = {str(t): round(m, 3) for t, m in means.items()}
+            report["fairness_jain_tenants"] = round(jain(list(means.values())), 4)
+        else:
+            report["tenant_slowdown_mean"] = None
+            report["fairness_jain_tenants"] = None
+    report["frames_by_graph"] = dict(sorted(sim.frames_by_graph.items()))
+    return report

@@ -41,7 +41,8 @@ def test_simulator_is_deterministic_and_reports(capsys, tmp_path):
     assert first == second
     assert first["finished"] == 12
     assert first["ttft_ms_p50"] > 0 and first["gap_ms_p99"] >= first["gap_ms_p50"]
-    assert 0 < first["jain_fairness"] <= 1
+    assert 0 < first["fairness_jain"] <= 1 and first["slowdown_p99"] >= first["slowdown_p50"] > 0
+    assert 0 <= first["goodput_fraction"] <= 1
     records = [json.loads(line) for line in trace.read_text().splitlines()]
     assert records and {
         "fence",
