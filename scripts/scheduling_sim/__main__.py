@@ -9,11 +9,9 @@ import argparse
 import json
 import sys
 
-from runtime.coordinator import PolicyConfig, Scheduler, SchedulerConfig
-from scripts.scheduling_sim.baselines import FcfsScheduler
-from scripts.scheduling_sim.catalogs import PROFILES, build_catalog
-from scripts.scheduling_sim.engine import Simulation
-from scripts.scheduling_sim.metrics import summarize
+from scripts.scheduling_sim.catalogs import PROFILES
+from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from scripts.scheduling_sim.runner import PREFILL_BUCKETS, SCHEDULERS, RunConfig, simulate
 from scripts.scheduling_sim.workload import WorkloadConfig, make_workload
 
 
@@ -44,10 +42,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", choices=sorted(PROFILES), default="llama1b-h100")
     p.add_argument(
         "--scheduler",
-        choices=["flare", "fcfs"],
+        choices=list(SCHEDULERS),
         default="flare",
-        help="the production scheduler, or the plain FCFS baseline",
+        help="the production scheduler, or a baseline over the same catalog and slots",
     )
+    p.add_argument(
+        "--mixed-prefill",
+        action="store_true",
+        help="add the mixed prefill/decode shapes (mixed_shapes) to the catalog",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="baselines' token budget (default: vllm/vtc 8192, sarathi 512, sglang 8192)",
+    )
+    p.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="sglang: running decoders ride along in prefill batches",
+    )
+    p.add_argument("--goodput-ttft-ms", type=float, default=DEFAULT_TTFT_SLO_MS)
+    p.add_argument("--goodput-tpot-ms", type=float, default=DEFAULT_TPOT_SLO_MS)
     p.add_argument("--scheduler-policy", choices=["balanced", "throughput"], default="balanced")
     p.add_argument(
         "--arrival-rate",
@@ -58,8 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=_pair, default=(64, 64), help="N or LO:HI")
     p.add_argument("--output-len", type=_pair, default=(128, 128), help="N or LO:HI")
     p.add_argument("--messages", type=_pair, default=(1, 1), help="messages per prompt")
-    p.add_argument("--prefill-buckets", type=_ints, default=(64, 128, 256, 512, 1024, 2048, 4096))
-    p.add_argument("--decode-batches", type=_ints, default=(1, 2, 4, 8, 16))
+    p.add_argument("--prefill-buckets", type=_ints, default=PREFILL_BUCKETS)
+    p.add_argument(
+        "--decode-batches",
+        type=_ints,
+        default=None,
+        help="default: powers of two through the padded --max-slots, as the ranks capture",
+    )
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--jitter", type=float, default=0.0, help="uniform relative cost noise")
@@ -72,19 +92,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--jitter must be in [0, 1)")
     if args.tp < 1:
         p.error("--tp must be >= 1")
+    if not 1 <= args.max_slots <= 64:
+        p.error("--max-slots must lie in 1..64")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        p.error("--max-num-batched-tokens must be >= 1")
+    if args.enable_mixed_chunk and args.scheduler != "sglang":
+        p.error("--enable-mixed-chunk is an sglang option")
     return args
 
 
 def run(args: argparse.Namespace) -> dict:
-    catalog = build_catalog(args.prefill_buckets, args.decode_batches)
-    if args.scheduler == "fcfs":
-        scheduler = FcfsScheduler(catalog)
-    else:
-        scheduler = Scheduler(
-            catalog,
-            SchedulerConfig(max_slots=args.max_slots),
-            PolicyConfig.preset(args.scheduler_policy),
-        )
+    cfg = RunConfig(
+        scheduler=args.scheduler,
+        profile=args.profile,
+        policy=args.scheduler_policy,
+        mixed_prefill=args.mixed_prefill,
+        max_slots=args.max_slots,
+        prefill_buckets=args.prefill_buckets,
+        decode_batches=args.decode_batches,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_mixed_chunk=args.enable_mixed_chunk,
+        ttft_slo_ms=args.goodput_ttft_ms,
+        tpot_slo_ms=args.goodput_tpot_ms,
+        tp=args.tp,
+        jitter=args.jitter,
+        seed=args.seed,
+        max_seconds=args.max_seconds,
+    )
     workload = make_workload(
         WorkloadConfig(
             requests=args.requests,
@@ -95,15 +129,7 @@ def run(args: argparse.Namespace) -> dict:
             seed=args.seed,
         )
     )
-    profile = PROFILES[args.profile]
-    sim = Simulation(
-        scheduler, profile.duration_ns, workload, tp=args.tp, jitter=args.jitter, seed=args.seed
-    )
-    sim.run(until_ns=int(args.max_seconds * 1e9))
-    report = summarize(sim)
-    report.update(
-        scheduler=args.scheduler, policy=args.scheduler_policy, profile=args.profile, seed=args.seed
-    )
+    report, sim = simulate(cfg, workload)
     if args.trace:
         with open(args.trace, "w", encoding="utf-8") as fh:
             for record in sim.trace:

@@ -1,0 +1,269 @@
+"""Every scheduler over the whole workload suite, under both cost profiles.
+
+    python scripts/bench_schedulers.py            # the suite (a few minutes)
+    python scripts/bench_schedulers.py --quick    # small counts, one profile (a smoke run)
+
+The schedulers: ``flare`` (the production scheduler, balanced preset) and the
+baselines of ``scripts/scheduling_sim/baselines`` (``fcfs``, ``vllm``,
+``sglang``, ``sarathi``, ``vtc``), all over the same prepared catalog (with
+``--mixed-prefill``, the default here, the mixed shapes of ``mixed_shapes``
+for every scheduler), the same slot count and the same costs.  ``flare-nomixed``
+is flare over the catalog without mixed shapes, for reference; it takes no part
+in the goals.
+
+The workloads (``scripts/scheduling_sim/workload.py``), per cost profile:
+
+* ``burst``: 64 chat-shaped requests at t = 0.  Flare's output tokens/s here,
+  divided by the burst's mean output length, defines capacity (requests/s).
+* ``chat50``, ``chat80``, ``chat95``: log-normal chat lengths, Poisson arrivals
+  at 50 %, 80 % and 95 % of capacity.
+* ``contention``: 12 streams decoding while prompts of 2k-8k tokens arrive.
+* ``tenants``: tenant 0 floods at 4x capacity, tenant 1 sends steadily at 0.25x.
+* ``issue_a``, ``issue_b``: the two commands of the mixed-programs issue
+  (``--requests 100 --prompt-len 128:1024 --output-len 64:512 --arrival-rate 8``
+  and ``--requests 64 --prompt-len 64:4096 --output-len 16:512 --arrival-rate 20``).
+
+The profiles: ``llama1b-h100`` (roofline: overhead + max(memory, compute)) and
+``llama1b-h100-additive`` (compute added on top of the weight-streaming floor).
+
+Goals, checked per profile and workload and printed after the tables: flare is
+not Pareto-dominated by any baseline on (TTFT p99, gap p99, tokens/s); against
+``vllm``: TTFT p99 no worse, gap p99 at most 0.7x, tokens/s at least 0.98x.
+
+Prints one table per workload; the last line is one JSON object holding every
+figure (``ttft_ms_p50``/``p99``, ``gap_ms_p50``/``p99``/``max``,
+``output_tokens_per_s``, ``goodput_req_per_s``, ``fairness_jain``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from scripts.scheduling_sim.runner import SCHEDULERS, RunConfig, simulate
+from scripts.scheduling_sim.workload import (
+    WorkloadConfig,
+    burst,
+    chat,
+    long_prompt_contention,
+    make_workload,
+    two_tenants,
+)
+
+PROFILES = ("llama1b-h100", "llama1b-h100-additive")
+BASELINES = tuple(s for s in SCHEDULERS if s != "flare")
+REFERENCE = "flare-nomixed"
+CHAT_LOADS = {"chat50": 0.5, "chat80": 0.8, "chat95": 0.95}
+WORKLOADS = ("burst", *CHAT_LOADS, "contention", "tenants", "issue_a", "issue_b")
+VLLM_GAP_RATIO = 0.7
+VLLM_TPS_RATIO = 0.98
+
+
+def workload(name: str, capacity_req_per_s: float, quick: bool):
+    """The arrivals of ``name`` (fixed request counts; ``quick`` shrinks them)."""
+    scale = 4 if quick else 1
+    if name == "burst":
+        return burst(requests=64 // scale)
+    if name in CHAT_LOADS:
+        return chat(CHAT_LOADS[name] * capacity_req_per_s, 200 // scale)
+    if name == "contention":
+        return long_prompt_contention(long_prompts=6 // (2 if quick else 1))
+    if name == "tenants":
+        return two_tenants(
+            capacity_req_per_s, flood_requests=96 // scale, steady_requests=16 // scale
+        )
+    if name == "issue_a":
+        return make_workload(
+            WorkloadConfig(100 // scale, 8.0, prompt_len=(128, 1024), output_len=(64, 512))
+        )
+    if name == "issue_b":
+        return make_workload(
+            WorkloadConfig(64 // scale, 20.0, prompt_len=(64, 4096), output_len=(16, 512))
+        )
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def _run(job: tuple[RunConfig, str, float, bool]) -> dict:
+    cfg, name, capacity, quick = job
+    report, _ = simulate(cfg, workload(name, capacity, quick))
+    return report
+
+
+def configs(base: RunConfig, profile: str) -> dict[str, RunConfig]:
+    out = {"flare": replace(base, profile=profile, scheduler="flare")}
+    out.update({b: replace(base, profile=profile, scheduler=b) for b in BASELINES})
+    out[REFERENCE] = replace(base, profile=profile, scheduler="flare", mixed_prefill=False)
+    return out
+
+
+def dominated(mine: dict, other: dict) -> bool:
+    """``other`` is at least as good on (TTFT p99, gap p99, tokens/s) and better on one."""
+    m = (mine["ttft_ms_p99"], mine["gap_ms_p99"], -mine["output_tokens_per_s"])
+    o = (other["ttft_ms_p99"], other["gap_ms_p99"], -other["output_tokens_per_s"])
+    return all(b <= a for a, b in zip(m, o)) and any(b < a for a, b in zip(m, o))
+
+
+def goals(results: dict[str, dict]) -> dict:
+    flare, vllm = results["flare"], results["vllm"]
+    by = [b for b in BASELINES if dominated(flare, results[b])]
+    return {
+        "pareto_ok": not by,
+        "dominated_by": by,
+        "ttft_p99_vs_vllm": round(flare["ttft_ms_p99"] / max(1e-9, vllm["ttft_ms_p99"]), 3),
+        "gap_p99_vs_vllm": round(flare["gap_ms_p99"] / max(1e-9, vllm["gap_ms_p99"]), 3),
+        "tokens_per_s_vs_vllm": round(
+            flare["output_tokens_per_s"] / max(1e-9, vllm["output_tokens_per_s"]), 3
+        ),
+        "ttft_ok": flare["ttft_ms_p99"] <= vllm["ttft_ms_p99"],
+        "gap_ok": flare["gap_ms_p99"] <= VLLM_GAP_RATIO * vllm["gap_ms_p99"],
+        "tokens_per_s_ok": flare["output_tokens_per_s"]
+        >= VLLM_TPS_RATIO * vllm["output_tokens_per_s"],
+    }
+
+
+COLUMNS = (
+    ("tok/s", "output_tokens_per_s", "{:.0f}"),
+    ("TTFT p50", "ttft_ms_p50", "{:.1f}"),
+    ("TTFT p99", "ttft_ms_p99", "{:.1f}"),
+    ("gap p50", "gap_ms_p50", "{:.2f}"),
+    ("gap p99", "gap_ms_p99", "{:.2f}"),
+    ("gap max", "gap_ms_max", "{:.1f}"),
+    ("goodput/s", "goodput_req_per_s", "{:.2f}"),
+    ("good %", "goodput_fraction", "{:.0%}"),
+    ("fairness", "fairness_jain", "{:.3f}"),
+)
+
+
+def print_table(title: str, results: dict[str, dict]) -> None:
+    print(f"\n## {title}")
+    header = f"{'scheduler':<14}" + "".join(f"{name:>10}" for name, _, _ in COLUMNS)
+    print(header)
+    print("-" * len(header))
+    for scheduler, report in results.items():
+        cells = []
+        for _, key, fmt in COLUMNS:
+            value = report.get(key)
+            cells.append(f"{'-' if value is None else fmt.format(value):>10}")
+        print(f"{scheduler:<14}" + "".join(cells))
+    tenants = results["flare"].get("tenant_slowdown_mean")
+    if tenants:
+        print("mean slowdown per tenant: " + "; ".join(
+            f"{s} " + ", ".join(f"t{t}={v:.2f}" for t, v in r["tenant_slowdown_mean"].items())
+            for s, r in results.items() if r.get("tenant_slowdown_mean")
+        ))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated cost profiles")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated workloads")
+    p.add_argument("--no-mixed-prefill", action="store_true", help="catalogs without mixed shapes")
+    p.add_argument("--max-slots", type=int, default=64)
+    p.add_argument("--ttft-slo-ms", type=float, default=DEFAULT_TTFT_SLO_MS)
+    p.add_argument("--tpot-slo-ms", type=float, default=DEFAULT_TPOT_SLO_MS)
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--quick", action="store_true", help="small request counts (a smoke run)")
+    args = p.parse_args(argv)
+    profiles = [x for x in args.profiles.split(",") if x]
+    names = [x for x in args.workloads.split(",") if x]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        p.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
+    base = RunConfig(
+        mixed_prefill=not args.no_mixed_prefill,
+        max_slots=args.max_slots,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+    )
+    out: dict = {"settings": {}, "capacity_req_per_s": {}, "profiles": {}, "goals": {}}
+    out["settings"] = {
+        "mixed_prefill": base.mixed_prefill,
+        "max_slots": base.max_slots,
+        "policy": base.policy,
+        "ttft_slo_ms": base.ttft_slo_ms,
+        "tpot_slo_ms": base.tpot_slo_ms,
+        "quick": args.quick,
+    }
+    misses = []
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for profile in profiles:
+            cfgs = configs(base, profile)
+            # Capacity first: flare's output tokens/s on the burst.
+            burst_arrivals = workload("burst", 1.0, args.quick)
+            burst_report = _run((cfgs["flare"], "burst", 1.0, args.quick))
+            mean_output = sum(a.spec.max_output_tokens for a in burst_arrivals) / len(
+                burst_arrivals
+            )
+            capacity = burst_report["output_tokens_per_s"] / mean_output
+            out["capacity_req_per_s"][profile] = round(capacity, 3)
+            per_profile: dict = {}
+            jobs = {
+                (name, s): (cfg, name, capacity, args.quick)
+                for name in names
+                for s, cfg in cfgs.items()
+                if not (name == "burst" and s == "flare")
+            }
+            futures = {key: pool.submit(_run, job) for key, job in jobs.items()}
+            for name in names:
+                results = {}
+                for s in cfgs:
+                    if name == "burst" and s == "flare":
+                        results[s] = burst_report
+                    else:
+                        results[s] = futures[(name, s)].result()
+                per_profile[name] = results
+                title = f"{profile} / {name}"
+                if name != "burst":
+                    title += f" (capacity {capacity:.2f} req/s)"
+                print_table(title, results)
+                g = goals(results)
+                out["goals"].setdefault(profile, {})[name] = g
+                for key in ("pareto_ok", "ttft_ok", "gap_ok", "tokens_per_s_ok"):
+                    if not g[key]:
+                        misses.append(f"{profile}/{name}: {key}")
+            out["profiles"][profile] = {
+                name: {
+                    s: {k: v for k, v in r.items() if k != "frames_by_graph"}
+                    | {"frames_by_kind": frames_by_kind(r)}
+                    for s, r in results.items()
+                }
+                for name, results in per_profile.items()
+            }
+    print("\n## goals (flare with mixed programs, balanced preset)")
+    print(
+        f"{'profile / workload':<38}{'pareto':>8}{'TTFT/vllm':>11}{'gap/vllm':>10}{'tok/vllm':>10}"
+    )
+    for profile, by_name in out["goals"].items():
+        for name, g in by_name.items():
+            pareto = "ok" if g["pareto_ok"] else "by " + ",".join(g["dominated_by"])
+            print(
+                f"{profile + ' / ' + name:<38}{pareto:>8}"
+                f"{g['ttft_p99_vs_vllm']:>10.2f}{'' if g['ttft_ok'] else '!'}"
+                f"{g['gap_p99_vs_vllm']:>9.2f}{'' if g['gap_ok'] else '!'}"
+                f"{g['tokens_per_s_vs_vllm']:>9.3f}{'' if g['tokens_per_s_ok'] else '!'}"
+            )
+    print(f"misses: {len(misses)}" + ("" if not misses else " (" + "; ".join(misses) + ")"))
+    out["misses"] = misses
+    print(json.dumps(out, sort_keys=True))
+    return 0
+
+
+def frames_by_kind(report: dict) -> dict[str, int]:
+    kinds: dict[str, int] = {}
+    for graph, count in report.get("frames_by_graph", {}).items():
+        kind = graph.split()[0]
+        kinds[kind] = kinds.get(kind, 0) + count
+    return kinds
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""One simulated run: a catalog, a scheduler by name, a workload, a cost profile.
+
+Shared by the command line (``python -m scripts.scheduling_sim``) and the
+benchmark (``scripts/bench_schedulers.py``), so both build catalogs and
+schedulers the same way.
+
+* The catalog mirrors what the ranks capture (``runtime/ranks/capacity.py``):
+  prefill buckets, power-of-two decode batches through the padded slot count,
+  and with ``mixed_prefill`` the joint mixed catalog of ``mixed_shapes``.
+* ``flare`` is the production :class:`~runtime.coordinator.Scheduler`; every
+  other name is a baseline of :mod:`scripts.scheduling_sim.baselines` over the
+  same catalog and slot count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from runtime.catalog import GraphDescriptor
+from runtime.coordinator import PolicyConfig, Scheduler, SchedulerConfig
+from runtime.ranks.capacity import padded_concurrency
+from scripts.scheduling_sim.baselines import BASELINE_NAMES, make_baseline
+from scripts.scheduling_sim.catalogs import PROFILES, build_catalog
+from scripts.scheduling_sim.engine import Simulation
+from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, summarize
+from scripts.scheduling_sim.workload import Arrival
+
+SCHEDULERS = ("flare", *BASELINE_NAMES)
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def decode_batches_for(max_slots: int) -> tuple[int, ...]:
+    """Power-of-two decode batches through the padded slot count (as the ranks capture)."""
+    top = padded_concurrency(max_slots)
+    return tuple(1 << i for i in range(top.bit_length()))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    scheduler: str = "flare"
+    profile: str = "llama1b-h100"
+    policy: str = "balanced"
+    mixed_prefill: bool = False
+    max_slots: int = 64
+    prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
+    decode_batches: tuple[int, ...] | None = None  # None: through the padded slot count
+    max_num_batched_tokens: int | None = None  # baselines: None is each one's default
+    enable_mixed_chunk: bool = False  # sglang
+    ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS
+    tpot_slo_ms: float = DEFAULT_TPOT_SLO_MS
+    tp: int = 1
+    jitter: float = 0.0
+    seed: int = 0
+    max_seconds: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
+
+    def catalog(self) -> list[GraphDescriptor]:
+        batches = self.decode_batches or decode_batches_for(self.max_slots)
+        return build_catalog(self.prefill_buckets, batches, mixed=self.mixed_prefill)
+
+
+def make_scheduler(cfg: RunConfig, catalog: Sequence[GraphDescriptor]):
+    if cfg.scheduler == "flare":
+        return Scheduler(
+            list(catalog),
+            SchedulerConfig(max_slots=cfg.max_slots),
+            PolicyConfig.preset(cfg.policy),
+        )
+    return make_baseline(
+        cfg.scheduler,
+        list(catalog),
+        max_slots=cfg.max_slots,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_mixed_chunk=cfg.enable_mixed_chunk,
+    )
+
+
+def simulate(cfg: RunConfig, arrivals: list[Arrival]) -> tuple[dict, Simulation]:
+    """Run ``arrivals`` under ``cfg``; the summary (see metrics.summarize) and the simulation."""
+    catalog = cfg.catalog()
+    scheduler = make_scheduler(cfg, catalog)
+    sim = Simulation(
+        scheduler,
+        PROFILES[cfg.profile].duration_ns,
+        arrivals,
+        tp=cfg.tp,
+        jitter=cfg.jitter,
+        seed=cfg.seed,
+        catalog=catalog,
+    )
+    sim.run(until_ns=int(cfg.max_seconds * 1e9))
+    report = summarize(sim, ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)
+    report.update(
+        scheduler=cfg.scheduler,
+        policy=cfg.policy,
+        profile=cfg.profile,
+        mixed_prefill=cfg.mixed_prefill,
+        seed=cfg.seed,
+    )
+    return report, sim
