@@ -1,0 +1,132 @@
+"""Baseline schedulers for the simulator, behind the production scheduler's API.
+
+Each speaks ``admit``, ``advance_to``, ``plan``, ``commit``, ``complete``,
+``published_output`` and ``drain_trace`` like ``runtime/coordinator/scheduler.py``
+and decides as a published system does:
+
+* ``fcfs`` (:mod:`.fcfs`): vLLM-V0-style prefill-first FCFS, one prompt per frame;
+* ``vllm`` (:mod:`.vllm`): vLLM v1's default step: a token budget (8192), running
+  requests first (partial prefills included), then FCFS admissions, chunked;
+* ``sglang`` (:mod:`.sglang`): prefill batches first (chunked prefill 8192, one
+  chunked request at a time), else decode everything; optional mixed chunk;
+* ``sarathi`` (:mod:`.sarathi`): Sarathi-Serve stall-free batching, budget 512;
+* ``vtc`` (:mod:`.vtc`): the Virtual Token Counter fair scheduler on the vllm step.
+
+All share (:mod:`._base`): at most ``max_slots`` (default 64, like flare) requests
+are resident; the rest wait FCFS.  One frame runs at a time (``plan()`` returns
+``None`` while one is in flight).  Requests finish at ``spec.max_output_tokens``
+output tokens; the final prompt chunk commits the first.  Plans carry one
+``LaneWork`` per row: ``PREFILL`` with ``prompt_start``/``prompt_tokens`` and
+``max_tokens`` 1 iff the chunk ends the prompt (else 0), ``DECODE`` with
+``max_tokens`` 1; a plan may hold several ``PREFILL`` lanes.
+
+Shapes.  Each step runs on the smallest prepared shape of the catalog that
+covers it:
+
+* decode only: the smallest ``DECODE`` batch B >= rows;
+* one prompt chunk alone: the smallest ``PREFILL`` capacity >= the chunk;
+* one prompt chunk with decoders: the smallest width-one ``MIXED`` shape with
+  B >= rows and prompt capacity >= the chunk (by prompt capacity, then B).
+
+When no catalog shape covers the step, the descriptor is synthesized (the cost
+profile prices any valid descriptor):
+
+* several prompt chunks, with or without decoders, or a chunk with decoders and
+  no covering mixed shape: ONE ``GraphDescriptor(GraphKind.MIXED, B,
+  prompt_capacity=C)`` with B = the smallest power of two >= max(2, rows) (at
+  most 64) and C = the smallest catalog prompt bucket (a ``PREFILL`` or ``MIXED``
+  capacity) covering the SUM of the step's prompt tokens, or beyond the largest
+  bucket that sum rounded up to a multiple of 64;
+* decode only, more rows than the largest decode batch: ``DECODE`` with B = the
+  next power of two >= rows;
+* a single chunk beyond the largest prefill bucket: ``PREFILL`` with C = the
+  chunk rounded up to a multiple of 64.
+
+``scheduler.synthesized_frames`` counts committed frames on synthesized shapes.
+
+``make_baseline(name, catalog, ...)`` builds one by name; the CLI and the
+benchmark use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from runtime.catalog import GraphDescriptor
+from scripts.scheduling_sim.baselines._base import (
+    BaselineScheduler,
+    Request,
+    ShapeLadder,
+    StepRow,
+)
+from scripts.scheduling_sim.baselines.fcfs import FcfsScheduler
+from scripts.scheduling_sim.baselines.sarathi import SarathiScheduler
+from scripts.scheduling_sim.baselines.sglang import SglangScheduler
+from scripts.scheduling_sim.baselines.vllm import VllmScheduler
+from scripts.scheduling_sim.baselines.vtc import VtcScheduler
+
+BASELINE_NAMES = ("fcfs", "vllm", "sglang", "sarathi", "vtc")
+
+
+def make_baseline(
+    name: str,
+    catalog: list[GraphDescriptor],
+    *,
+    max_slots: int = 64,
+    max_num_batched_tokens: int | None = None,
+    enable_mixed_chunk: bool = False,
+    tenant_weights: Mapping[int, float] | None = None,
+) -> BaselineScheduler:
+    """The baseline ``name`` over ``catalog``.
+
+    ``max_num_batched_tokens``: the per-step token budget; ``None`` takes the
+    baseline's default (vllm and vtc 8192, sarathi 512, sglang's chunked prefill
+    size 8192); fcfs has none.  ``enable_mixed_chunk`` is sglang's
+    ``--enable-mixed-chunk``; ``tenant_weights`` are vtc's per-tenant weights.
+    Unknown names and bad or inapplicable values raise ``ValueError`` naming the
+    argument.
+    """
+    if name not in BASELINE_NAMES:
+        raise ValueError(f"name must be one of {', '.join(BASELINE_NAMES)}; got {name!r}")
+    if not isinstance(enable_mixed_chunk, bool):
+        raise ValueError(f"enable_mixed_chunk must be a bool, got {enable_mixed_chunk!r}")
+    if enable_mixed_chunk and name != "sglang":
+        raise ValueError(f"enable_mixed_chunk applies to sglang only, not {name}")
+    if tenant_weights and name != "vtc":
+        raise ValueError(f"tenant_weights apply to vtc only, not {name}")
+    if max_num_batched_tokens is not None and name == "fcfs":
+        raise ValueError("max_num_batched_tokens does not apply to fcfs (one prompt per frame)")
+    budget = (
+        {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
+    )
+    if name == "fcfs":
+        return FcfsScheduler(catalog, max_slots=max_slots)
+    if name == "vllm":
+        return VllmScheduler(catalog, max_slots=max_slots, **budget)
+    if name == "sarathi":
+        return SarathiScheduler(catalog, max_slots=max_slots, **budget)
+    if name == "sglang":
+        chunk = (
+            {}
+            if max_num_batched_tokens is None
+            else {"chunked_prefill_size": max_num_batched_tokens}
+        )
+        return SglangScheduler(
+            catalog, max_slots=max_slots, enable_mixed_chunk=enable_mixed_chunk, **chunk
+        )
+    return VtcScheduler(catalog, max_slots=max_slots, tenant_weights=tenant_weights, **budget)
+
+
+__all__ = [
+    "BASELINE_NAMES",
+    "BaselineScheduler",
+    "FcfsScheduler",
+    "Request",
+    "SarathiScheduler",
+    "SglangScheduler",
+    "ShapeLadder",
+    "StepRow",
+    "VllmScheduler",
+    "VtcScheduler",
+    "make_baseline",
+]

@@ -1,0 +1,416 @@
+"""What every baseline shares: request progress, slots, shape selection, the API.
+
+A baseline subclass only decides *what one step runs*: :meth:`BaselineScheduler._step`
+returns the step's rows (a prompt chunk or one decode token per request) from the
+current progress counters.  This module turns the rows into a
+:class:`~runtime.coordinator.ScheduledPlan` over the smallest covering shape
+(:class:`ShapeLadder`), makes newly scheduled requests resident at commit, and
+applies completions.  Frames run one at a time: ``plan()`` returns ``None`` while
+one is in flight, so progress counters are exact whenever a step is decided.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
+from runtime.coordinator import (
+    AdmissionError,
+    CommitError,
+    CompletionError,
+    CompletionRecord,
+    ExecutionTiming,
+    GeneratedToken,
+    LanePhase,
+    LaneWork,
+    RequestHandle,
+    RequestSpec,
+    ScheduledPlan,
+    SelectionReason,
+)
+from runtime.coordinator.records import validate_records, validate_timing
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class ShapeLadder:
+    """Picks the physical shape for a step from the prepared catalog.
+
+    * decode-only: the smallest ``DECODE`` batch >= rows; beyond the ladder a
+      synthesized ``DECODE`` with B = the next power of two;
+    * one prompt chunk alone: the smallest ``PREFILL`` capacity >= the chunk;
+      beyond the ladder a synthesized ``PREFILL`` with C = the chunk rounded up to 64;
+    * one prompt chunk with decoders: the smallest width-one ``MIXED`` shape with
+      B >= rows and prompt capacity >= the chunk (ordered by prompt capacity, then B);
+    * anything else (several prompt chunks, or no covering mixed shape): one
+      synthesized ``MIXED`` with B = the next power of two >= max(2, rows) and C =
+      the smallest catalog prompt bucket (``PREFILL`` or ``MIXED`` capacity) covering
+      the step's prompt tokens, or their sum rounded up to 64 beyond the largest.
+    """
+
+    def __init__(self, catalog: Sequence[GraphDescriptor]) -> None:
+        if isinstance(catalog, (str, bytes)) or not isinstance(catalog, Sequence):
+            raise ValueError(f"catalog must be a list of GraphDescriptor, got {catalog!r}")
+        for i, d in enumerate(catalog):
+            if not isinstance(d, GraphDescriptor):
+                raise ValueError(f"catalog[{i}] is not a GraphDescriptor: {d!r}")
+        self.catalog = tuple(catalog)
+        self.decode = sorted(
+            (d for d in catalog if d.kind is GraphKind.DECODE), key=lambda d: d.batch_capacity
+        )
+        self.prefill = sorted(
+            (d for d in catalog if d.kind is GraphKind.PREFILL), key=lambda d: d.prompt_capacity
+        )
+        self.mixed = sorted(
+            (
+                d
+                for d in catalog
+                if d.kind is GraphKind.MIXED and d.token_capacity == 1 and d.proposal_depth == 0
+            ),
+            key=lambda d: (d.prompt_capacity, d.batch_capacity),
+        )
+        self.prompt_buckets = sorted(
+            {d.prompt_capacity for d in self.prefill} | {d.prompt_capacity for d in self.mixed}
+        )
+        self._keys = {d.key for d in catalog}
+
+    @property
+    def largest_prefill(self) -> int | None:
+        return self.prefill[-1].prompt_capacity if self.prefill else None
+
+    @property
+    def largest_decode(self) -> int | None:
+        return self.decode[-1].batch_capacity if self.decode else None
+
+    def in_catalog(self, desc: GraphDescriptor) -> bool:
+        return desc.key in self._keys
+
+    def prompt_capacity(self, tokens: int) -> int:
+        """The smallest catalog prompt bucket >= ``tokens``; beyond: rounded up to 64."""
+        i = bisect.bisect_left(self.prompt_buckets, tokens)
+        if i < len(self.prompt_buckets):
+            return self.prompt_buckets[i]
+        return _round_up(tokens, PROMPT_ALIGNMENT)
+
+    def select(self, chunks: Sequence[int], decoders: int) -> GraphDescriptor:
+        """The shape for a step of prompt ``chunks`` and ``decoders`` decode rows."""
+        rows = len(chunks) + decoders
+        if rows < 1 or rows > MAX_BATCH_CAPACITY:
+            raise ValueError(f"a step has 1..{MAX_BATCH_CAPACITY} rows, got {rows}")
+        if not chunks:
+            for d in self.decode:
+                if d.batch_capacity >= rows:
+                    return d
+            return GraphDescriptor(GraphKind.DECODE, _next_power_of_two(rows))
+        if len(chunks) == 1 and decoders == 0:
+            (chunk,) = chunks
+            for d in self.prefill:
+                if d.prompt_capacity >= chunk:
+                    return d
+            return GraphDescriptor(
+                GraphKind.PREFILL, 1, prompt_capacity=_round_up(chunk, PROMPT_ALIGNMENT)
+            )
+        if len(chunks) == 1:
+            (chunk,) = chunks
+            for d in self.mixed:
+                if d.batch_capacity >= rows and d.prompt_capacity >= chunk:
+                    return d
+        return GraphDescriptor(
+            GraphKind.MIXED,
+            _next_power_of_two(max(2, rows)),
+            prompt_capacity=self.prompt_capacity(sum(chunks)),
+        )
+
+
+class Request:
+    """One request's progress counters; its phase follows from them."""
+
+    __slots__ = (
+        "finish_reason",
+        "generation",
+        "handle",
+        "output",
+        "prompt_done",
+        "slot",
+        "spec",
+        "tenant",
+    )
+
+    def __init__(self, handle: RequestHandle, spec: RequestSpec, tenant: int) -> None:
+        self.handle = handle
+        self.spec = spec
+        self.tenant = tenant
+        self.prompt_done = 0  # committed prompt tokens
+        self.output = 0  # committed output tokens
+        self.slot: int | None = None  # set while resident
+        self.generation = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def remaining_prompt(self) -> int:
+        return self.spec.prompt_len - self.prompt_done
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prompt_done < self.spec.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.handle.id}, tenant={self.tenant}, prompt={self.prompt_done}/"
+            f"{self.spec.prompt_len}, output={self.output}/{self.spec.max_output_tokens})"
+        )
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One row of a step: ``prompt_tokens`` of a prompt chunk, or 0 for a decode token."""
+
+    request: Request
+    prompt_tokens: int = 0
+
+    @property
+    def decode(self) -> bool:
+        return self.prompt_tokens == 0
+
+
+@dataclass
+class _InFlight:
+    fence: int
+    plan: ScheduledPlan
+    rows: tuple[StepRow, ...]
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class BaselineScheduler:
+    """The production scheduler's API over a fixed per-step policy (``_step``).
+
+    At most ``max_slots`` requests are resident (scheduled at least once and not
+    finished); the rest wait in arrival order.  A request becomes resident when a
+    committed step first schedules it, takes the lowest free slot, and releases it
+    when it finishes.  Requests finish at ``spec.max_output_tokens`` output tokens
+    (the final prompt chunk commits the first) or at a record's ``"stop"``.
+    Hard boundaries, message endpoints and host stops are not modelled.
+    """
+
+    name = "baseline"
+    tenant_aware = False
+
+    def __init__(self, catalog: Sequence[GraphDescriptor], *, max_slots: int = 64) -> None:
+        check_positive_int("max_slots", max_slots)
+        if max_slots > MAX_BATCH_CAPACITY:
+            raise ValueError(f"max_slots must be <= {MAX_BATCH_CAPACITY}, got {max_slots}")
+        self.shapes = ShapeLadder(catalog)
+        self.max_slots = max_slots
+        self.now_ns = 0
+        self.requests: dict[int, Request] = {}  # every admitted request, by handle id
+        self.waiting: dict[int, Request] = {}  # not yet resident, arrival order
+        self.running: list[Request] = []  # resident, in the order they became resident
+        self._free_slots = list(range(max_slots))  # sorted
+        self._generations = [0] * max_slots
+        self._inflight: _InFlight | None = None
+        self._planned: tuple[ScheduledPlan, tuple[StepRow, ...], int] | None = None
+        self._epoch = 0  # changes with every commit and completion
+        self._plan_ids = 0
+        self._last_fence: int | None = None
+        self.frames = 0  # committed frames
+        self.synthesized_frames = 0  # committed frames whose shape is not in the catalog
+
+    # ------------------------------------------------------------------ policy
+    def _step(self) -> list[StepRow]:
+        """The rows of the next step, from the current counters (pure)."""
+        raise NotImplementedError
+
+    def _on_commit(self, rows: tuple[StepRow, ...]) -> None:
+        """Hook: a step was committed (new requests are resident already)."""
+
+    def _on_complete(self, rows: tuple[StepRow, ...], records: Sequence[CompletionRecord]) -> None:
+        """Hook: a step's results were applied."""
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, spec: RequestSpec, tenant: int) -> RequestHandle:
+        if not isinstance(spec, RequestSpec):
+            raise AdmissionError(f"spec must be a RequestSpec, got {type(spec).__name__}")
+        handle = RequestHandle(len(self.requests))
+        r = Request(handle, spec, tenant)
+        self.requests[handle.id] = r
+        self.waiting[handle.id] = r
+        return handle
+
+    def admit(self, spec: RequestSpec) -> RequestHandle:
+        return self._admit(spec, 0)
+
+    def advance_to(self, now_ns: int) -> None:
+        if isinstance(now_ns, bool) or not isinstance(now_ns, int):
+            raise ValueError(f"now_ns must be an integer, got {now_ns!r}")
+        self.now_ns = max(self.now_ns, now_ns)
+
+    # ------------------------------------------------------------------ planning
+    @property
+    def in_flight(self) -> bool:
+        return self._inflight is not None
+
+    def plan(self) -> ScheduledPlan | None:
+        if self._inflight is not None:
+            return None
+        rows = tuple(self._step())
+        if not rows:
+            return None
+        new = [row.request for row in rows if row.request.slot is None]
+        if len(self.running) + len(new) > self.max_slots:  # a policy bug, not a user error
+            raise AssertionError(f"{self.name}: step exceeds max_slots={self.max_slots}")
+        slots = dict(zip((r.handle.id for r in new), self._free_slots))
+        lanes = []
+        for row in rows:
+            r = row.request
+            slot = r.slot if r.slot is not None else slots[r.handle.id]
+            generation = r.generation if r.slot is not None else self._generations[slot] + 1
+            if row.decode:
+                if r.prefilling:
+                    raise AssertionError(f"{self.name}: decode row for a prefilling {r}")
+                phase, start, tokens, max_tokens = LanePhase.DECODE, r.prompt_done, 0, 1
+            else:
+                if not 0 < row.prompt_tokens <= r.remaining_prompt:
+                    raise AssertionError(f"{self.name}: bad chunk {row.prompt_tokens} for {r}")
+                ends = row.prompt_tokens == r.remaining_prompt
+                phase, start, tokens = LanePhase.PREFILL, r.prompt_done, row.prompt_tokens
+                max_tokens = 1 if ends else 0
+            lanes.append(
+                LaneWork(
+                    handle=r.handle,
+                    slot=slot,
+                    generation=generation,
+                    phase=phase,
+                    prompt_start=start,
+                    prompt_tokens=tokens,
+                    output_start=r.output,
+                    max_tokens=max_tokens,
+                    expected_tokens=float(max_tokens),
+                    expected_deliveries=float(max_tokens),
+                    value=0.0,
+                )
+            )
+        chunks = [row.prompt_tokens for row in rows if not row.decode]
+        graph = self.shapes.select(chunks, len(rows) - len(chunks))
+        self._plan_ids += 1
+        plan = ScheduledPlan(
+            plan_id=self._plan_ids,
+            graph=graph,
+            lanes=tuple(lanes),
+            estimated_duration_ns=0,
+            reason=SelectionReason.ORDINARY,
+            requires_empty_window=True,
+            planned_at_ns=self.now_ns,
+            expected_start_ns=self.now_ns,
+            value_rate_scaled=0.0,
+            log_scale=0.0,
+            useful_value=0.0,
+            catalog_version=0,
+        )
+        self._planned = (plan, rows, self._epoch)
+        return plan
+
+    def commit(self, plan: ScheduledPlan, fence: int) -> None:
+        if isinstance(fence, bool) or not isinstance(fence, int) or fence < 0:
+            raise CommitError(f"fence must be a non-negative integer, got {fence!r}")
+        if self._last_fence is not None and fence <= self._last_fence:
+            raise CommitError(f"fence {fence} is not newer than fence {self._last_fence}")
+        if self._inflight is not None:
+            raise CommitError(f"fence {self._inflight.fence} is still in flight")
+        if self._planned is None or self._planned[0] is not plan:
+            raise CommitError("plan is not this scheduler's latest plan")
+        _, rows, epoch = self._planned
+        if epoch != self._epoch:
+            raise CommitError("plan is stale: a commit or completion happened since")
+        # -- nothing below may fail ----------------------------------------------
+        for lane, row in zip(plan.lanes, rows):
+            r = row.request
+            if r.slot is None:
+                del self.waiting[r.handle.id]
+                self._free_slots.remove(lane.slot)
+                self._generations[lane.slot] = lane.generation
+                r.slot, r.generation = lane.slot, lane.generation
+                self.running.append(r)
+        self._planned = None
+        self._inflight = _InFlight(fence, plan, rows)
+        self._last_fence = fence
+        self._epoch += 1
+        self.frames += 1
+        if not self.shapes.in_catalog(plan.graph):
+            self.synthesized_frames += 1
+        self._on_commit(rows)
+
+    # ------------------------------------------------------------------ completion
+    def complete(
+        self, fence: int, records: Sequence[CompletionRecord], timing: ExecutionTiming
+    ) -> list[GeneratedToken]:
+        head = self._inflight
+        if head is None or head.fence != fence:
+            expected = None if head is None else head.fence
+            raise CompletionError(f"completion for fence {fence}, expected fence {expected}")
+        validate_timing(timing)
+        validate_records(fence, head.plan.lanes, records)
+        # -- validated: apply ------------------------------------------------------
+        out: list[GeneratedToken] = []
+        done = False
+        for lane, row, record in zip(head.plan.lanes, head.rows, records):
+            r = row.request
+            r.prompt_done += lane.prompt_tokens
+            tokens = tuple(record.tokens)
+            if not tokens:
+                continue
+            first = r.output == 0
+            r.output += len(tokens)
+            if record.finish_reason is not None:
+                r.finish_reason = record.finish_reason
+            elif r.output >= r.spec.max_output_tokens:
+                r.finish_reason = "length"
+            if r.finished:
+                done = True
+                self._release(r)
+            out.append(GeneratedToken(r.handle, fence, tokens, first, r.finished, r.finish_reason))
+        if done:
+            self.running = [r for r in self.running if not r.finished]
+        self._inflight = None
+        self._epoch += 1
+        self._on_complete(head.rows, records)
+        return out
+
+    def _release(self, r: Request) -> None:
+        assert r.slot is not None
+        bisect.insort(self._free_slots, r.slot)
+        r.slot = None
+
+    def published_output(self, handle: RequestHandle, fence: int, at_ns: int | None = None) -> bool:
+        """Baselines hold nothing back: publication only says whether the request is known."""
+        return handle.id in self.requests
+
+    def drain_trace(self) -> list:
+        return []
+
+    # ------------------------------------------------------------------ helpers
+    def decoders(self) -> list[Request]:
+        return [r for r in self.running if not r.prefilling]
+
+    def partial_prefills(self) -> list[Request]:
+        return [r for r in self.running if r.prefilling]
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_slots - len(self.running)
