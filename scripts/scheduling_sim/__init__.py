@@ -11,7 +11,7 @@ from scripts.scheduling_sim.catalogs import (
     RooflineProfile,
     build_catalog,
 )
-from scripts.scheduling_sim.engine import Simulation
+from scripts.scheduling_sim.engine import RequestStats, Simulation, solo_latency_ns
 from scripts.scheduling_sim.workload import (
     Arrival,
     LogNormal,
@@ -30,6 +30,7 @@ __all__ = [
     "Arrival",
     "CostProfile",
     "LogNormal",
+    "RequestStats",
     "RooflineProfile",
     "Simulation",
     "Uniform",
@@ -39,5 +40,6 @@ __all__ = [
     "chat",
     "long_prompt_contention",
     "make_workload",
+    "solo_latency_ns",
     "two_tenants",
 ]

@@ -135,5 +135,6 @@ def test_two_tenants():
     # The steady tenant keeps sending while the flood's backlog lasts.
     assert steady[-1].at_ns > flood[-1].at_ns
     assert len(two_tenants(10.0, steady_requests=4)) == cfg.flood_requests + 4
+    assert two_tenants() == two_tenants(TwoTenantsConfig().capacity_req_per_s)
     with pytest.raises(TypeError):
         two_tenants(10.0, nonsense=1)
