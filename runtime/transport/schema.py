@@ -24,7 +24,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runtime.catalog import MAX_BATCH_CAPACITY, CatalogError, GraphDescriptor, validate_catalog
+from runtime.catalog import (
+    MAX_BATCH_CAPACITY,
+    CatalogError,
+    GraphDescriptor,
+    GraphKind,
+    validate_catalog,
+)
 from runtime.transport.fields import (
     INT32_MAX,
     ProtocolError,
@@ -208,9 +214,12 @@ class Frame:
     no prefill lanes).  A frame with no lanes is an *empty frame*: the ranks
     check it, apply its releases and answer without running the program (the
     coordinator measures its round trip with one).  ``prompt_row``: index of
-    the prompt (prefill) lane of a mixed program, -1 for none.
-    ``release_slots``: slots whose rank-side state may be dropped, distinct
-    and disjoint from the lanes' slots.
+    the prompt (prefill) lane of a mixed program, -1 for none.  A mixed frame
+    has at most one prefill lane and ``prompt_row`` names exactly it (-1 when
+    there is none); its other lanes are decode lanes, which carry no tokens,
+    and the prompt row's tokens fit ``prompt_capacity``.  Every other program
+    takes ``prompt_row`` -1.  ``release_slots``: slots whose rank-side state
+    may be dropped, distinct and disjoint from the lanes' slots.
     """
 
     fence: int
@@ -237,6 +246,20 @@ class Frame:
         row = check_int("prompt_row", self.prompt_row, -1, len(lanes) - 1)
         if row >= 0 and lanes[row].phase != "prefill":
             raise ProtocolError("prompt_row", f"lane {row} is not a prefill lane")
+        if self.program.kind is GraphKind.MIXED:
+            prefill = [i for i, lane in enumerate(lanes) if lane.phase == "prefill"]
+            if len(prefill) > 1:
+                raise ProtocolError(
+                    "lanes", f"a mixed frame has at most one prefill lane, got lanes {prefill}"
+                )
+            if row != (prefill[0] if prefill else -1):
+                raise ProtocolError(
+                    "prompt_row",
+                    f"must name the prefill lane ({prefill[0] if prefill else -1}), got {row}",
+                )
+        elif row != -1:
+            kind = self.program.kind.value
+            raise ProtocolError("prompt_row", f"only mixed programs have one, not {kind}")
         released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
         check_unique("release_slots", released)
         overlap = set(released) & set(slots)

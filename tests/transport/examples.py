@@ -24,9 +24,9 @@ def sampling() -> SamplingParams:
     )
 
 
-def prefill_lane() -> FrameLane:
+def prefill_lane(slot: int = 3) -> FrameLane:
     return FrameLane(
-        slot=3,
+        slot=slot,
         generation=2,
         phase="prefill",
         prompt_start=0,

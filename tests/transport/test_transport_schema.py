@@ -248,6 +248,9 @@ BAD = [
     _case("Frame", "prompt_row", 2, "prompt_row"),
     _case("Frame", "prompt_row", -2, "prompt_row"),
     _case("Frame", "prompt_row", 1, "prompt_row"),  # a decode lane
+    _case("Frame", "prompt_row", -1, "prompt_row"),  # the mixed frame's prefill lane unnamed
+    _case("Frame", "lanes.1.prompt_tokens", [1], "lanes[1].prompt_tokens"),  # decode: none
+    _case("Frame", "lanes.1", examples.prefill_lane(slot=4).to_wire(), "lanes"),  # 2 prefills
     _case("Frame", "release_slots", [64], "release_slots[0]"),
     _case("Frame", "release_slots", [1, 1], "release_slots"),
     _case("Frame", "release_slots", [4], "release_slots"),  # also runs in lanes

@@ -14,7 +14,7 @@ from runtime.coordinator.requests import RequestHandle
 from runtime.transport.api import TokenLogprobs
 from runtime.transport.schema import Completion, Frame, FrameLane, LaneResult
 
-RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE)
+RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.MIXED)
 
 
 @dataclass(slots=True)
@@ -91,14 +91,21 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
 
     ``release``: retired slots whose rank state may go; a slot that a new
     tenant occupies in this frame is left out (its new generation replaces the
-    state anyway).
+    state anyway).  A mixed plan's ``prompt_row`` is the index of its prefill
+    lane (-1 when it has none); it may have at most one.
     """
     kind = plan.graph.kind
     if kind not in RUNNABLE_KINDS:
         raise EngineError(f"fence {fence}: the engine cannot run {kind.value} programs yet")
     lanes = tuple(frame_lane(lane, live) for lane, live in zip(plan.lanes, lives, strict=True))
     released = tuple(sorted(release - {lane.slot for lane in plan.lanes}))
-    return Frame(fence, plan.graph, lanes, release_slots=released)
+    prompt_row = -1
+    if kind is GraphKind.MIXED:
+        prefill = [i for i, lane in enumerate(plan.lanes) if lane.phase is LanePhase.PREFILL]
+        if len(prefill) > 1:
+            raise EngineError(f"fence {fence}: a mixed plan has {len(prefill)} prefill lanes")
+        prompt_row = prefill[0] if prefill else -1
+    return Frame(fence, plan.graph, lanes, prompt_row, released)
 
 
 def completion_records(
