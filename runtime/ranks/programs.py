@@ -13,10 +13,15 @@ compute the log probabilities (static work); eager ones only when asked.
 * CPU: the same static-buffer program runs eagerly, timed with
   ``perf_counter_ns`` around the synchronous run.
 
-A program's shape: decode batch B has B tokens, B lanes, one token per lane;
-prefill capacity C has C tokens and one lane.  Padded tokens and lanes write no
-KV (slot -1) and their sampled tokens are ignored, so inactive rows mutate
-nothing.
+A program's shape (:class:`ProgramShape`): decode batch B has B tokens, B lanes,
+one token per lane; prefill capacity C has C tokens and one lane; a mixed
+program (B, W, C) has B lanes and C + (B - 1) * W tokens: at most one prompt
+row of up to C tokens (``prefill_row``, an index into the dense lane list, -1
+for none) and decode rows of up to W tokens each (W = 1 today).  Every lane's
+query length is uploaded once; the packed token offsets are its exclusive
+prefix sum in lane order, derived inside the body, so they never depend on
+slot ids.  Padded tokens and lanes write no KV (slot -1, query length 0) and
+their sampled tokens are ignored, so inactive rows mutate nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.ranks.model.attention import AttentionMetadata
+from runtime.ranks.model.attention import AttentionMetadata, packed_query_start
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.sampling import SamplingBatch, eos_index, sample, token_logprobs
 from runtime.ranks.slots import LaneInput
@@ -41,9 +46,24 @@ class ProgramError(ValueError):
 
 @dataclass(frozen=True)
 class ProgramShape:
+    """A program's fixed extents.
+
+    ``max_query_len`` bounds every lane's new tokens, except in mixed programs,
+    where it bounds the prompt row's (C) and ``row_query_len`` every other
+    row's (W).  Mixed token capacity is the spec's maximum packed extent
+    ``C + (B - 1) * W``: whichever lane is the prompt row, every packing of
+    one prompt row and B - 1 rows of at most W tokens fits, and a decode-only
+    population (C >= W) too.
+    """
+
     tokens: int  # N: packed token rows
     lanes: int  # L: request rows
-    max_query_len: int  # Q: new tokens per lane at most
+    max_query_len: int  # Q: new tokens per lane at most (mixed: the prompt row's, C)
+    row_query_len: int = 0  # W: mixed only: new tokens of every other row at most; 0 = not mixed
+
+    @property
+    def mixed(self) -> bool:
+        return self.row_query_len > 0
 
     @classmethod
     def of(cls, desc: GraphDescriptor) -> ProgramShape:
@@ -51,14 +71,17 @@ class ProgramShape:
             return cls(desc.batch_capacity, desc.batch_capacity, 1)
         if desc.kind is GraphKind.PREFILL:
             return cls(desc.prompt_capacity, 1, desc.prompt_capacity)
+        if desc.kind is GraphKind.MIXED:
+            b, w, c = desc.batch_capacity, desc.token_capacity, desc.prompt_capacity
+            return cls(c + (b - 1) * w, b, c, w)
         raise ProgramError(f"no prepared program for {desc.kind.value} graphs yet")
 
 
 INT_FIELDS_PER_TOKEN = ("input_ids", "positions", "slot_mapping")
-INT_FIELDS_PER_LANE = (
-    "query_start", "query_lens", "context_lens", "logits_indices", "top_k", "seed", "step",
-    "min_tokens",
-)  # fmt: skip
+# One query-length field: the packed offsets (``query_start``) and each lane's
+# last token (``logits_indices``) are derived from it inside the body.
+INT_FIELDS_PER_LANE = ("query_lens", "context_lens", "top_k", "seed", "step", "min_tokens")
+INT_SCALARS = ("prefill_row",)
 
 
 @dataclass(frozen=True)
@@ -66,21 +89,28 @@ class ProgramInputs:
     """Views of one program's input arena: what the body reads.
 
     Integer fields lie back to back in one int64 arena (per token: N entries
-    each; per lane: L each; then the (L, P) page table), floats in one float32
-    arena, so a frame's inputs arrive in one host tensor and one copy.
+    each; per lane: L each; ``prefill_row``; then the (L, P) page table),
+    floats in one float32 arena, so a frame's inputs arrive in one host tensor
+    and one copy.  Lane ``i``'s tokens are packed at the prefix sum of the
+    query lengths before it (:meth:`query_start`), whatever its slot.
+
+    Wider rows (W > 1, speculative verification) fit without a new layout:
+    a decode row's W tokens are packed at its offset like a prompt chunk, and
+    its W logits rows would be ``query_start[:, None] + arange(W)`` masked by
+    ``query_lens`` (an (L, W) index derived in the body beside
+    :meth:`logits_indices`, the prompt row keeping its last token).
     """
 
     input_ids: torch.Tensor  # (N,)
     positions: torch.Tensor  # (N,)
     slot_mapping: torch.Tensor  # (N,) -1 = write no KV
-    query_start: torch.Tensor  # (L,)
     query_lens: torch.Tensor  # (L,) 0 = inactive lane
     context_lens: torch.Tensor  # (L,)
-    logits_indices: torch.Tensor  # (L,)
     top_k: torch.Tensor  # (L,)
     seed: torch.Tensor  # (L,)
     step: torch.Tensor  # (L,)
     min_tokens: torch.Tensor  # (L,)
+    prefill_row: torch.Tensor  # (1,) mixed programs: the prompt row's lane index, -1 = none
     page_tables: torch.Tensor  # (L, P)
     temperature: torch.Tensor  # (L,)
     top_p: torch.Tensor  # (L,)
@@ -97,12 +127,29 @@ class ProgramInputs:
         for name in INT_FIELDS_PER_LANE:
             views[name] = ints[offset : offset + lanes]
             offset += lanes
+        for name in INT_SCALARS:
+            views[name] = ints[offset : offset + 1]
+            offset += 1
         views["page_tables"] = ints[offset : offset + lanes * pages].view(lanes, pages)
         return cls(**views, temperature=floats[:lanes], top_p=floats[lanes : 2 * lanes])
 
     @staticmethod
     def int_size(n: int, lanes: int, pages: int) -> int:
-        return len(INT_FIELDS_PER_TOKEN) * n + len(INT_FIELDS_PER_LANE) * lanes + lanes * pages
+        return (
+            len(INT_FIELDS_PER_TOKEN) * n
+            + len(INT_FIELDS_PER_LANE) * lanes
+            + len(INT_SCALARS)
+            + lanes * pages
+        )
+
+    def query_start(self) -> torch.Tensor:
+        """(L,) packed offset of each lane: prefix sums of ``query_lens`` (tensor ops)."""
+        return packed_query_start(self.query_lens)
+
+    def logits_indices(self, query_start: torch.Tensor) -> torch.Tensor:
+        """(L,) each lane's last new token (inactive lanes: a valid, ignored row)."""
+        last = query_start + self.query_lens - 1  # (L,)
+        return last.clamp(0, self.input_ids.shape[0] - 1)
 
 
 @dataclass(frozen=True)
@@ -152,6 +199,10 @@ class PreparedProgram:
     ) -> None:
         self.desc = desc
         self.shape = ProgramShape.of(desc)
+        if desc.kind is GraphKind.MIXED and (desc.token_capacity > 1 or desc.proposal_depth):
+            # Wider verification rows need proposals, acceptance and a (L, W)
+            # logits index (see ProgramInputs); the inputs already fit them.
+            raise ProgramError(f"no prepared program for {desc.describe()} yet: W > 1")
         self.model = model
         self.outputs = outputs  # shared by every program
         self.out_tokens = outputs.tokens  # (L_max,)
@@ -172,16 +223,21 @@ class PreparedProgram:
         ``logprobs`` is fixed per call site (always True under capture), never
         read from the data.
         """
-        x, lanes, out = self.inputs, self.shape.lanes, self.outputs
+        x, shape, out = self.inputs, self.shape, self.outputs
+        lanes = shape.lanes
+        query_start = x.query_start()  # (L,) derived from the one query-length upload
         meta = AttentionMetadata(
-            query_start=x.query_start,
+            query_start=query_start,
             query_lens=x.query_lens,
             context_lens=x.context_lens,
             page_tables=x.page_tables,
             slot_mapping=x.slot_mapping,
-            max_query_len=self.shape.max_query_len,
+            max_query_len=shape.max_query_len,
+            prefill_row=x.prefill_row if shape.mixed else None,
+            row_query_len=shape.row_query_len,
         )
-        logits = self.model(x.input_ids, x.positions, meta, x.logits_indices).float()  # (L, V)
+        logits_indices = x.logits_indices(query_start)  # (L,)
+        logits = self.model(x.input_ids, x.positions, meta, logits_indices).float()  # (L, V)
         params = SamplingBatch(x.temperature, x.top_p, x.top_k, x.seed, x.step, x.min_tokens)
         tokens = sample(logits, params, out.eos)  # (L,)
         out.tokens[:lanes].copy_(tokens)
@@ -209,7 +265,9 @@ class PreparedProgram:
         return graph.pool()
 
     # -- one execution ---------------------------------------------------------
-    def _fill(self, inputs: list[LaneInput], full_width: bool | None = None) -> None:
+    def _fill(
+        self, inputs: list[LaneInput], full_width: bool | None = None, prompt_row: int = -1
+    ) -> None:
         """Pack ``inputs`` into one int64 and one float32 host tensor and bind them.
 
         Building tensors from Python lists dominates a frame's host time, so
@@ -217,28 +275,32 @@ class PreparedProgram:
         their device arena; eager ones read the host tensors (CPU) or a copy of
         them (eager CUDA).  ``full_width``: the page table spans every column
         (default: when a graph was captured, since it reads them all; capture
-        itself asks for it).
+        itself asks for it).  ``prompt_row``: mixed programs, the index of the
+        prompt row in ``inputs`` (up to C tokens; every other row up to W),
+        -1 for none; other programs take -1.
         """
         shape, page_size = self.shape, self.page_size
         n, lanes = shape.tokens, shape.lanes
         if len(inputs) > lanes:
             raise ProgramError(f"{len(inputs)} lanes for {lanes} rows")
+        if not -1 <= prompt_row < (len(inputs) if shape.mixed else 0):
+            raise ProgramError(f"prompt row {prompt_row} for {self.desc.describe()}")
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        starts: list[int] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
         longest = 1
-        for i in inputs:
+        row_limit = shape.row_query_len if shape.mixed else shape.max_query_len
+        for row, i in enumerate(inputs):
             q = len(i.tokens)
             ctx = i.start_position + q
-            if q > shape.max_query_len or ctx > len(i.page_table) * page_size:
+            limit = shape.max_query_len if row == prompt_row else row_limit
+            if q > limit or ctx > len(i.page_table) * page_size:
                 raise ProgramError(f"slot {i.slot}: {q} tokens at {i.start_position} do not fit")
             if len(i.page_table) > self.max_pages:
                 raise ProgramError(f"slot {i.slot}: {len(i.page_table)} pages > {self.max_pages}")
-            starts.append(len(ids))
-            q_lens.append(q)
+            q_lens.append(q)  # packed at the prefix sum of the lengths before it
             ctx_lens.append(ctx)
             longest = max(longest, ctx)
             ids.extend(i.tokens)
@@ -255,15 +317,14 @@ class PreparedProgram:
         pages = self.max_pages if full_width else -(-longest // page_size)
         packed = ids + [0] * pad_tokens
         packed += positions + [0] * pad_tokens
-        packed += slots + [-1] * pad_tokens  # padding writes nothing
-        packed += starts + [used] * pad_lanes
+        packed += slots + [-1] * pad_tokens  # unused token capacity writes nothing
         packed += q_lens + [0] * pad_lanes  # inactive lanes
         packed += ctx_lens + [0] * pad_lanes
-        packed += [s + q - 1 for s, q in zip(starts, q_lens)] + [0] * pad_lanes  # last token
         packed += [i.sampling.top_k for i in inputs] + [-1] * pad_lanes
         packed += [i.sampling.seed for i in inputs] + [0] * pad_lanes
         packed += [i.step for i in inputs] + [0] * pad_lanes
         packed += [i.sampling.min_tokens for i in inputs] + [0] * pad_lanes
+        packed.append(prompt_row)
         for i in inputs:
             table = i.page_table
             packed += table[:pages]
@@ -281,13 +342,16 @@ class PreparedProgram:
         if self.graph is None:  # eager CUDA: views follow this frame's page count
             self.inputs = ProgramInputs.over(self._ints, self._floats, n, lanes, pages)
 
-    def run(self, inputs: list[LaneInput], *, logprobs: bool = False) -> tuple[list[int], int]:
+    def run(
+        self, inputs: list[LaneInput], *, logprobs: bool = False, prompt_row: int = -1
+    ) -> tuple[list[int], int]:
         """Execute for ``inputs``; returns (one sampled token per lane, device ns).
 
         ``logprobs``: the caller will read :meth:`logprobs` after this run (an
         eager program computes them only then; a captured one always does).
+        ``prompt_row``: mixed programs, the frame's prompt row (-1: none).
         """
-        self._fill(inputs)
+        self._fill(inputs, prompt_row=prompt_row)
         if self.graph is not None:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)

@@ -10,6 +10,10 @@ When a lane of the frame asks for log probabilities (``sampling.logprobs >= 0``)
 rank 0 adds the ``logprobs`` and ``logprob_token_ids`` sidecars (see
 :class:`~runtime.transport.schema.Completion`); otherwise nothing extra is read
 back from the device.
+
+A mixed frame (one prompt row, ``Frame.prompt_row``, and decode rows) runs like
+any other: its prompt row commits its whole chunk and, when the chunk ends the
+prompt, one first token; each decode row commits one token.
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ class RankWorker:
             return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
         # The most log probabilities a lane asks for; -1: none (no readback).
         top = max(inp.sampling.logprobs for inp in inputs) if self.rank == 0 else -1
-        tokens, device_ns = program.run(inputs, logprobs=top >= 0)
+        tokens, device_ns = program.run(inputs, logprobs=top >= 0, prompt_row=frame.prompt_row)
         if self.debug_delay_ns:  # a deliberately slow rank, for debugging and tests
             time.sleep(self.debug_delay_ns / 1e9)
             device_ns += self.debug_delay_ns

@@ -10,6 +10,13 @@ inert (slot -1: they write nothing; their outputs are zero or ignored).
 
 All index arithmetic is done with tensor ops (no ``.item()``, no data-dependent
 shapes), so a step can be captured in a CUDA graph and replayed with new values.
+
+Mixed prefill/decode steps (``prefill_row`` set) have one prompt row of up to
+``max_query_len`` = C new tokens and other rows of up to ``row_query_len`` = W
+each.  Their attention runs in two passes that write disjoint token rows and
+are added (:func:`mixed_paged_attention`): the prompt row alone with Q = C,
+then every row with Q = W, the prompt row's query length masked to 0.  So no
+(L, C) query block is gathered for the decode rows.
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ __all__ = [
     "PagedAttention",
     "compute_slot_mapping",
     "lane_token_index",
+    "mixed_paged_attention",
+    "packed_query_start",
     "paged_attention_reference",
+    "split_prompt_row",
 ]
 
 
@@ -46,6 +56,14 @@ class AttentionMetadata:
     page_tables: Tensor  # (L, P) int64: the lane's pages in order
     slot_mapping: Tensor  # (N,) int64: page * page_size + offset per token; -1 = no write
     max_query_len: int  # static: bound on query_lens (a program constant, not data)
+    # Mixed steps only: (1,) int64, the prompt row's index in the lane list (-1: none).
+    # None: an ordinary step, every lane bounded by max_query_len.
+    prefill_row: Tensor | None = None
+    row_query_len: int = 0  # static, mixed steps: bound on every other row's query_len (W)
+
+    @property
+    def mixed(self) -> bool:
+        return self.prefill_row is not None
 
     @property
     def num_lanes(self) -> int:
@@ -63,6 +81,8 @@ class AttentionMetadata:
             page_tables=self.page_tables.to(device),
             slot_mapping=self.slot_mapping.to(device),
             max_query_len=self.max_query_len,
+            prefill_row=None if self.prefill_row is None else self.prefill_row.to(device),
+            row_query_len=self.row_query_len,
         )
 
     @classmethod
@@ -121,6 +141,14 @@ class AttentionMetadata:
         slots = compute_slot_mapping(positions, starts, q_lens, tables, page_size, max_query_len)
         meta = cls(starts, q_lens, ctx_lens, tables, slots, max_query_len)
         return meta.to(device), positions.to(device)
+
+
+def packed_query_start(query_lens: Tensor) -> Tensor:
+    """(L,) flat index of each lane's first new token: the exclusive prefix sum of
+    ``query_lens`` (L,) in lane order (inactive lanes, length 0, start where the
+    next lane would).  Tensor ops only, so a program derives its offsets from the
+    one query-length upload, inside a captured graph."""
+    return torch.cumsum(query_lens, 0) - query_lens  # (L,)
 
 
 def lane_token_index(
@@ -222,6 +250,59 @@ def paged_attention_reference(
     return flat[:num_tokens]  # (N, H, d)
 
 
+def split_prompt_row(metadata: AttentionMetadata) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """A mixed step's two attention passes, as ordinary metadata.
+
+    (prompt pass: the ``prefill_row`` lane alone, one lane with Q =
+    ``max_query_len``, query length 0 when there is no prompt row; row pass:
+    every lane with Q = ``row_query_len``, the prompt row's query length 0).
+    Each token row belongs to exactly one pass.  Tensor ops only (no
+    ``.item()``), fixed shapes whatever ``prefill_row`` holds.
+    """
+    if metadata.prefill_row is None:
+        raise ValueError("split_prompt_row needs a mixed step (prefill_row set)")
+    row = metadata.prefill_row.long()  # (1,)
+    index = row.clamp(min=0)  # (1,) a valid lane even when there is no prompt row
+    prompt = AttentionMetadata(
+        query_start=metadata.query_start.index_select(0, index),  # (1,)
+        query_lens=torch.where(row >= 0, metadata.query_lens.index_select(0, index), 0),  # (1,)
+        context_lens=metadata.context_lens.index_select(0, index),  # (1,)
+        page_tables=metadata.page_tables.index_select(0, index),  # (1, P)
+        slot_mapping=metadata.slot_mapping,
+        max_query_len=metadata.max_query_len,
+    )
+    lanes = torch.arange(metadata.num_lanes, device=row.device)  # (L,)
+    rows = AttentionMetadata(
+        query_start=metadata.query_start,
+        query_lens=torch.where(lanes == row, 0, metadata.query_lens),  # (L,)
+        context_lens=metadata.context_lens,
+        page_tables=metadata.page_tables,
+        slot_mapping=metadata.slot_mapping,
+        max_query_len=metadata.row_query_len,
+    )
+    return prompt, rows
+
+
+def mixed_paged_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    positions: Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> Tensor:
+    """:func:`paged_attention_reference` for a mixed step, in two passes.
+
+    The prompt row attends causally over its cached prefix and its new chunk
+    (Q = C); the other rows over their own pages (Q = W).  Each pass leaves
+    zeros in the other's token rows, so the sum is each row's own result.
+    Returns (N, H, d).
+    """
+    prompt, rows = split_prompt_row(metadata)
+    out = paged_attention_reference(q, k_pages, v_pages, positions, prompt, scale)  # (N, H, d)
+    return out + paged_attention_reference(q, k_pages, v_pages, positions, rows, scale)
+
+
 class PagedAttention(nn.Module):
     """One layer's attention core: store this step's K/V, attend over the pages."""
 
@@ -248,7 +329,8 @@ class PagedAttention(nn.Module):
     ) -> Tensor:
         """q (N, H, d), k and v (N, KV, d) for the new tokens -> (N, H, d)."""
         kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
-        return paged_attention_reference(
+        attend = mixed_paged_attention if metadata.mixed else paged_attention_reference
+        return attend(
             q,
             kv_cache.key(self.layer_index),
             kv_cache.value(self.layer_index),
