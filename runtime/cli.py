@@ -34,7 +34,6 @@ from runtime.transport.schema import SamplingParams
 NOT_YET = {
     "mtp_adaptive_verification_alpha": "speculative decoding",
     "speculative_token_capacity": "speculative programs",
-    "mixed_prefill": "mixed prefill/decode programs",
 }
 
 
@@ -90,8 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="not available yet: needs speculative decoding")  # fmt: skip
     run.add_argument("--speculative-token-capacity", type=int,
                      help="not available yet: needs speculative programs")  # fmt: skip
-    run.add_argument("--mixed-prefill", action="store_true", default=None,
-                     help="not available yet: needs mixed programs")  # fmt: skip
+    run.add_argument("--mixed-prefill", action="store_true",
+                     help="also capture mixed prefill/decode programs (one prompt chunk "
+                     "beside decode rows in one forward)")  # fmt: skip
     run.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
     run.add_argument("--port", type=_port, default=8000)
     run.add_argument("--api-key", default=os.environ.get("FLARE_API_KEY"),
@@ -149,6 +149,8 @@ def _apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser
                 value = action.type(str(value))
             elif action.choices is not None and value not in action.choices:
                 raise argparse.ArgumentTypeError(f"must be one of {sorted(action.choices)}")
+            elif action.nargs == 0 and not isinstance(value, bool):  # a switch
+                raise argparse.ArgumentTypeError(f"must be true or false, got {value!r}")
         except (argparse.ArgumentTypeError, ValueError) as exc:
             parser.error(f"--config {args.config}: [run] {key}: {exc}")
         setattr(args, dest, value)
@@ -209,6 +211,7 @@ def deployment_config(
             device=args.device,
             policy=policy,
             cuda_graphs=not args.no_cuda_graphs,
+            mixed_prefill=bool(args.mixed_prefill),
             startup_timeout_s=args.startup_timeout,
         )
     except ValueError as exc:

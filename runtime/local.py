@@ -45,6 +45,7 @@ class DeploymentConfig:
     device: str = "auto"  # auto | cpu | cuda
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cuda_graphs: bool = True
+    mixed_prefill: bool = False  # also capture mixed prefill/decode programs
     startup_timeout_s: float = 600.0
     poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
     external_publication: bool = False  # a frontend reports publications
@@ -56,6 +57,8 @@ class DeploymentConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not isinstance(self.mixed_prefill, bool):
+            raise ValueError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
         spin = self.poll_spin_us
         if spin is not None and (not isinstance(spin, int) or not 0 <= spin <= 100_000):
             raise ValueError(f"poll_spin_us must be None or in 0..100000, got {spin!r}")
@@ -82,6 +85,8 @@ class DeploymentConfig:
             args += ["--max-model-len", str(self.max_model_len)]
         if not self.cuda_graphs:
             args.append("--no-cuda-graphs")
+        if self.mixed_prefill:
+            args.append("--mixed-prefill")
         return args
 
 

@@ -38,6 +38,8 @@ def test_config_file_fills_flags_and_the_command_line_wins(tmp_path):
         ("[run]\ndevice = 'tpu'\n", "device"),
         ("[other]\nx = 1\n", "other"),
         ("[run\n", "--config"),
+        ("[run]\nmixed-prefill = 'yes'\n", "mixed-prefill"),
+        ("[run]\nno-cuda-graphs = 1\n", "no-cuda-graphs"),
     ],
 )
 def test_bad_config_files_fail_naming_the_key(tmp_path, capsys, toml, needle):
@@ -51,7 +53,6 @@ def test_bad_config_files_fail_naming_the_key(tmp_path, capsys, toml, needle):
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--mixed-prefill"], "--mixed-prefill"),
         (["--speculative-token-capacity", "8"], "--speculative-token-capacity"),
         (["--mtp-adaptive-verification-alpha", "0.5"], "--mtp-adaptive-verification-alpha"),
         (["--port", "0"], "--port"),
@@ -67,3 +68,30 @@ def test_bad_flags_fail_fast_naming_the_flag(capsys, argv, needle):
     with pytest.raises(SystemExit) as exit_info:
         configure(argv)
     assert exit_info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_mixed_prefill_reaches_the_ranks_from_the_flag_and_the_config_file(tmp_path):
+    _, config = configure([])
+    assert not config.mixed_prefill and "--mixed-prefill" not in config.rank_args()
+    _, config = configure(["--mixed-prefill"])
+    assert config.mixed_prefill and "--mixed-prefill" in config.rank_args()
+    path = tmp_path / "mixed.toml"
+    path.write_text("[run]\nmixed-prefill = true\n")
+    _, config = configure(["--config", str(path)])
+    assert config.mixed_prefill and "--mixed-prefill" in config.rank_args()
+    path.write_text("[run]\nmixed-prefill = false\n")
+    _, config = configure(["--config", str(path)])
+    assert not config.mixed_prefill
+
+
+def test_rank_entry_point_prepares_mixed_programs_when_asked():
+    from runtime.catalog import GraphKind
+    from runtime.ranks.__main__ import parse_args
+    from runtime.ranks.capacity import build_catalog
+
+    base = ["--frames-endpoint", "ipc:///x/f", "--completions-endpoint", "ipc:///x/c"]
+    assert not parse_args(base).capacity.mixed_prefill
+    capacity = parse_args([*base, "--mixed-prefill", "--max-concurrency", "4"]).capacity
+    assert capacity.mixed_prefill
+    mixed = [d for d in build_catalog(capacity) if d.kind is GraphKind.MIXED]
+    assert {d.batch_capacity for d in mixed} == {2, 4} and mixed

@@ -49,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run programs eagerly on CUDA")
+    p.add_argument(
+        "--mixed-prefill",
+        action="store_true",
+        help="also prepare mixed prefill/decode programs (capacity.mixed_shapes)",
+    )
     p.add_argument("--handshake-timeout", type=float, default=120.0, help="seconds")
     p.add_argument(
         "--poll-spin-us",
@@ -71,6 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             max_concurrency=args.max_concurrency,
             min_prefill_tokens=args.min_prefill_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
+            mixed_prefill=args.mixed_prefill,
         )
     except CapacityError as exc:
         p.error(str(exc).replace("max_", "--max-").replace("min_", "--min-").replace("_", "-"))
