@@ -12,12 +12,18 @@ Checks, each printed as PASS/FAIL with its figures, on the embedded model:
 3. batch invariance on the GPU: 8 requests batched give each request's tokens
    when run alone;
 4. logprobs inside the graph equal the eager ones within 1e-5;
-5. NCCL: a one-rank ``nccl`` process group all-reduces (two ranks when the
+5. mixed prefill/decode programs (captured with the rest): later prompts
+   arrive as the prompt row of mixed frames beside the running decoders; graph
+   replay gives the eager tokens (greedy and seeded), the greedy tokens equal
+   the same work run as separate prefill and decode frames, and a mixed
+   frame's logprobs match eager within 1e-5;
+6. NCCL: a one-rank ``nccl`` process group all-reduces (two ranks when the
    machine has two GPUs: ``--tp2``);
-6. a timing table: CUDA-event replay time per program;
-7. the deployment end to end: ``LocalDeployment`` on CUDA with graphs serves
-   16 concurrent requests and matches the worker's greedy tokens, and
-   ``Engine.measure_round_trip`` gives the empty-frame round trip.
+7. a timing table: CUDA-event replay time per program (mixed ones included);
+8. the deployment end to end: ``LocalDeployment`` on CUDA with graphs (mixed
+   programs too) serves 16 concurrent requests consistently (the frames run
+   per kind are recorded), and ``Engine.measure_round_trip`` gives the
+   empty-frame round trip.
 
 ``--device cpu`` runs the same script without capture or NCCL (a dry run of
 the script itself).  The last line is one JSON object with every figure; the
@@ -58,7 +64,9 @@ def check(name: str, ok: bool, detail: str = "") -> bool:
 
 def worker(device: str, capture: bool) -> tuple[RankWorker, float]:
     model = load_model(default_model_dir(), dtype=torch.float32, device=device)
-    capacity = CapacityConfig(max_concurrency=8, min_prefill_tokens=64, max_prefill_tokens=256)
+    capacity = CapacityConfig(
+        max_concurrency=8, min_prefill_tokens=64, max_prefill_tokens=256, mixed_prefill=True
+    )
     start = time.perf_counter()
     w = RankWorker(
         model, capacity, num_pages=8 * PAGES_PER_SLOT, page_size=PAGE, capture=capture,
@@ -78,32 +86,47 @@ class Driver:
         self.fence = self.gen * 1_000_000
         self.times: dict[str, list[int]] = {}
 
-    def send(self, program: GraphDescriptor, lanes: list[FrameLane]):
+    def send(self, program: GraphDescriptor, lanes: list[FrameLane], prompt_row: int = -1):
         self.fence += 1
-        completion = self.w.execute(Frame(self.fence, program, tuple(lanes)))
+        completion = self.w.execute(Frame(self.fence, program, tuple(lanes), prompt_row))
         self.times.setdefault(program.describe(), []).append(completion.device_ns)
         return completion
 
-    def prefill(self, slot: int, prompt: list[int], sampling: SamplingParams, chunk: int = 256):
+    def chunk(self, slot, prompt, start, end, sampling) -> FrameLane:
         pages = tuple(range(slot * PAGES_PER_SLOT, (slot + 1) * PAGES_PER_SLOT))
+        last = 1 if end == len(prompt) else 0
+        self.pos[slot] = end
+        return FrameLane(slot, self.gen, "prefill", start, tuple(prompt[start:end]), start, pages,
+                         last, sampling)  # fmt: skip
+
+    def prefill(self, slot: int, prompt: list[int], sampling: SamplingParams, chunk: int = 256):
         out = None
         for start in range(0, len(prompt), chunk):
-            piece = prompt[start : start + chunk]
-            last = start + len(piece) == len(prompt)
-            lane = FrameLane(slot, self.gen, "prefill", start, tuple(piece), start, pages,
-                             1 if last else 0, sampling)  # fmt: skip
-            cap = next(c for c in (64, 128, 256) if c >= len(piece))
+            lane = self.chunk(slot, prompt, start, min(start + chunk, len(prompt)), sampling)
+            cap = next(c for c in (64, 128, 256) if c >= len(lane.prompt_tokens))
             out = self.send(GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=cap), [lane])
-        self.pos[slot] = len(prompt)
         return out.lanes[0].tokens[0]
+
+    def decoders(self, slots: list[int]) -> list[FrameLane]:
+        lanes = [FrameLane(s, self.gen, "decode", 0, (), self.pos[s], (), 1, None) for s in slots]
+        for s in slots:
+            self.pos[s] += 1
+        return lanes
 
     def decode(self, slots: list[int]):
         batch = next(b for b in (1, 2, 4, 8) if b >= len(slots))
-        lanes = [FrameLane(s, self.gen, "decode", 0, (), self.pos[s], (), 1, None) for s in slots]
-        completion = self.send(GraphDescriptor(GraphKind.DECODE, batch), lanes)
-        for s in slots:
-            self.pos[s] += 1
-        return completion
+        return self.send(GraphDescriptor(GraphKind.DECODE, batch), self.decoders(slots))
+
+    def mixed(self, chunk: FrameLane, slots: list[int]):
+        """One mixed frame: ``chunk`` as the prompt row (lane 1 when there are
+        decoders, so it is not always lane 0) beside the decoders ``slots``."""
+        lanes = self.decoders(slots)
+        row = min(1, len(lanes))
+        lanes.insert(row, chunk)
+        batch = next(b for b in (2, 4, 8) if b >= len(lanes))
+        cap = next(c for c in (64, 128, 256) if c >= len(chunk.prompt_tokens))
+        program = GraphDescriptor(GraphKind.MIXED, batch, prompt_capacity=cap)
+        return self.send(program, lanes, prompt_row=row)
 
 
 def generate(w: RankWorker, prompts, samplings, new: int, together: bool = True):
@@ -117,6 +140,36 @@ def generate(w: RankWorker, prompts, samplings, new: int, together: bool = True)
             for lane in completion.lanes:
                 out[lane.slot].append(lane.tokens[0])
     return [out[i] for i in slots], d
+
+
+def generate_mixed(w: RankWorker, prompts, samplings, new: int, use_mixed: bool = True):
+    """The first half of the prompts prefilled alone; each later prompt arrives
+    chunk by chunk beside the running decoders, as mixed frames (``use_mixed``)
+    or as a prefill frame plus a decode frame; then decode to ``new`` tokens."""
+    d = Driver(w)
+    half = len(prompts) // 2
+    out = {i: [d.prefill(i, prompts[i], samplings[i])] for i in range(half)}
+    for i in range(half, len(prompts)):
+        prompt = prompts[i]
+        for start in range(0, len(prompt), 256):
+            end = min(start + 256, len(prompt))
+            running = [s for s in out if len(out[s]) < new]
+            chunk = d.chunk(i, prompt, start, end, samplings[i])
+            if use_mixed:
+                lanes = d.mixed(chunk, running).lanes
+            else:
+                cap = next(c for c in (64, 128, 256) if c >= len(chunk.prompt_tokens))
+                program = GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=cap)
+                lanes = d.send(program, [chunk]).lanes
+                lanes += d.decode(running).lanes if running else ()
+            for lane in lanes:
+                if lane.tokens:  # a chunk short of the prompt end commits none
+                    out.setdefault(lane.slot, []).extend(lane.tokens)
+    while any(len(t) < new for t in out.values()):
+        completion = d.decode([s for s in out if len(out[s]) < new])
+        for lane in completion.lanes:
+            out[lane.slot].append(lane.tokens[0])
+    return [out[i] for i in range(len(prompts))], d
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +211,28 @@ def main(argv: list[str] | None = None) -> int:
     diff = max(abs(x - y) for x, y in zip(a, b))
     ok &= check("logprobs_graph_equals_eager", len(a) == len(b) and diff < 1e-5, f"max diff {diff}")
 
+    mixed = sum(d.kind is GraphKind.MIXED for d in graphs.catalog)
+    RESULTS["mixed_programs"] = mixed
+    ok &= check("mixed_programs_prepared", mixed == 9, f"{mixed} mixed programs")
+    for name, samplings in (("greedy", greedy), ("seeded", seeded)):
+        ref, _ = generate_mixed(eager, prompts, samplings, 12)
+        got, _ = generate_mixed(graphs, prompts, samplings, 12)
+        ok &= check(f"mixed_graph_equals_eager_{name}", got == ref)
+    separate, _ = generate_mixed(graphs, prompts, greedy, 12, use_mixed=False)
+    together, _ = generate_mixed(graphs, prompts, greedy, 12)
+    ok &= check("mixed_equals_separate_greedy", together == separate)
+
+    def mixed_logprobs(w: RankWorker) -> list[float]:
+        d = Driver(w)
+        d.prefill(0, prompts[1], SamplingParams(logprobs=5))
+        chunk = d.chunk(1, prompts[2], 0, len(prompts[2]), SamplingParams(logprobs=5))
+        return d.mixed(chunk, [0]).sidecars["logprobs"].values()
+
+    a, b = mixed_logprobs(eager), mixed_logprobs(graphs)
+    diff = max(abs(x - y) for x, y in zip(a, b))
+    ok &= check("mixed_logprobs_graph_equals_eager", len(a) == len(b) == 12 and diff < 1e-5,
+                f"max diff {diff}")  # fmt: skip
+
     if cuda:
         import torch.distributed as dist
 
@@ -170,11 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
     _, driver = generate(graphs, prompts, greedy, 16)
+    _, mixed_driver = generate_mixed(graphs, prompts, greedy, 16)
+    for graph, ns in mixed_driver.times.items():
+        driver.times.setdefault(graph, []).extend(ns)
     table = {g: round(statistics.median(ns) / 1e3, 1) for g, ns in sorted(driver.times.items())}
     RESULTS["replay_us"] = table
     print("program replay (median us):")
     for graph, us in table.items():
-        print(f"  {graph:<24} {us:>10.1f}")
+        print(f"  {graph:<30} {us:>10.1f}")
 
     from runtime.local import DeploymentConfig, LocalDeployment
 
@@ -182,13 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     for tp in (1, 2) if args.tp2 else (1,):
         config = DeploymentConfig(tensor_parallel_size=tp, max_concurrency=16,
                                   max_prefill_tokens=256, num_pages=1024,
-                                  device=args.device, max_model_len=512)  # fmt: skip
+                                  device=args.device, max_model_len=512,
+                                  mixed_prefill=True)  # fmt: skip
         with LocalDeployment(config) as deployment:
             engine = deployment.engine
             streams = [engine.submit(p, 8, ignore_eos=True) for p in prompts * 2]
             tokens = [s.result(timeout=300).token_ids for s in streams]
             trips = engine.measure_round_trip(200)
             summary = engine.stats.summary()
+            by_kind = {kind: frames for kind, (frames, _) in engine.stats.by_kind().items()}
+        RESULTS[f"tp{tp}_frames_by_kind"] = by_kind  # "mixed": frames the scheduler chose
         RESULTS[f"tp{tp}_round_trip_us"] = round(statistics.median(trips) / 1e3, 1)
         RESULTS[f"tp{tp}_host_overhead_ratio"] = round(summary.get("busy_overhead_ratio", 0), 3)
         # bfloat16 on CUDA by default: compare the deployment with itself across copies.
