@@ -8,8 +8,9 @@ baselines of ``scripts/scheduling_sim/baselines`` (``fcfs``, ``vllm``,
 ``sglang``, ``sarathi``, ``vtc``), all over the same prepared catalog (with
 ``--mixed-prefill``, the default here, the mixed shapes of ``mixed_shapes``
 for every scheduler), the same slot count and the same costs.  ``flare-nomixed``
-is flare over the catalog without mixed shapes, for reference; it takes no part
-in the goals.
+is flare over the catalog without mixed shapes and ``flare-warm`` is flare whose
+catalog was measured before the run (every estimate known at t = 0, so no
+discovery frames), both for reference; they take no part in the goals.
 
 The workloads (``scripts/scheduling_sim/workload.py``), per cost profile:
 
@@ -61,7 +62,7 @@ from scripts.scheduling_sim.workload import (
 
 PROFILES = ("llama1b-h100", "llama1b-h100-additive")
 BASELINES = tuple(s for s in SCHEDULERS if s != "flare")
-REFERENCE = "flare-nomixed"
+REFERENCES = ("flare-nomixed", "flare-warm")
 CHAT_LOADS = {"chat50": 0.5, "chat80": 0.8, "chat95": 0.95}
 WORKLOADS = ("burst", *CHAT_LOADS, "contention", "tenants", "issue_a", "issue_b")
 VLLM_GAP_RATIO = 0.7
@@ -92,6 +93,14 @@ def workload(name: str, capacity_req_per_s: float, quick: bool):
     raise ValueError(f"unknown workload {name!r}")
 
 
+def capacity(flare: RunConfig, quick: bool = False) -> tuple[float, dict]:
+    """Capacity in requests/s: flare's output tokens/s on the burst over its mean output."""
+    arrivals = workload("burst", 1.0, quick)
+    report, _ = simulate(flare, arrivals)
+    mean_output = sum(a.spec.max_output_tokens for a in arrivals) / len(arrivals)
+    return report["output_tokens_per_s"] / mean_output, report
+
+
 def _run(job: tuple[RunConfig, str, float, bool]) -> dict:
     cfg, name, capacity, quick = job
     report, _ = simulate(cfg, workload(name, capacity, quick))
@@ -101,7 +110,8 @@ def _run(job: tuple[RunConfig, str, float, bool]) -> dict:
 def configs(base: RunConfig, profile: str) -> dict[str, RunConfig]:
     out = {"flare": replace(base, profile=profile, scheduler="flare")}
     out.update({b: replace(base, profile=profile, scheduler=b) for b in BASELINES})
-    out[REFERENCE] = replace(base, profile=profile, scheduler="flare", mixed_prefill=False)
+    out["flare-nomixed"] = replace(base, profile=profile, scheduler="flare", mixed_prefill=False)
+    out["flare-warm"] = replace(base, profile=profile, scheduler="flare", warm=True)
     return out
 
 
@@ -198,16 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         for profile in profiles:
             cfgs = configs(base, profile)
             # Capacity first: flare's output tokens/s on the burst.
-            burst_arrivals = workload("burst", 1.0, args.quick)
-            burst_report = _run((cfgs["flare"], "burst", 1.0, args.quick))
-            mean_output = sum(a.spec.max_output_tokens for a in burst_arrivals) / len(
-                burst_arrivals
-            )
-            capacity = burst_report["output_tokens_per_s"] / mean_output
-            out["capacity_req_per_s"][profile] = round(capacity, 3)
+            cap, burst_report = capacity(cfgs["flare"], args.quick)
+            out["capacity_req_per_s"][profile] = round(cap, 3)
             per_profile: dict = {}
             jobs = {
-                (name, s): (cfg, name, capacity, args.quick)
+                (name, s): (cfg, name, cap, args.quick)
                 for name in names
                 for s, cfg in cfgs.items()
                 if not (name == "burst" and s == "flare")
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_profile[name] = results
                 title = f"{profile} / {name}"
                 if name != "burst":
-                    title += f" (capacity {capacity:.2f} req/s)"
+                    title += f" (capacity {cap:.2f} req/s)"
                 print_table(title, results)
                 g = goals(results)
                 out["goals"].setdefault(profile, {})[name] = g

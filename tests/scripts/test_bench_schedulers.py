@@ -1,0 +1,110 @@
+"""The simulator's scheduler choice, the scheduler comparison benchmark and the
+decision explainer: each runs, reports honest figures and ends with one JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from scripts.bench_schedulers import dominated, goals
+from scripts.scheduling_sim.__main__ import main as sim_main
+from scripts.scheduling_sim.explain import main as explain_main
+from scripts.scheduling_sim.runner import RunConfig, decode_batches_for, simulate
+from scripts.scheduling_sim.workload import WorkloadConfig, make_workload
+
+FLAGS = ["--requests", "12", "--prompt-len", "64:700", "--output-len", "8:40"]
+
+
+@pytest.mark.parametrize("scheduler", ["flare", "fcfs", "vllm", "sglang", "sarathi", "vtc"])
+def test_every_scheduler_runs_with_mixed_shapes(capsys, scheduler):
+    assert (
+        sim_main([*FLAGS, "--arrival-rate", "50", "--mixed-prefill", "--scheduler", scheduler]) == 0
+    )
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["finished"] == 12 and report["scheduler"] == scheduler
+    assert report["mixed_prefill"] is True
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "gap_ms_p50", "gap_ms_p99", "gap_ms_max",
+                "output_tokens_per_s", "goodput_req_per_s", "fairness_jain"):  # fmt: skip
+        assert report[key] is not None
+    assert 0 < report["fairness_jain"] <= 1
+    if scheduler == "flare":
+        assert any(name.startswith("mixed") for name in report["frames_by_graph"])
+
+
+def test_mixed_chunk_is_an_sglang_flag(capsys):
+    with pytest.raises(SystemExit):
+        sim_main([*FLAGS, "--scheduler", "vllm", "--enable-mixed-chunk"])
+    assert "sglang" in capsys.readouterr().err
+    assert sim_main([*FLAGS, "--scheduler", "sglang", "--enable-mixed-chunk"]) == 0
+
+
+def test_decode_batches_follow_the_padded_slot_count():
+    assert decode_batches_for(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert decode_batches_for(6) == (1, 2, 4, 8)
+    catalog = RunConfig(max_slots=6, mixed_prefill=True).catalog()
+    assert max(d.batch_capacity for d in catalog) == 8
+
+
+def test_warm_start_measures_the_catalog_first():
+    arrivals = make_workload(WorkloadConfig(8, 0.0, prompt_len=(64, 300), output_len=(4, 8)))
+    cold, sim_cold = simulate(RunConfig(mixed_prefill=True), arrivals)
+    warm, sim_warm = simulate(RunConfig(mixed_prefill=True, warm=True), arrivals)
+    assert {t["reason"] for t in sim_warm.trace} == {"ordinary"}
+    assert "discovery" in {t["reason"] for t in sim_cold.trace}
+    assert warm["finished"] == cold["finished"] == 8
+    with pytest.raises(ValueError, match="warm"):
+        simulate(RunConfig(scheduler="vllm", warm=True), arrivals)
+
+
+def _r(ttft, gap, tps):
+    return {"ttft_ms_p99": ttft, "gap_ms_p99": gap, "output_tokens_per_s": tps}
+
+
+def test_pareto_domination_and_vllm_goals():
+    assert dominated(_r(10, 5, 100), _r(9, 5, 100))
+    assert dominated(_r(10, 5, 100), _r(10, 5, 101))
+    assert not dominated(_r(10, 5, 100), _r(10, 5, 100))  # equal is not dominated
+    assert not dominated(_r(10, 5, 100), _r(9, 6, 200))
+    base = {b: _r(20, 10, 50) for b in ("fcfs", "sglang", "sarathi", "vtc")}
+    g = goals({"flare": _r(10, 3.5, 98), "vllm": _r(10, 5, 100), **base})
+    assert g["pareto_ok"] and g["ttft_ok"] and g["gap_ok"] and g["tokens_per_s_ok"]
+    g = goals({"flare": _r(10, 5.5, 97), "vllm": _r(9.9, 5, 100), **base})
+    assert not g["gap_ok"] and not g["tokens_per_s_ok"] and not g["ttft_ok"]
+    assert g["dominated_by"] == ["vllm"]
+
+
+def test_bench_schedulers_quick_run_prints_tables_and_json_last():
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_schedulers.py", "--quick", "--profiles", "llama1b-h100",
+         "--workloads", "burst,issue_a", "--jobs", "1"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    data = json.loads(lines[-1])
+    assert "## llama1b-h100 / burst" in out.stdout and "## goals" in out.stdout
+    results = data["profiles"]["llama1b-h100"]["issue_a"]
+    assert set(results) == {"flare", "fcfs", "vllm", "sglang", "sarathi", "vtc",
+                            "flare-nomixed", "flare-warm"}  # fmt: skip
+    for report in results.values():
+        assert report["finished"] == report["requests"] == 25
+        assert report["output_tokens_per_s"] > 0
+    assert data["capacity_req_per_s"]["llama1b-h100"] > 0
+    assert set(data["goals"]["llama1b-h100"]) == {"burst", "issue_a"}
+
+
+def test_explain_names_the_winner_and_the_requests_best_candidate(capsys):
+    args = [*FLAGS, "--arrival-rate", "80", "--mixed-prefill", "--request", "worst-ttft"]
+    assert explain_main(args) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(lines[-1])
+    assert data["rows"], "the watched request waited through at least one decision"
+    assert lines[0].startswith(f"request {data['request']}:")
+    for row in data["rows"]:
+        assert row["winner"]["graph"]
+        if not row["served"] and not row.get("in_flight"):
+            mine = row["best_with_request"]
+            if mine is not None:
+                assert mine["score"] <= row["winner"]["score"] or row["winner"]["t_ms"] == 0
