@@ -269,42 +269,87 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
 
     if not ctx.prefill:
         return
-    # Prompt row + decoders: the kept shapes of each row, then the best row per shape.
-    # shape index -> (prompt value, -lru, row, tokens) of its best undominated row
-    best_row: dict[int, tuple[float, int, LaneView, int]] = {}
-    for lane in ctx.prefill:
+    # Prompt row + decoders.  A row's prompt value does not depend on the batch,
+    # so batches whose ladders look alike (same capacities, same measured state)
+    # share one pass over the rows.  Below `cover` every batch serves a
+    # different number of decoders, so only capacities compete there; beyond
+    # it the decoders are the same as on `cover`, so a batch with cover's
+    # ladder is dominated outright and any other one is checked row by row.
+    cover = next((b for b in batches if b - 1 >= n_dec), batches[-1])
+    signature = {
+        b: tuple((e.descriptor.prompt_capacity, e.known) for _, e in by_batch[b]) for b in batches
+    }
+    beyond = [b for b in batches if b > cover and signature[b] != signature[cover]]
+    kept: dict[int, dict[int, int]] | None = {} if beyond else None
+    shared: dict[tuple, list] = {}
+    for batch in batches:
+        ladder = by_batch[batch]
+        if batch < cover or (batch == cover and kept is None):
+            rows = shared.get(signature[batch])
+            if rows is None:
+                rows = shared[signature[batch]] = _best_rows(ladder, ctx.prefill, beta, None)
+        elif batch == cover or batch in beyond:
+            rows = _best_rows(ladder, ctx.prefill, beta, kept)
+        else:
+            continue  # the same rows, work and decoders as on `cover`: dominated
+        n = min(batch - 1, n_dec)
+        cohort = ctx.decode[:n]
+        for (index, entry), row in zip(ladder, rows):
+            if row is None:
+                continue
+            value, _, lane, tokens = row
+            desc = entry.descriptor
+            padding = desc.prompt_capacity - tokens + (batch - 1) - n
+            out.append(
+                Candidate(
+                    entry, index, [lane, *cohort], value + prefix_value[n], slope * n, padding,
+                    max(lane.lru, prefix_lru[n]), tokens, ctx, 0,
+                )
+            )  # fmt: skip
+
+
+def _best_rows(
+    ladder: list[tuple[int, CostEntry]],
+    lanes: list[LaneView],
+    beta: float,
+    kept: dict[int, dict[int, int]] | None,
+) -> list[tuple[float, int, LaneView, int] | None]:
+    """Per capacity of one batch's ladder, the best undominated prompt row:
+    (prompt value, -lru, row, tokens), or None.
+
+    A row stops at the first kept capacity that covers its available tokens
+    (larger ones do the same work); the exploration rule skips an unmeasured
+    capacity once a smaller one of the ladder reaches the row's endpoint.
+    ``kept`` (row index -> tokens -> smallest capacity) carries the work rows
+    already do with the same decoders on a smaller batch: the same work on a
+    capacity at least as large is dominated.
+    """
+    best: list[tuple[float, int, LaneView, int] | None] = [None] * len(ladder)
+    for i, lane in enumerate(lanes):
         avail, to_end = lane.available, lane.to_endpoint
-        kept: dict[tuple[int, int], int] = {}  # (decoders, tokens) -> smallest capacity kept
-        for batch in batches:
-            n = min(batch - 1, n_dec)
-            previous = 0  # largest smaller capacity of this batch seen, kept or not
-            for index, entry in by_batch[batch]:
-                capacity = entry.descriptor.prompt_capacity
-                if not entry.known and previous >= to_end:
-                    previous = capacity
-                    continue  # exploration: a smaller capacity reaches the endpoint
+        done = None if kept is None else kept.setdefault(i, {})
+        previous = 0  # largest smaller capacity of this ladder seen, kept or not
+        for pos, (_, entry) in enumerate(ladder):
+            capacity = entry.descriptor.prompt_capacity
+            if not entry.known and previous >= to_end:
                 previous = capacity
-                tokens = capacity if capacity < avail else avail
-                held = kept.get((n, tokens))
+                continue  # exploration: a smaller capacity reaches the endpoint
+            previous = capacity
+            tokens = capacity if capacity < avail else avail
+            if done is not None:
+                held = done.get(tokens)
                 if held is not None and held <= capacity:
-                    continue  # dominated: the same cohort and work on a smaller shape
-                kept[(n, tokens)] = capacity
-                value = _prompt_value(lane, tokens, beta)
-                rank = (value, -lane.lru)
-                current = best_row.get(index)
-                if current is None or rank > current[:2]:
-                    best_row[index] = (value, -lane.lru, lane, tokens)
-    for index, (value, _, lane, tokens) in best_row.items():
-        entry = entries[index]
-        desc = entry.descriptor
-        n = min(desc.batch_capacity - 1, n_dec)
-        padding = desc.prompt_capacity - tokens + (desc.batch_capacity - 1) - n
-        out.append(
-            Candidate(
-                entry, index, [lane, *ctx.decode[:n]], value + prefix_value[n], slope * n,
-                padding, max(lane.lru, prefix_lru[n]), tokens, ctx, 0,
-            )
-        )  # fmt: skip
+                    if capacity >= avail:
+                        break
+                    continue  # dominated: the same work on a smaller batch
+                done[tokens] = capacity
+            value = _prompt_value(lane, tokens, beta)
+            current = best[pos]
+            if current is None or (value, -lane.lru) > current[:2]:
+                best[pos] = (value, -lane.lru, lane, tokens)
+            if capacity >= avail:
+                break  # larger capacities of this ladder do the same work
+    return best
 
 
 CANDIDATE_BUILDERS = (prefill_candidates, decode_candidates, mixed_candidates)
