@@ -69,9 +69,11 @@ class Watch:
         if winner is None:
             return
         mine = [c for c in cands if any(v.request.handle.id == self.request_id for v in c.lanes)]
+        mine.sort(key=selection.Candidate.rank_key, reverse=True)
         if any(c is winner for c in mine):
             row = {"at_ms": round(self._s.now_ns / 1e6, 3), "served": True}
             row["winner"] = _describe(winner)
+            row["runners_up"] = [_describe(c) for c in mine if c is not winner][:2]
             self.rows.append(row)
             return
         view = next(
@@ -195,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             line += f"  f/x {r.get('token_price')}, queued {r['queued_frames']}"
         else:
             line += "  <- its best (committed once the window allows)"
+            for b in r.get("runners_up", []):
+                line += f"\n{'':>16}next   {b['graph']:<28} score {b['score']:>10.2f}"
+                line += f" (value {b['value']}, T {b['t_ms']} ms, rows {b['rows']},"
+                line += f" prompt tokens {b['prompt_tokens']})"
         print(line)
     print(
         json.dumps(
