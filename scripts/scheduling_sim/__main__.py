@@ -12,7 +12,7 @@ import sys
 from scripts.scheduling_sim.catalogs import PROFILES
 from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 from scripts.scheduling_sim.runner import PREFILL_BUCKETS, SCHEDULERS, RunConfig, simulate
-from scripts.scheduling_sim.workload import WorkloadConfig, make_workload
+from scripts.scheduling_sim.workload import Arrival, WorkloadConfig, make_workload
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -101,8 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run(args: argparse.Namespace) -> dict:
-    cfg = RunConfig(
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(
         scheduler=args.scheduler,
         profile=args.profile,
         policy=args.scheduler_policy,
@@ -119,7 +119,10 @@ def run(args: argparse.Namespace) -> dict:
         seed=args.seed,
         max_seconds=args.max_seconds,
     )
-    workload = make_workload(
+
+
+def workload_from_args(args: argparse.Namespace) -> list[Arrival]:
+    return make_workload(
         WorkloadConfig(
             requests=args.requests,
             arrival_rate_per_s=args.arrival_rate,
@@ -129,6 +132,11 @@ def run(args: argparse.Namespace) -> dict:
             seed=args.seed,
         )
     )
+
+
+def run(args: argparse.Namespace) -> dict:
+    cfg = config_from_args(args)
+    workload = workload_from_args(args)
     report, sim = simulate(cfg, workload)
     if args.trace:
         with open(args.trace, "w", encoding="utf-8") as fh:

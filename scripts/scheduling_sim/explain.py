@@ -19,12 +19,13 @@ import argparse
 import json
 import sys
 from collections import Counter
+from dataclasses import replace
 from itertools import pairwise
 
 from runtime.coordinator import policy as selection
+from scripts.scheduling_sim.__main__ import config_from_args, workload_from_args
 from scripts.scheduling_sim.__main__ import parse_args as sim_args
-from scripts.scheduling_sim.runner import RunConfig, simulate
-from scripts.scheduling_sim.workload import WorkloadConfig, make_workload
+from scripts.scheduling_sim.runner import simulate
 
 
 def _describe(c: selection.Candidate) -> dict:
@@ -128,50 +129,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--show", type=int, default=12, help="decisions printed (all go to JSON)")
     own, rest = p.parse_known_args(argv)
     args = sim_args(rest)
-    cfg = RunConfig(
-        profile=args.profile,
-        policy=args.scheduler_policy,
-        mixed_prefill=args.mixed_prefill or bool(own.suite),
-        max_slots=args.max_slots,
-        prefill_buckets=args.prefill_buckets,
-        decode_batches=args.decode_batches,
-        seed=args.seed,
-        max_seconds=args.max_seconds,
-    )
+    cfg = replace(config_from_args(args), scheduler="flare")
     if own.suite:
+        cfg = replace(cfg, mixed_prefill=True)
         from scripts.bench_schedulers import capacity, workload
 
         cap, _ = capacity(cfg)
         make = lambda: workload(own.suite, cap, False)  # noqa: E731
     else:
-        wl_cfg = WorkloadConfig(
-            requests=args.requests,
-            arrival_rate_per_s=args.arrival_rate,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-            messages=args.messages,
-            seed=args.seed,
-        )
-        make = lambda: make_workload(wl_cfg)  # noqa: E731
+        make = lambda: workload_from_args(args)  # noqa: E731
     report, sim = simulate(cfg, make())
     request_id, window = pick(sim, own.request)
     stats = sim.requests[request_id]
 
-    import scripts.scheduling_sim.runner as runner
-
-    original = runner.make_scheduler
     watch: list[Watch] = []
 
-    def wrapped(c, catalog):
-        w = Watch(original(c, catalog), request_id, window)
-        watch.append(w)
-        return w
+    def observe(scheduler) -> Watch:
+        watch.append(Watch(scheduler, request_id, window))
+        return watch[-1]
 
-    runner.make_scheduler = wrapped
-    try:
-        simulate(cfg, make())
-    finally:
-        runner.make_scheduler = original
+    simulate(cfg, make(), wrap=observe)
     rows = watch[0].rows
     print(
         f"request {request_id}: prompt {stats.prompt_len}, output {stats.output_target}, "

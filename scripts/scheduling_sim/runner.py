@@ -14,8 +14,9 @@ schedulers the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.catalog import GraphDescriptor
 from runtime.coordinator import PolicyConfig, Scheduler, SchedulerConfig
@@ -84,8 +85,14 @@ def make_scheduler(cfg: RunConfig, catalog: Sequence[GraphDescriptor]):
     )
 
 
-def simulate(cfg: RunConfig, arrivals: list[Arrival]) -> tuple[dict, Simulation]:
-    """Run ``arrivals`` under ``cfg``; the summary (see metrics.summarize) and the simulation."""
+def simulate(
+    cfg: RunConfig, arrivals: list[Arrival], wrap: Callable[[Any], Any] | None = None
+) -> tuple[dict, Simulation]:
+    """Run ``arrivals`` under ``cfg``; the summary (see metrics.summarize) and the simulation.
+
+    ``wrap``: the simulation drives ``wrap(scheduler)`` (an observer that
+    delegates to the scheduler, as ``explain`` uses).
+    """
     catalog = cfg.catalog()
     scheduler = make_scheduler(cfg, catalog)
     if cfg.warm:
@@ -95,7 +102,7 @@ def simulate(cfg: RunConfig, arrivals: list[Arrival]) -> tuple[dict, Simulation]
         for desc in catalog:
             scheduler.catalog.observe(desc, duration(desc), 0)
     sim = Simulation(
-        scheduler,
+        scheduler if wrap is None else wrap(scheduler),
         PROFILES[cfg.profile].duration_ns,
         arrivals,
         tp=cfg.tp,

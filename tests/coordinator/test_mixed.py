@@ -31,6 +31,7 @@ from tests.coordinator.test_selection import (
     TOKEN,
     TTL_NS,
     Driver,
+    admit_due,
     decode,
     next_hard_end,
     prefill,
@@ -216,15 +217,7 @@ def exhaustive_trial(seed: int) -> tuple[int, set[str]]:
     checks = 0
     kinds: set[str] = set()
     for frame in range(rng.randint(20, 40)):
-        while arrivals and arrivals[0] <= frame:
-            arrivals.pop(0)
-            prompt = rng.randint(20, 700)
-            kw = {}
-            if rng.random() < 0.3 and prompt > 1:
-                kw["boundaries"] = (rng.randint(1, prompt - 1),)
-            drv.admit(prompt, rng.randint(2, 40), **kw)
-        if rng.random() < 0.3:
-            drv.advance(rng.randint(1, 40 * MS))
+        admit_due(drv, rng, arrivals, frame)
         if not runnable(drv.sched):
             continue
         plan = drv.plan()

@@ -527,6 +527,20 @@ def check_winner(drv: Driver, costs, plan, queued=None) -> None:
     assert plan.unscaled_value_rate() == pytest.approx(mine, rel=1e-9, abs=1e-12)
 
 
+def admit_due(drv: Driver, rng: random.Random, arrivals: list[int], frame: int) -> None:
+    """Admit the requests due by ``frame`` (random prompts, some with a hard
+    boundary, random output limits); sometimes idle so output ages diverge."""
+    while arrivals and arrivals[0] <= frame:
+        arrivals.pop(0)
+        prompt = rng.randint(20, 700)
+        kw = {}
+        if rng.random() < 0.3 and prompt > 1:
+            kw["boundaries"] = (rng.randint(1, prompt - 1),)
+        drv.admit(prompt, rng.randint(2, 40), **kw)
+    if rng.random() < 0.3:
+        drv.advance(rng.randint(1, 40 * MS))
+
+
 def exhaustive_trial(seed: int) -> int:
     rng = random.Random(seed)
     costs = random_costs(rng)
@@ -538,15 +552,7 @@ def exhaustive_trial(seed: int) -> int:
     arrivals[0] = 0
     checks = 0
     for frame in range(rng.randint(20, 45)):
-        while arrivals and arrivals[0] <= frame:
-            arrivals.pop(0)
-            prompt = rng.randint(20, 700)
-            kw = {}
-            if rng.random() < 0.3 and prompt > 1:
-                kw["boundaries"] = (rng.randint(1, prompt - 1),)
-            drv.admit(prompt, rng.randint(2, 40), **kw)
-        if rng.random() < 0.3:
-            drv.advance(rng.randint(1, 40 * MS))  # idle: output ages diverge
+        admit_due(drv, rng, arrivals, frame)
         if not runnable(drv.sched):
             continue
         plan = drv.plan()
