@@ -12,11 +12,14 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from statistics import median
+from typing import Any, TypeVar
 
 from runtime.catalog import GraphDescriptor, GraphKind, validate_catalog
 
 WINDOW = 9
+T = TypeVar("T")
 
 
 def cost_sample_ns(rank_device_ns: tuple[int, ...], readiness_delay_ns: int = 0) -> int:
@@ -91,6 +94,7 @@ class CostCatalog:
                 )
             )
         self.version = 0  # bumps on every estimate change, for derived caches
+        self._derived: dict[str, tuple[int, Any]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -109,6 +113,15 @@ class CostCatalog:
         if changed:
             self.version += 1
         return changed
+
+    def derived(self, key: str, build: Callable[[], T], per_version: bool = True) -> T:
+        """``build()``, cached until the next estimate change (catalog version), or
+        for good with ``per_version=False`` (what depends on the descriptors only)."""
+        held = self._derived.get(key)
+        if held is None or (per_version and held[0] != self.version):
+            held = (self.version, build())
+            self._derived[key] = held
+        return held[1]
 
     def estimates(self) -> dict[str, int]:
         """Current estimates by readable name (zero = indeterminate), for metrics."""

@@ -125,14 +125,17 @@ class Candidate:
         self.lru = lru
         self.prompt_tokens = prompt_tokens
         self.prompt_row = prompt_row
-        self.unknown = not entry.known
-        self.stale = entry.known and entry.stale(ctx.now_ns, ctx.ttl_ns)
-        if self.unknown:
+        estimate_ns = entry.estimate_ns
+        if estimate_ns <= 0:  # indeterminate (CostEntry.known is False)
+            self.unknown = True
+            self.stale = False
             self.t_ms = 0.0
             self.score = value  # optimistic work score: no division by an unknown time
         else:
-            self.t_ms = entry.estimate_ns / 1e6
-            self.score = value_rate(value, age_slope, self.t_ms, ctx.active_age_price)
+            self.unknown = False
+            self.stale = entry.stale(ctx.now_ns, ctx.ttl_ns)
+            self.t_ms = t_ms = estimate_ns / 1e6
+            self.score = value_rate(value, age_slope, t_ms, ctx.active_age_price)
 
     def rank_key(self) -> tuple:
         return (
@@ -234,19 +237,15 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
     an unmeasured capacity is skipped when a smaller capacity of that batch
     already reaches the row's next endpoint.
     """
-    entries = [e for e in ctx.catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity == 1]
-    if not entries or not (ctx.decode or ctx.prefill):
+    layout = ctx.catalog.derived("mixed", lambda: _MixedLayout(ctx.catalog), per_version=False)
+    if not layout.batches or not (ctx.decode or ctx.prefill):
         return
     prefix_value, prefix_lru = ctx.sort_decoders()
     n_dec = len(ctx.decode)
     slope = ctx.decode_age_slope
     beta = ctx.beta
-    by_batch: dict[int, list[tuple[int, CostEntry]]] = {}
-    for index, entry in enumerate(entries):
-        by_batch.setdefault(entry.descriptor.batch_capacity, []).append((index, entry))
-    batches = sorted(by_batch)
-    for ladder in by_batch.values():
-        ladder.sort(key=lambda item: item[1].descriptor.prompt_capacity)
+    by_batch, batches = layout.by_batch, layout.batches
+    signature = ctx.catalog.derived("mixed-signature", layout.signature)
 
     # Decode-only populations: the prompt capacity is padding, so per batch only
     # the smallest capacity stays, and batches stop at the first that covers
@@ -276,9 +275,6 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
     # it the decoders are the same as on `cover`, so a batch with cover's
     # ladder is dominated outright and any other one is checked row by row.
     cover = next((b for b in batches if b - 1 >= n_dec), batches[-1])
-    signature = {
-        b: tuple((e.descriptor.prompt_capacity, e.known) for _, e in by_batch[b]) for b in batches
-    }
     beyond = [b for b in batches if b > cover and signature[b] != signature[cover]]
     kept: dict[int, dict[int, int]] | None = {} if beyond else None
     shared: dict[tuple, list] = {}
@@ -306,6 +302,32 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
                     max(lane.lru, prefix_lru[n]), tokens, ctx, 0,
                 )
             )  # fmt: skip
+
+
+class _MixedLayout:
+    """The width-one mixed shapes by batch, each batch's prompt ladder ascending
+    (fixed with the catalog), and each ladder's signature: its capacities and
+    which are measured (per estimate change)."""
+
+    def __init__(self, catalog: CostCatalog) -> None:
+        entries = [e for e in catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity == 1]
+        self.by_batch: dict[int, list[tuple[int, CostEntry]]] = {}
+        for index, entry in enumerate(entries):
+            self.by_batch.setdefault(entry.descriptor.batch_capacity, []).append((index, entry))
+        for ladder in self.by_batch.values():
+            ladder.sort(key=lambda item: item[1].descriptor.prompt_capacity)
+        self.batches = sorted(self.by_batch)
+        self.capacities = {
+            b: tuple(e.descriptor.prompt_capacity for _, e in ladder)
+            for b, ladder in self.by_batch.items()
+        }
+
+    def signature(self) -> dict[int, tuple]:
+        """Per batch: its capacities and which are measured (estimate > 0)."""
+        return {
+            b: (self.capacities[b], tuple(e.estimate_ns > 0 for _, e in ladder))
+            for b, ladder in self.by_batch.items()
+        }
 
 
 def _best_rows(

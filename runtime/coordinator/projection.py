@@ -33,7 +33,8 @@ class CatalogView:
     def __init__(self, catalog: CostCatalog) -> None:
         self.catalog = catalog
         self._norms: tuple[int, Normalizers] | None = None
-        self._sigma: tuple[int, int, float] | None = None
+        self._family: tuple[int, list[tuple[float, int]]] | None = None
+        self._sigma: dict[int, float] = {}  # streams -> sigma, for the family's version
 
     def normalizers(self) -> Normalizers:
         cache = self._norms
@@ -47,16 +48,24 @@ class CatalogView:
 
         The family is every measured graph that can serve a decode-only
         population: ordinary decode, and mixed shapes (their B rows all decode
-        when no prompt row rides along).
+        when no prompt row rides along).  Per batch capacity only the fastest
+        graph can minimize T / min(B, k), so the family keeps that one.
         """
-        cache = self._sigma
-        if cache is None or cache[0] != self.catalog.version or cache[1] != streams:
-            family = self.catalog.entries(GraphKind.DECODE) + self.catalog.entries(GraphKind.MIXED)
-            graphs = [(e.estimate_ns / 1e6, e.descriptor.batch_capacity) for e in family if e.known]
-            sigma = reference_interval_ms(graphs, streams, streams)
-            cache = (self.catalog.version, streams, sigma)
-            self._sigma = cache
-        return cache[2]
+        version = self.catalog.version
+        if self._family is None or self._family[0] != version:
+            fastest: dict[int, float] = {}
+            for kind in (GraphKind.DECODE, GraphKind.MIXED):
+                for e in self.catalog.entries(kind):
+                    if e.known:
+                        b, t_ms = e.descriptor.batch_capacity, e.estimate_ns / 1e6
+                        if t_ms < fastest.get(b, float("inf")):
+                            fastest[b] = t_ms
+            self._family = (version, [(t, b) for b, t in fastest.items()])
+            self._sigma = {}
+        sigma = self._sigma.get(streams)
+        if sigma is None:
+            sigma = self._sigma[streams] = reference_interval_ms(self._family[1], streams, streams)
+        return sigma
 
 
 def _project_queue(state: dict[int, list], queue: ExecutionQueue, tau: float) -> None:
