@@ -27,6 +27,8 @@ from runtime.coordinator import (
 from runtime.coordinator.plan import LaneWork
 from runtime.ranks.capacity import mixed_shapes
 from tests.coordinator.test_selection import (
+    ENUM_BATCHES,
+    ENUM_BUCKETS,
     MS,
     TOKEN,
     TTL_NS,
@@ -40,10 +42,11 @@ from tests.coordinator.test_selection import (
     spec_objective,
     table_cost,
 )
+from tests.coordinator.test_selection import random_costs as separate_random_costs
 
 S = 1000 * MS
-BUCKETS = (64, 128, 256)
-BATCHES = (1, 2, 4, 8)
+BUCKETS = ENUM_BUCKETS  # (64, 128, 256)
+BATCHES = ENUM_BATCHES  # (1, 2, 4, 8)
 
 
 def mixed(batch: int, capacity: int) -> GraphDescriptor:
@@ -65,19 +68,13 @@ def observe_all(drv: Driver, costs: dict[GraphDescriptor, float]) -> None:
 
 
 def random_costs(rng: random.Random) -> dict[GraphDescriptor, float]:
-    """Plausible but arbitrary costs (ms); mixed costs need not follow either family."""
-    costs: dict[GraphDescriptor, float] = {}
-    t = rng.uniform(1.0, 3.0)
-    for c in BUCKETS:
-        costs[prefill(c)] = t
-        t += rng.uniform(0.2, 4.0)
-    t = rng.uniform(1.0, 5.0)
-    for b in BATCHES:
-        costs[decode(b)] = t
-        t = max(0.5, t + rng.uniform(-0.5, 3.0))
+    """test_selection's plausible but arbitrary prefill and decode costs (ms, over
+    the same buckets and batches), plus arbitrary mixed costs that need not
+    follow either family."""
+    costs = separate_random_costs(rng)
     for d in mixed_shapes(BATCHES, BUCKETS):
-        costs[d] = rng.uniform(1.0, 10.0)
-    return {d: round(ms * MS) / MS for d, ms in costs.items()}
+        costs[d] = round(rng.uniform(1.0, 10.0) * MS) / MS
+    return costs
 
 
 # ------------------------------------------------------ exhaustive enumeration
