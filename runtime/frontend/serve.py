@@ -47,6 +47,8 @@ class ServeOptions:
     api_key: str | None
     startup_timeout_s: float
     coordinator_args: tuple[str, ...]  # the run flags, passed on unchanged
+    chat_template: str | None = None  # --chat-template FILE (None: the model's)
+    max_choices_per_request: int = 1024  # --max-choices-per-request: prompts x n bound
 
 
 class StartupError(RuntimeError):
