@@ -48,6 +48,9 @@ class RequestSpec:
       needs the previous step's completion first.
     * ``grammar``: constrained decoding whose mask the host computes from the
       previous token; the same dependency.
+    * ``group``: the admission group (the frontend's HTTP request: every choice
+      of one request shares it).  Residency goes round-robin across groups,
+      first come first served within one; None is a group of its own.
     """
 
     prompt_len: int
@@ -56,6 +59,7 @@ class RequestSpec:
     message_endpoints: tuple[int, ...] = ()
     host_stop: bool = False
     grammar: bool = False
+    group: int | None = None
 
     @property
     def step_feedback(self) -> bool:
@@ -63,6 +67,9 @@ class RequestSpec:
         return self.host_stop or self.grammar
 
     def __post_init__(self) -> None:
+        group = self.group
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
+            raise AdmissionError(f"group must be an integer or None, got {group!r}")
         for name in ("prompt_len", "max_output_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -11,7 +11,7 @@ frontend makes output visible.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -71,7 +71,10 @@ class Scheduler:
         self._slots = SlotTable(self.config.max_slots)
         self._pages = PagePool(self.config.num_pages, self.config.page_size)
         self._requests: dict[int, Request] = {}  # admitted and not yet retired
-        self._waiting: list[Request] = []
+        # Waiting requests by admission group, in rotation order (the group whose
+        # turn is next first); FCFS within a group.  See _admit_waiting.
+        self._waiting: OrderedDict[object, deque[Request]] = OrderedDict()
+        self._num_waiting = 0
         self._resident: dict[int, Request] = {}
         self._next_handle = 0
         self._next_plan = 0
@@ -119,19 +122,37 @@ class Scheduler:
         self._next_handle += 1
         request = Request(handle, spec, self.now_ns)
         self._requests[handle.id] = request
-        self._waiting.append(request)
+        key = _group_key(request)
+        if key not in self._waiting:
+            self._waiting[key] = deque()  # a group with nothing waiting joins at the end
+        self._waiting[key].append(request)
+        self._num_waiting += 1
         self._admitted_any = True
         self._admit_waiting()
         return handle
 
     def _admit_waiting(self) -> None:
-        """Residency in arrival order while a slot and worst-case pages are free."""
-        while self._waiting and self._slots.free_count:
-            request = self._waiting[0]
+        """Residency while a slot and worst-case pages are free, round-robin across
+        admission groups (``RequestSpec.group``): the group whose turn it is gives
+        its oldest waiting request, then goes to the end of the rotation.  Groups
+        enter the rotation in the order of their first waiting request, so
+        ungrouped requests alone are first come, first served, and a request with
+        many choices cannot hold a later one back for more than one turn of the
+        groups.  A head that needs more pages than are free waits (and so does
+        everyone behind it: no skipping, so no request starves)."""
+        waiting = self._waiting
+        while waiting and self._slots.free_count:
+            key, queue = next(iter(waiting.items()))
+            request = queue[0]
             needed = request.pages_needed(self.config.page_size)
             if needed > self._pages.free_count:
                 return
-            self._waiting.pop(0)
+            queue.popleft()
+            self._num_waiting -= 1
+            if queue:
+                waiting.move_to_end(key)
+            else:
+                del waiting[key]
             request.slot, request.generation = self._slots.acquire()
             request.pages = self._pages.reserve(needed)
             request.resident = True
@@ -144,7 +165,12 @@ class Scheduler:
             return False
         request.cancelled = True
         if not request.resident:
-            self._waiting.remove(request)
+            key = _group_key(request)
+            queue = self._waiting[key]
+            queue.remove(request)
+            self._num_waiting -= 1
+            if not queue:
+                del self._waiting[key]
             del self._requests[handle.id]
         else:
             self._retire_if_done(request)
@@ -547,7 +573,7 @@ class Scheduler:
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        return self._num_waiting
 
     @property
     def free_pages(self) -> int:
@@ -555,3 +581,9 @@ class Scheduler:
 
     def active_requests(self) -> Iterable[Request]:
         return list(self._requests.values())
+
+
+def _group_key(request: Request) -> object:
+    """The admission group of ``request``: its spec's group, or its own."""
+    group = request.spec.group
+    return ("request", request.handle.id) if group is None else group
