@@ -172,6 +172,7 @@ class FrontendBridge:
                 message.sampling,
                 message.ignore_eos,
                 listener=listener,
+                group=message.group,
             )
         except ValueError as exc:  # the request does not fit (the frontend checked the rest)
             self._send(Output(rid, 0, finish_reason=REFUSED, error=str(exc)[:MAX_ERROR_CHARS]))

@@ -51,6 +51,7 @@ class CoordinatorClient:
         self._status_waiters: dict[int, asyncio.Future[Status]] = {}
         self._nonces = itertools.count(1)
         self._request_ids = itertools.count(1)
+        self._group_ids = itertools.count(1)
         self._reader: asyncio.Task | None = None
         self._connected = False
         self.status: Status | None = None  # the latest status seen
@@ -119,6 +120,10 @@ class CoordinatorClient:
     def new_request_id(self) -> int:
         return next(self._request_ids)
 
+    def new_group_id(self) -> int:
+        """An admission group for the choices of one HTTP request."""
+        return next(self._group_ids)
+
     def submit(
         self,
         request_id: int,
@@ -126,14 +131,19 @@ class CoordinatorClient:
         max_tokens: int,
         sampling: SamplingParams,
         ignore_eos: bool = False,
+        group: int | None = None,
     ) -> asyncio.Queue[Output]:
-        """Send a request; its outputs arrive on the returned queue, the last one finished."""
+        """Send a request; its outputs arrive on the returned queue, the last one finished.
+        ``group``: the admission group (:meth:`new_group_id`), shared by one HTTP
+        request's choices."""
         if not self._connected:
             raise CoordinatorGone("the coordinator is not connected")
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
-            self._send(Submit(request_id, prompt_token_ids, max_tokens, sampling, ignore_eos))
+            self._send(
+                Submit(request_id, prompt_token_ids, max_tokens, sampling, ignore_eos, group)
+            )
         except CoordinatorGone:
             del self._queues[request_id]
             raise

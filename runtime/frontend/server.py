@@ -118,8 +118,9 @@ def _sampling(req: GenerationRequest, index: int, seed: int, vocab: int) -> Samp
     )
 
 
-async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
-    """One choice's pieces, in order; the last carries its finish reason."""
+async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, group: int):
+    """One choice's pieces, in order; the last carries its finish reason.  ``group``:
+    the HTTP request's admission group, shared by all its choices."""
     client = fe.client
     rid = client.new_request_id()
     queue = client.submit(
@@ -128,6 +129,7 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int):
         req.max_tokens,
         _sampling(req, index, seed, fe.limits.vocab_size),
         req.ignore_eos,
+        group=group,
     )
     detok = IncrementalDetokenizer(
         fe.tokenizer, req.prompt_token_ids, req.stop, min_tokens=req.min_tokens
@@ -187,17 +189,20 @@ def _choices(reqs: list[GenerationRequest]) -> list[tuple[GenerationRequest, int
 
 
 async def _merged(fe: Frontend, reqs: list[GenerationRequest], seed: int) -> AsyncIterator[Piece]:
-    """Pieces of every choice as they come; errors surface here."""
+    """Pieces of every choice as they come; errors surface here.  The choices share
+    one admission group, so the coordinator admits them round-robin with other
+    HTTP requests' choices."""
     choices = _choices(reqs)
+    group = fe.client.new_group_id()
     if len(choices) == 1:
-        async for piece in _choice(fe, reqs[0], 0, seed):
+        async for piece in _choice(fe, reqs[0], 0, seed, group):
             yield piece
         return
     queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
 
     async def pump(req: GenerationRequest, index: int) -> None:
         try:
-            async for piece in _choice(fe, req, index, seed):
+            async for piece in _choice(fe, req, index, seed, group):
                 await queue.put(piece)
         except BaseException as exc:  # handed to the consumer
             await queue.put(exc)

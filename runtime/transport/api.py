@@ -80,13 +80,18 @@ def _check_map(name: str, value: Any, kind: type) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Submit:
-    """A tokenized request.  ``ignore_eos``: run to ``max_tokens`` past eos tokens."""
+    """A tokenized request.  ``ignore_eos``: run to ``max_tokens`` past eos tokens.
+
+    ``group``: the admission group, the HTTP request this is a choice of (None:
+    a group of its own); the scheduler admits round-robin across groups.
+    """
 
     request_id: int
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ignore_eos: bool = False
+    group: int | None = None
 
     def __post_init__(self) -> None:
         check_int("request_id", self.request_id)
@@ -97,6 +102,8 @@ class Submit:
         if not isinstance(self.sampling, SamplingParams):
             raise ProtocolError("sampling", "must be a SamplingParams")
         _check_bool("ignore_eos", self.ignore_eos)
+        if self.group is not None:
+            check_int("group", self.group)
         set_field(self, "prompt_token_ids", prompt)
 
     def to_wire(self) -> dict[str, Any]:
@@ -106,6 +113,7 @@ class Submit:
             "max_tokens": self.max_tokens,
             "sampling": self.sampling.to_wire(),
             "ignore_eos": self.ignore_eos,
+            "group": self.group,
         }
 
     @classmethod

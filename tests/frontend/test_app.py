@@ -31,13 +31,21 @@ class ScriptedClient:
         self.published: list[tuple[int, int]] = []
         self.cancelled: list[int] = []
         self.submitted: list[int] = []
+        self.groups: list[int | None] = []
+        self.sampling: list = []
         self._ids = iter(range(1, 1000))
+        self._groups = iter(range(1, 1000))
 
     def new_request_id(self) -> int:
         return next(self._ids)
 
-    def submit(self, request_id, prompt, max_tokens, sampling, ignore_eos=False):
+    def new_group_id(self) -> int:
+        return next(self._groups)
+
+    def submit(self, request_id, prompt, max_tokens, sampling, ignore_eos=False, group=None):
         self.submitted.append(request_id)
+        self.groups.append(group)
+        self.sampling.append(sampling)
         queue: asyncio.Queue[Output] = asyncio.Queue()
         for out in self.script:
             queue.put_nowait(
@@ -208,3 +216,12 @@ def test_the_kv_cache_bounds_max_tokens_like_the_context(tokenizer):
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
         assert "KV cache" in r.json()["error"]["message"]
         assert http.post("/v1/completions", json={"prompt": "x"}).status_code == 200
+
+
+def test_the_choices_of_one_request_share_an_admission_group(tokenizer):
+    client = ScriptedClient(script_for(tokenizer, "ok"))
+    with app(client, tokenizer) as http:
+        r = http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 6
+        assert http.post("/v1/completions", json={"prompt": "c"}).status_code == 200
+    assert client.groups == [1] * 6 + [2]

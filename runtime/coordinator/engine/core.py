@@ -201,13 +201,17 @@ class Engine:
         sampling: SamplingParams | None = None,
         ignore_eos: bool = False,
         listener: Callable[[RequestStream, TokenEvent], None] | None = None,
+        group: int | None = None,
     ) -> RequestStream:
         """Queue a request; returns its stream at once (any thread).
 
         ``ignore_eos``: the ranks' eos stop is ignored and the request runs to
         ``max_tokens``.  ``listener``: called with each event as it is queued
-        (see :class:`RequestStream`).  Raises ValueError naming the argument
-        for invalid input.
+        (see :class:`RequestStream`).  ``group``: the admission group, say the
+        HTTP request whose choice this is; residency goes round-robin across
+        groups, first come first served within one (None: a group of its own;
+        see ``Scheduler._admit_waiting``).  Raises ValueError naming the
+        argument for invalid input.
         """
         facts = self.facts
         if facts is None:
@@ -215,12 +219,14 @@ class Engine:
         prompt, sampling = check_submission(
             prompt_token_ids, max_tokens, sampling, ignore_eos, facts
         )
+        if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
+            raise ValueError(f"group must be an integer or None, got {group!r}")
         with self._command_lock:
             self._check_open()
             request_id = self._next_request
             self._next_request += 1
             stream = RequestStream(
-                self, request_id, prompt, max_tokens, sampling, ignore_eos, listener
+                self, request_id, prompt, max_tokens, sampling, ignore_eos, listener, group
             )
             self._commands.append(("submit", stream))
         self.stats.add(requests_submitted=1)
@@ -421,7 +427,7 @@ class Engine:
         scheduler = self.scheduler
         assert scheduler is not None
         scheduler.advance_to(time.monotonic_ns())
-        spec = RequestSpec(len(stream.prompt_token_ids), stream.max_tokens)
+        spec = RequestSpec(len(stream.prompt_token_ids), stream.max_tokens, group=stream.group)
         try:
             handle = scheduler.admit(spec)
         except (SchedulerError, ValueError) as exc:  # submit() checks first; defensive

@@ -65,6 +65,7 @@ class RequestStream:
         sampling: SamplingParams,
         ignore_eos: bool,
         listener: Callable[[RequestStream, TokenEvent], None] | None = None,
+        group: int | None = None,
     ) -> None:
         self._engine = engine
         # Called with every event right after it is queued, on the producing
@@ -76,6 +77,7 @@ class RequestStream:
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.ignore_eos = ignore_eos
+        self.group = group  # the admission group (RequestSpec.group)
         self.submitted_ns = time.monotonic_ns()
         # Set by the engine thread when the request first runs (informational).
         self.slot: int | None = None
