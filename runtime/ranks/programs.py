@@ -5,8 +5,12 @@ arena (:class:`ProgramInputs`); a CUDA graph captured over its views replays
 with whatever the host copied in.  Sampled tokens, and every lane's raw log
 probabilities (the sampled token's and the top :data:`MAX_LOGPROBS`), land in
 output buffers shared by every program (:class:`ProgramOutputs`), beside the
-model's EOS ids, which ``min_tokens`` bars.  Captured programs always
-compute the log probabilities (static work); eager ones only when asked.
+model's EOS ids, which ``min_tokens`` bars, and the per-slot penalty state
+(:class:`~runtime.ranks.sampling.PenaltyState`), which every program updates:
+a prompt lane resets its slot's row when it starts a generation and marks its
+tokens in the prompt mask, and every lane that commits a token counts it.
+Captured programs always compute the log probabilities and the logit
+adjustments (static work); eager ones only when a lane asks.
 
 * CUDA: each program is captured with ``torch.cuda.CUDAGraph`` (largest first,
   one memory pool) and timed with CUDA events around the replay.
@@ -35,9 +39,17 @@ import torch
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.model.attention import AttentionMetadata, packed_query_start
 from runtime.ranks.model.llama import LlamaForCausalLM
-from runtime.ranks.sampling import SamplingBatch, eos_index, sample, token_logprobs
+from runtime.ranks.sampling import (
+    LogitAdjustments,
+    PenaltyState,
+    SamplingBatch,
+    bias_table,
+    eos_index,
+    sample,
+    token_logprobs,
+)
 from runtime.ranks.slots import LaneInput
-from runtime.transport.schema import MAX_LOGPROBS
+from runtime.transport.schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SLOTS
 
 
 class ProgramError(ValueError):
@@ -80,8 +92,29 @@ class ProgramShape:
 INT_FIELDS_PER_TOKEN = ("input_ids", "positions", "slot_mapping")
 # One query-length field: the packed offsets (``query_start``) and each lane's
 # last token (``logits_indices``) are derived from it inside the body.
-INT_FIELDS_PER_LANE = ("query_lens", "context_lens", "top_k", "seed", "step", "min_tokens")
-INT_SCALARS = ("prefill_row",)
+# ``state_row``: the lane's penalty-state row (its slot; padding: the scratch
+# row); ``count_row``: where its sampled token is counted (its slot when it
+# commits the token, else scratch).
+INT_FIELDS_PER_LANE = (
+    "query_lens",
+    "context_lens",
+    "top_k",
+    "seed",
+    "step",
+    "min_tokens",
+    "state_row",
+    "count_row",
+)
+# ``reset_row``: the penalty-state row a new generation starts in (scratch:
+# none); ``prompt_lane``: the lane whose tokens are prompt tokens (-1: none).
+INT_SCALARS = ("prefill_row", "reset_row", "prompt_lane")
+FLOAT_FIELDS_PER_LANE = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @dataclass(frozen=True)
@@ -89,10 +122,13 @@ class ProgramInputs:
     """Views of one program's input arena: what the body reads.
 
     Integer fields lie back to back in one int64 arena (per token: N entries
-    each; per lane: L each; ``prefill_row``; then the (L, P) page table),
+    each; per lane: L each; the scalars; then the (L, P) page table),
     floats in one float32 arena, so a frame's inputs arrive in one host tensor
     and one copy.  Lane ``i``'s tokens are packed at the prefix sum of the
-    query lengths before it (:meth:`query_start`), whatever its slot.
+    query lengths before it (:meth:`query_start`), whatever its slot.  The
+    logit-bias table ((L, :data:`MAX_LOGIT_BIAS`) ids, -1 padded, and values)
+    is a third and fourth part of the arena, rewritten only when a frame or
+    the previous one carries a bias, so frames without one pack nothing more.
 
     Wider rows (W > 1, speculative verification) fit without a new layout:
     a decode row's W tokens are packed at its offset like a prompt chunk, and
@@ -110,14 +146,30 @@ class ProgramInputs:
     seed: torch.Tensor  # (L,)
     step: torch.Tensor  # (L,)
     min_tokens: torch.Tensor  # (L,)
+    state_row: torch.Tensor  # (L,) penalty-state row: the slot, scratch for padding
+    count_row: torch.Tensor  # (L,) where the sampled token is counted (scratch: nowhere)
     prefill_row: torch.Tensor  # (1,) mixed programs: the prompt row's lane index, -1 = none
+    reset_row: torch.Tensor  # (1,) penalty-state row to zero first (scratch: none)
+    prompt_lane: torch.Tensor  # (1,) the lane whose tokens are prompt tokens, -1 = none
     page_tables: torch.Tensor  # (L, P)
     temperature: torch.Tensor  # (L,)
     top_p: torch.Tensor  # (L,)
+    presence_penalty: torch.Tensor  # (L,)
+    frequency_penalty: torch.Tensor  # (L,)
+    repetition_penalty: torch.Tensor  # (L,)
+    bias_ids: torch.Tensor  # (L, MAX_LOGIT_BIAS) -1 = unused
+    bias_values: torch.Tensor  # (L, MAX_LOGIT_BIAS)
 
     @classmethod
     def over(
-        cls, ints: torch.Tensor, floats: torch.Tensor, n: int, lanes: int, pages: int
+        cls,
+        ints: torch.Tensor,
+        floats: torch.Tensor,
+        n: int,
+        lanes: int,
+        pages: int,
+        bias_ids: torch.Tensor,
+        bias_values: torch.Tensor,
     ) -> ProgramInputs:
         views: dict[str, torch.Tensor] = {}
         offset = 0
@@ -131,7 +183,9 @@ class ProgramInputs:
             views[name] = ints[offset : offset + 1]
             offset += 1
         views["page_tables"] = ints[offset : offset + lanes * pages].view(lanes, pages)
-        return cls(**views, temperature=floats[:lanes], top_p=floats[lanes : 2 * lanes])
+        for i, name in enumerate(FLOAT_FIELDS_PER_LANE):
+            views[name] = floats[i * lanes : (i + 1) * lanes]
+        return cls(**views, bias_ids=bias_ids, bias_values=bias_values)
 
     @staticmethod
     def int_size(n: int, lanes: int, pages: int) -> int:
@@ -151,16 +205,29 @@ class ProgramInputs:
         last = query_start + self.query_lens - 1  # (L,)
         return last.clamp(0, self.input_ids.shape[0] - 1)
 
+    def prompt_rows(self, query_start: torch.Tensor, scratch: int) -> torch.Tensor:
+        """(N,) the penalty-state row each packed token marks as a prompt token:
+        the prompt lane's row for its tokens, ``scratch`` for every other token."""
+        has = self.prompt_lane >= 0  # (1,)
+        lane = self.prompt_lane.clamp(min=0)  # (1,)
+        start = query_start.index_select(0, lane)  # (1,)
+        length = torch.where(has, self.query_lens.index_select(0, lane), 0)  # (1,)
+        n = torch.arange(self.input_ids.shape[0], device=self.input_ids.device)  # (N,)
+        inside = (n >= start) & (n < start + length)
+        return torch.where(inside, self.state_row.index_select(0, lane), scratch)
+
 
 @dataclass(frozen=True)
 class ProgramOutputs:
-    """Static buffers shared by every program (rows 0..L-1 belong to the last run)."""
+    """Static buffers shared by every program (rows 0..L-1 belong to the last run),
+    with the model's EOS ids and the per-slot penalty state."""
 
     tokens: torch.Tensor  # (L_max,) int64: the sampled tokens
     logprob: torch.Tensor  # (L_max,) float32: the sampled token's raw log probability
     top_ids: torch.Tensor  # (L_max, K) int64: the top-K tokens, best first
     top_logprobs: torch.Tensor  # (L_max, K) float32: their log probabilities
     eos: torch.Tensor  # (E,) int64: the model's EOS ids, barred by min_tokens
+    penalties: PenaltyState  # per slot: output-token counts, prompt-token mask
 
     @classmethod
     def allocate(cls, lanes: int, model: LlamaForCausalLM, device: torch.device) -> ProgramOutputs:
@@ -172,6 +239,7 @@ class ProgramOutputs:
             top_ids=torch.zeros(lanes, k, dtype=torch.int64, device=device),
             top_logprobs=torch.zeros(lanes, k, dtype=torch.float32, device=device),
             eos=eos_index(model.config.eos_token_ids, device),
+            penalties=PenaltyState(MAX_SLOTS, vocab, device),
         )
 
     @property
@@ -212,18 +280,31 @@ class PreparedProgram:
         self.graph: torch.cuda.CUDAGraph | None = None
         n, lanes = self.shape.tokens, self.shape.lanes
         self._ints = torch.zeros(ProgramInputs.int_size(n, lanes, max_pages), dtype=torch.int64)
-        self._floats = torch.zeros(2 * lanes, dtype=torch.float32)
+        self._floats = torch.zeros(len(FLOAT_FIELDS_PER_LANE) * lanes, dtype=torch.float32)
         self._ints, self._floats = self._ints.to(self.device), self._floats.to(self.device)
-        self.inputs = ProgramInputs.over(self._ints, self._floats, n, lanes, max_pages)
+        ids, values = bias_table((), lanes)
+        self._bias_ids, self._bias_values = ids.to(self.device), values.to(self.device)
+        self._bias_rows = 0  # rows of the bias table holding entries
+        self.inputs = self._views(self._ints, self._floats, max_pages)
+
+    def _views(self, ints: torch.Tensor, floats: torch.Tensor, pages: int) -> ProgramInputs:
+        n, lanes = self.shape.tokens, self.shape.lanes
+        return ProgramInputs.over(ints, floats, n, lanes, pages, self._bias_ids, self._bias_values)
 
     # -- the program body, over the input views ---------------------------------
-    def _body(self, logprobs: bool = True) -> None:
-        """Forward, sample; with ``logprobs`` also the raw log probabilities.
+    def _body(self, logprobs: bool = True, adjust: bool = True) -> None:
+        """Forward, penalty state, sample; with ``logprobs`` also the raw log
+        probabilities, with ``adjust`` the lanes' logit bias and penalties.
 
-        ``logprobs`` is fixed per call site (always True under capture), never
-        read from the data.
+        ``logprobs`` and ``adjust`` are fixed per call site (always True under
+        capture), never read from the data; lanes without adjustments sample
+        bitwise the same either way.  The penalty state is updated in both:
+        the prompt lane's row is reset when it starts a generation and its
+        tokens marked before sampling (so a first token sees its whole
+        prompt), and every committed token counted after.
         """
         x, shape, out = self.inputs, self.shape, self.outputs
+        state = out.penalties
         lanes = shape.lanes
         query_start = x.query_start()  # (L,) derived from the one query-length upload
         meta = AttentionMetadata(
@@ -238,8 +319,26 @@ class PreparedProgram:
         )
         logits_indices = x.logits_indices(query_start)  # (L,)
         logits = self.model(x.input_ids, x.positions, meta, logits_indices).float()  # (L, V)
-        params = SamplingBatch(x.temperature, x.top_p, x.top_k, x.seed, x.step, x.min_tokens)
+        if self.desc.prompt_capacity:  # only programs with prompt capacity take a prompt lane
+            state.reset(x.reset_row)
+            state.mark_prompt(x.prompt_rows(query_start, state.scratch), x.input_ids)
+        adjustments = None
+        if adjust:
+            counts, prompt_mask = state.gather(x.state_row)  # (L, V) each
+            adjustments = LogitAdjustments(
+                x.bias_ids,
+                x.bias_values,
+                x.presence_penalty,
+                x.frequency_penalty,
+                x.repetition_penalty,
+                counts,
+                prompt_mask,
+            )
+        params = SamplingBatch(
+            x.temperature, x.top_p, x.top_k, x.seed, x.step, x.min_tokens, adjustments
+        )
         tokens = sample(logits, params, out.eos)  # (L,)
+        state.count(x.count_row, tokens)
         out.tokens[:lanes].copy_(tokens)
         if logprobs:
             chosen, top_values, top_ids = token_logprobs(logits, tokens, out.max_logprobs)
@@ -277,7 +376,9 @@ class PreparedProgram:
         (default: when a graph was captured, since it reads them all; capture
         itself asks for it).  ``prompt_row``: mixed programs, the index of the
         prompt row in ``inputs`` (up to C tokens; every other row up to W),
-        -1 for none; other programs take -1.
+        -1 for none; other programs take -1.  The lane that consumes prompt
+        tokens (``LaneInput.prefill``; at most one) marks them in its slot's
+        penalty state, and resets that state first when it starts a generation.
         """
         shape, page_size = self.shape, self.page_size
         n, lanes = shape.tokens, shape.lanes
@@ -311,6 +412,17 @@ class PreparedProgram:
         used = len(ids)
         if used > n:
             raise ProgramError(f"{used} tokens do not fit {self.desc.describe()}")
+        scratch = self.outputs.penalties.scratch
+        if any(not 0 <= i.slot < scratch for i in inputs):
+            raise ProgramError(f"a slot outside the penalty state's {scratch} rows")
+        prompt_lanes = [row for row, i in enumerate(inputs) if i.prefill]
+        if len(prompt_lanes) > 1:
+            raise ProgramError(f"prompt lanes {prompt_lanes}: a program takes at most one")
+        prompt_lane = prompt_lanes[0] if prompt_lanes else -1
+        if prompt_lane >= 0 and not self.desc.prompt_capacity:
+            raise ProgramError(f"a prompt lane for {self.desc.describe()}")
+        starts = prompt_lane >= 0 and inputs[prompt_lane].starts
+        reset_row = inputs[prompt_lane].slot if starts else scratch
         pad_tokens, pad_lanes = n - used, lanes - len(inputs)
         if full_width is None:
             full_width = self.graph is not None
@@ -324,7 +436,9 @@ class PreparedProgram:
         packed += [i.sampling.seed for i in inputs] + [0] * pad_lanes
         packed += [i.step for i in inputs] + [0] * pad_lanes
         packed += [i.sampling.min_tokens for i in inputs] + [0] * pad_lanes
-        packed.append(prompt_row)
+        packed += [i.slot for i in inputs] + [scratch] * pad_lanes  # state_row
+        packed += [i.slot if i.samples else scratch for i in inputs] + [scratch] * pad_lanes
+        packed += (prompt_row, reset_row, prompt_lane)
         for i in inputs:
             table = i.page_table
             packed += table[:pages]
@@ -332,15 +446,30 @@ class PreparedProgram:
         packed += [-1] * (pages * pad_lanes)
         floats = [i.sampling.temperature for i in inputs] + [0.0] * pad_lanes
         floats += [i.sampling.top_p for i in inputs] + [1.0] * pad_lanes
+        floats += [i.sampling.presence_penalty for i in inputs] + [0.0] * pad_lanes
+        floats += [i.sampling.frequency_penalty for i in inputs] + [0.0] * pad_lanes
+        floats += [i.sampling.repetition_penalty for i in inputs] + [1.0] * pad_lanes
+        self._fill_bias(inputs)
         host_ints = torch.tensor(packed, dtype=torch.int64)
         host_floats = torch.tensor(floats, dtype=torch.float32)
         if self.device.type != "cuda":
-            self.inputs = ProgramInputs.over(host_ints, host_floats, n, lanes, pages)
+            self.inputs = self._views(host_ints, host_floats, pages)
             return
         self._ints[: len(packed)].copy_(host_ints, non_blocking=True)
         self._floats.copy_(host_floats, non_blocking=True)
         if self.graph is None:  # eager CUDA: views follow this frame's page count
-            self.inputs = ProgramInputs.over(self._ints, self._floats, n, lanes, pages)
+            self.inputs = self._views(self._ints, self._floats, pages)
+
+    def _fill_bias(self, inputs: list[LaneInput]) -> None:
+        """Rewrite the bias table when this frame or the last one holds entries
+        (the table is otherwise all padding already: nothing to pack)."""
+        biased = sum(bool(i.sampling.logit_bias) for i in inputs)
+        if not biased and not self._bias_rows:
+            return
+        ids, values = bias_table([i.sampling for i in inputs], self.shape.lanes, MAX_LOGIT_BIAS)
+        self._bias_ids.copy_(ids, non_blocking=True)
+        self._bias_values.copy_(values, non_blocking=True)
+        self._bias_rows = biased
 
     def run(
         self, inputs: list[LaneInput], *, logprobs: bool = False, prompt_row: int = -1
@@ -350,8 +479,11 @@ class PreparedProgram:
         ``logprobs``: the caller will read :meth:`logprobs` after this run (an
         eager program computes them only then; a captured one always does).
         ``prompt_row``: mixed programs, the frame's prompt row (-1: none).
+        An eager program applies logit bias and penalties only when a lane
+        has some (a captured one always does; other lanes are unchanged).
         """
         self._fill(inputs, prompt_row=prompt_row)
+        adjust = any(i.sampling.adjusts_logits for i in inputs)
         if self.graph is not None:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
@@ -364,7 +496,7 @@ class PreparedProgram:
             if self.device.type == "cuda":  # eager CUDA (capture disabled)
                 torch.cuda.synchronize()
             t0 = time.perf_counter_ns()
-            self._body(logprobs)
+            self._body(logprobs, adjust)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             device_ns = time.perf_counter_ns() - t0

@@ -9,6 +9,12 @@ sample identically, so their slot tables stay identical.
 A frame is checked in full against the table before anything changes
 (:meth:`SlotTable.prepare`); :meth:`SlotTable.commit` then applies the sampled
 tokens.
+
+Each slot's penalty state (output-token counts, prompt-token mask) lives on the
+device beside the programs (:class:`~runtime.ranks.sampling.PenaltyState`) and
+the programs update it; a lane tells them whether it consumes prompt tokens
+(``LaneInput.prefill``) and whether it starts a new generation
+(``LaneInput.starts``: the slot's state is reset first).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class LaneInput:
     samples: bool  # the lane commits a sampled token
     sampling: SamplingParams
     step: int  # sampling noise counter for this lane's token
+    prefill: bool = False  # the tokens are prompt tokens (marked in the prompt mask)
+    starts: bool = False  # the first chunk of a new generation: its penalty state resets
 
 
 class SlotTable:
@@ -77,6 +85,7 @@ class SlotTable:
                     f"slot {lane.slot} is at {state.next_position}"
                 )
             step = state.step
+            starts = False
         else:  # a new tenant: its first chunk starts the request
             if lane.position != 0 or lane.prompt_start != 0:
                 raise FrameError(
@@ -84,6 +93,7 @@ class SlotTable:
                     f"so its first prefill must start at 0"
                 )
             step = 0
+            starts = True
         return LaneInput(
             lane.slot,
             lane.generation,
@@ -93,6 +103,8 @@ class SlotTable:
             lane.max_tokens > 0,
             lane.sampling,
             step,
+            prefill=True,
+            starts=starts,
         )
 
     @staticmethod

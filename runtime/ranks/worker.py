@@ -14,6 +14,10 @@ back from the device.
 A mixed frame (one prompt row, ``Frame.prompt_row``, and decode rows) runs like
 any other: its prompt row commits its whole chunk and, when the chunk ends the
 prompt, one first token; each decode row commits one token.
+
+Logit bias and penalties (``SamplingParams``) are applied inside the programs,
+over per-slot state the programs keep on the device (``PreparedProgram``); a
+lane whose ``logit_bias`` names a token outside the vocabulary is refused.
 """
 
 from __future__ import annotations
@@ -97,9 +101,18 @@ class RankWorker:
         if program is None:
             raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
         inputs = self.slots.prepare(frame)
-        for inp, lane in zip(inputs, frame.lanes):
+        vocab = self.model.config.vocab_size
+        for i, (inp, lane) in enumerate(zip(inputs, frame.lanes)):
             if inp.start_position + len(inp.tokens) > self.max_context:
                 raise FrameError(f"fence {frame.fence}: slot {inp.slot} exceeds the context")
+            # Bias ids index the logits: one outside the vocabulary is refused here
+            # (decode lanes reuse the settings their prefill brought, checked then).
+            outside = [token for token, _ in inp.sampling.logit_bias if token >= vocab]
+            if outside:
+                raise FrameError(
+                    f"fence {frame.fence}: lane {i}: logit_bias token id {outside[0]} is "
+                    f"outside the vocabulary [0, {vocab})"
+                )
             # Page ids are non-negative by schema; a decode lane without a table
             # reuses the one its prefill brought (checked then).
             if lane.page_table and max(lane.page_table) >= self.num_pages:

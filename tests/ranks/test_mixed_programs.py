@@ -342,11 +342,12 @@ def test_one_query_length_upload_and_no_uploaded_offsets(checkpoint):
     program = w.programs[mixed(2, 128).key]
     n, lanes, p = program.shape.tokens, program.shape.lanes, program.max_pages
     assert (n, lanes) == (129, 2)
-    # Per token: ids, positions, slots; per lane: 6 fields; prefill_row; the page table.
+    # Per token: ids, positions, slots; per lane: 8 fields (6 + the two penalty-state
+    # rows); prefill_row, reset_row, prompt_lane; the page table.
     assert (
         program._ints.numel()
         == ProgramInputs.int_size(n, lanes, p)
-        == 3 * n + 6 * lanes + 1 + 2 * p
+        == 3 * n + 8 * lanes + 3 + 2 * p
     )
     program._fill([], full_width=True)  # what capture binds: all padding, no prompt row
     x = program.inputs

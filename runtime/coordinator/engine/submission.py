@@ -67,4 +67,10 @@ def check_submission(
         raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if not isinstance(ignore_eos, bool):
         raise ValueError(f"ignore_eos must be a bool, got {ignore_eos!r}")
+    for i, (token, _) in enumerate(sampling.logit_bias):
+        if token >= facts.vocab_size:
+            raise ValueError(
+                f"logit_bias[{i}] token id {token} is outside the vocabulary "
+                f"[0, {facts.vocab_size})"
+            )
     return prompt, sampling
