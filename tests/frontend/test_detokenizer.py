@@ -188,6 +188,40 @@ def test_min_tokens_delays_stop_strings(tok):
     assert "".join(d.text for d in deltas) == "héllo wörld 日本語 "
 
 
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_a_stop_string_completed_by_token_number_min_tokens_stops_there(tok, chunk):
+    """vLLM's gate: stop strings count once the output has min_tokens tokens, so the
+    one that token number min_tokens completes stops the request (and one completed by
+    token min_tokens - 1 does not)."""
+    text = "Grüße aus München, naïve café, crème brûlée."
+    ids = tok.encode(text, add_special_tokens=False)
+    checked = 0
+    for k in range(2, len(ids)):
+        before, upto = tok.decode(ids[: k - 1]), tok.decode(ids[:k])
+        if "\ufffd" in upto or len(upto) <= len(before):
+            continue  # token k ends partway through a character, or adds no text
+        stop = before[-1:] + upto[len(before) :][:1]  # straddles tokens k - 1 and k
+        if not stop.strip() or stop in before or upto.find(stop) != len(before) - 1:
+            continue
+        for min_tokens, stops_at in ((k, k), (k + 1, None)):
+            detok = IncrementalDetokenizer(tok, tok.encode(PROMPT), (stop,), min_tokens=min_tokens)
+            consumed, shown, stopped = 0, "", False
+            for i in range(0, len(ids), chunk):
+                delta = detok.push(ids[i : i + chunk])
+                consumed += delta.num_tokens
+                shown += delta.text
+                if delta.stopped:
+                    stopped = True
+                    break
+            if stops_at is None:  # min_tokens + 1: token k's completion is too early
+                assert not stopped or consumed > k, (k, stop)
+            else:
+                assert stopped and consumed == k, (k, stop, consumed)
+                assert shown == before[:-1]  # everything before the stop string
+        checked += 1
+    assert checked >= 3
+
+
 def test_empty_stop_string_is_refused(bpe):
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(bpe, [], ("ok", ""))
