@@ -1,14 +1,17 @@
 """Chat templates: a conversation to the prompt text the model was trained on.
 
-``load_chat_template(model_dir, tokenizer)`` takes the model's jinja template from
-``chat_template.jinja`` (newer transformers exports) or the ``chat_template`` entry of
-``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}`` of which the one
-named ``"default"`` is used). It is rendered as transformers' ``apply_chat_template``
-renders it: an ``ImmutableSandboxedEnvironment`` with ``trim_blocks`` and
-``lstrip_blocks``, the ``loopcontrols`` extension, the ``raise_exception`` and
-``strftime_now`` helpers, a ``tojson`` filter that does not escape HTML, and the
-variables ``messages`` (a list of ``{"role", "content"}`` dicts), ``add_generation_prompt``
-(always true: the model answers next), ``bos_token``, ``eos_token`` and ``tools`` (None).
+``load_chat_template(model_dir, tokenizer, override)`` takes ``override`` when given
+(``flare run --chat-template FILE``: the file's text, or, as vLLM allows, the template
+itself when no such file exists and the text holds ``{``, ``}`` or a newline), else the
+model's jinja template from ``chat_template.jinja`` (newer transformers exports) or the
+``chat_template`` entry of ``tokenizer_config.json`` (a string, or a list of ``{"name",
+"template"}`` of which the one named ``"default"`` is used). It is rendered as
+transformers' ``apply_chat_template`` renders it: an ``ImmutableSandboxedEnvironment``
+with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, the
+``raise_exception`` and ``strftime_now`` helpers, a ``tojson`` filter that does not
+escape HTML, and the variables ``messages`` (a list of ``{"role", "content"}`` dicts),
+``add_generation_prompt`` (true: the model answers next; ``/tokenize`` may ask for
+false), ``bos_token``, ``eos_token`` and ``tools`` (None).
 Such a template writes the BOS token itself, so its prompt is encoded without the
 tokenizer's special tokens (``ChatTemplate.add_special_tokens`` is False).
 
@@ -82,15 +85,16 @@ class ChatTemplate:
         for the fallback, since a model's template writes ``bos_token`` itself."""
         return self.source is None
 
-    def render(self, messages: Sequence[ChatMessage]) -> str:
-        """The prompt text for ``messages``, ending where the assistant's answer starts."""
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text for ``messages``, ending where the assistant's answer starts
+        (without that start when not ``add_generation_prompt``: ``/tokenize`` asks)."""
         if self.source is None:
             turns = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages)
-            return turns + "<|assistant|>\n"
+            return turns + ("<|assistant|>\n" if add_generation_prompt else "")
         try:
             return _compile(self.source).render(
                 messages=[{"role": m.role, "content": m.content} for m in messages],
-                add_generation_prompt=True,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
                 tools=None,  # templates test `tools is not none`; undefined would pass that
@@ -99,9 +103,17 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
 
 
-def load_chat_template(model_dir: str | Path, tokenizer: ModelTokenizer) -> ChatTemplate:
-    """The model's chat template as described in the module docstring, with the
-    tokenizer's BOS/EOS strings; the fallback when the directory has none."""
+def load_chat_template(
+    model_dir: str | Path, tokenizer: ModelTokenizer, override: str | None = None
+) -> ChatTemplate:
+    """The chat template as described in the module docstring, with the tokenizer's
+    BOS/EOS strings; the fallback when neither ``override`` nor the directory has one.
+    ValueError naming ``--chat-template`` for an override that is neither a readable
+    file nor a template, or that does not compile."""
+    if override is not None:
+        return ChatTemplate(
+            _override_source(override), tokenizer.bos_token or "", tokenizer.eos_token or ""
+        )
     jinja_file = Path(model_dir) / "chat_template.jinja"
     if jinja_file.is_file():
         source: Any = jinja_file.read_text(encoding="utf-8")
@@ -118,6 +130,23 @@ def load_chat_template(model_dir: str | Path, tokenizer: ModelTokenizer) -> Chat
     if source is not None and not isinstance(source, str):
         raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {source!r}")
     return ChatTemplate(source, tokenizer.bos_token or "", tokenizer.eos_token or "")
+
+
+def _override_source(override: str) -> str:
+    """``--chat-template``'s text: the file it names, or the template it is."""
+    try:
+        with open(override, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        if not any(c in override for c in "{}\n"):
+            reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+            raise ValueError(f"--chat-template {override}: cannot read it ({reason})") from None
+        source = override  # a template given inline, as vLLM accepts
+    try:
+        _compile(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template {override}: does not compile: {exc}") from None
+    return source
 
 
 def _raise_exception(message: str) -> None:

@@ -30,6 +30,25 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   end up as ``GenerationRequest.logprobs`` (None: no logprobs).
 - ``stream``, ``stream_options.include_usage`` (stream_options only with stream: true),
   ``ignore_eos`` (vLLM), ``min_tokens`` (0..max_tokens, vLLM); ``echo: true`` is refused.
+- ``logit_bias``: an object of at most 300 token-id strings (ids in ``[0, vocab_size)``)
+  to biases in [-100, 100]; ``presence_penalty`` and ``frequency_penalty`` in [-2, 2];
+  ``repetition_penalty`` > 0 (vLLM; 1 is off). They reach the ranks in
+  ``SamplingParams``.
+- Fields the runtime does not implement are a 400 naming the field, never ignored:
+  ``best_of`` > n, ``suffix``, ``use_beam_search: true``, guided decoding
+  (``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``,
+  ``structured_outputs``), ``response_format`` other than ``{"type": "text"}``,
+  non-empty ``tools`` or ``functions``, a ``tool_choice`` / ``function_call`` that asks
+  for a call, ``min_p`` other than 0. Their no-op forms pass: ``best_of`` <= n,
+  ``suffix: ""``, ``use_beam_search: false``, ``response_format: {"type": "text"}``,
+  ``tools: []``, ``tool_choice: "none"`` (or ``"auto"``, which with no tools calls none).
+
+Defaults: a field the request leaves out takes the model's ``generation_config.json``
+value (``GenerationDefaults``, see ``runtime.frontend.defaults``), else flare's. The
+model's EOS ids are stop token ids unless ``ignore_eos``.
+
+Choices: prompts x n may not exceed ``ServingLimits.max_choices`` (a 400 naming ``n``,
+or ``prompt`` when n is 1).
 
 Context: a prompt that leaves no room for one output token (``len(prompt) >=
 max_context``) is an error naming ``prompt`` (``messages`` for chat); prompt plus an
@@ -45,25 +64,39 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from runtime.frontend.chat import ROLES, ChatMessage, ChatTemplate, ChatTemplateError
+from runtime.frontend.defaults import GenerationDefaults
+from runtime.transport.schema import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
 
 __all__ = [
     "MAX_LOGPROBS",
     "MAX_N",
     "MAX_STOP",
     "Encoder",
+    "GenerationDefaults",
     "GenerationRequest",
     "RequestError",
     "ServingLimits",
     "parse_chat",
     "parse_completion",
     "parse_completions",
+    "parse_detokenize",
+    "parse_tokenize",
 ]
 
 MAX_N = 16
 MAX_PROMPTS = 64  # prompts in one batched completions request
 MAX_STOP = 16
 MAX_LOGPROBS = 20
+MAX_CHOICES = 1024  # prompts x n of one request, unless the server says otherwise
 _SEED_END = 2**63
+# Guided decoding: vLLM's request fields (and the newer structured_outputs object).
+GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 
 
 class RequestError(Exception):
@@ -103,7 +136,8 @@ class ServingLimits:
 
     ``default_max_tokens``: the max_tokens of a request that gives none, capped by the
     rest of the context; None means the rest of the context (OpenAI's legacy completions
-    used 16).
+    used 16).  ``max_choices``: prompts x n one request may ask for
+    (``--max-choices-per-request``).
     """
 
     model_name: str
@@ -111,11 +145,12 @@ class ServingLimits:
     max_context: int
     default_max_tokens: int | None = None
     kv_tokens: int | None = None  # tokens the KV cache holds for one request (pages x size)
+    max_choices: int = MAX_CHOICES
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
-        for name in ("vocab_size", "max_context"):
+        for name in ("vocab_size", "max_context", "max_choices"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -153,6 +188,10 @@ class GenerationRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
 
 
 class Encoder(Protocol):
@@ -161,23 +200,36 @@ class Encoder(Protocol):
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
 
-def parse_completion(body: object, limits: ServingLimits, tokenizer: Encoder) -> GenerationRequest:
-    """Validate a ``/v1/completions`` body; RequestError on any invalid field."""
+def parse_completion(
+    body: object,
+    limits: ServingLimits,
+    tokenizer: Encoder,
+    defaults: GenerationDefaults | None = None,
+) -> GenerationRequest:
+    """Validate a ``/v1/completions`` body; RequestError on any invalid field.
+    ``defaults``: what fields the body leaves out take (flare's when None)."""
     obj = _object(body)
     model = _model(obj, limits)
     prompt = _completion_prompt(obj.get("prompt"), limits)
-    fields = _common(obj, limits)
+    defaults = defaults or GenerationDefaults()
+    fields = _common(obj, limits, defaults)
+    _check_choices(1, fields["n"], limits)
     max_tokens = _int(obj, "max_tokens", lo=1)
     logprobs = _int(obj, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if isinstance(prompt, str):
         text, ids = prompt, tuple(tokenizer.encode(prompt))
     else:
         text, ids = None, prompt
-    return _build(model, ids, text, "prompt", max_tokens, "max_tokens", logprobs, fields, limits)
+    return _build(
+        model, ids, text, "prompt", max_tokens, "max_tokens", logprobs, fields, limits, defaults
+    )
 
 
 def parse_completions(
-    body: object, limits: ServingLimits, tokenizer: Encoder
+    body: object,
+    limits: ServingLimits,
+    tokenizer: Encoder,
+    defaults: GenerationDefaults | None = None,
 ) -> list[GenerationRequest]:
     """A ``/v1/completions`` body whose prompt may be a batch: a list of strings or a
     list of token-id lists (vLLM and OpenAI accept both).  One request per prompt,
@@ -191,15 +243,18 @@ def parse_completions(
         and not (len(prompts) == 1 and isinstance(prompts[0], str))
     )
     if not batched:
-        return [parse_completion(obj, limits, tokenizer)]
+        return [parse_completion(obj, limits, tokenizer, defaults)]
     if len(prompts) > MAX_PROMPTS:
         raise RequestError(
             400, f"prompt takes at most {MAX_PROMPTS} prompts, got {len(prompts)}", "prompt"
         )
+    n = 1 if obj.get("n") is None else obj.get("n")
+    if _is_int(n) and n >= 1:  # a bad n is refused below, naming n
+        _check_choices(len(prompts), n, limits)
     out = []
     for i, prompt in enumerate(prompts):
         try:
-            out.append(parse_completion({**obj, "prompt": prompt}, limits, tokenizer))
+            out.append(parse_completion({**obj, "prompt": prompt}, limits, tokenizer, defaults))
         except RequestError as exc:
             param = f"prompt[{i}]" if exc.param == "prompt" else exc.param
             message = f"prompt[{i}]: {exc.message}" if exc.param == "prompt" else exc.message
@@ -208,13 +263,19 @@ def parse_completions(
 
 
 def parse_chat(
-    body: object, limits: ServingLimits, tokenizer: Encoder, template: ChatTemplate
+    body: object,
+    limits: ServingLimits,
+    tokenizer: Encoder,
+    template: ChatTemplate,
+    defaults: GenerationDefaults | None = None,
 ) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body and render its prompt with ``template``."""
     obj = _object(body)
     model = _model(obj, limits)
     messages = _messages(obj.get("messages"))
-    fields = _common(obj, limits)
+    defaults = defaults or GenerationDefaults()
+    fields = _common(obj, limits, defaults)
+    _check_choices(1, fields["n"], limits)
     max_completion = _int(obj, "max_completion_tokens", lo=1)
     max_plain = _int(obj, "max_tokens", lo=1)
     if max_completion is not None:
@@ -232,7 +293,57 @@ def parse_chat(
     except ChatTemplateError as exc:
         raise RequestError(400, str(exc), "messages") from exc
     ids = tuple(tokenizer.encode(text, add_special_tokens=template.add_special_tokens))
-    return _build(model, ids, text, "messages", max_tokens, max_param, logprobs, fields, limits)
+    return _build(
+        model, ids, text, "messages", max_tokens, max_param, logprobs, fields, limits, defaults
+    )
+
+
+def parse_tokenize(
+    body: object, limits: ServingLimits, tokenizer: Encoder, template: ChatTemplate
+) -> tuple[list[int], bool]:
+    """A ``/tokenize`` body (vLLM's shapes) to its token ids and whether it asks for
+    the token strings (``return_token_strs``).
+
+    ``{"prompt": str, "add_special_tokens": bool = true}``, or ``{"messages": [...],
+    "add_generation_prompt": bool = true, "add_special_tokens": bool}`` rendered with
+    the chat template, whose ``add_special_tokens`` defaults to what the chat route
+    uses (false for a model's template, which writes the BOS itself).  The prompt
+    may be longer than the context: counting it is what the route is for.
+    """
+    obj = _object(body)
+    _model(obj, limits)
+    has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
+    if has_prompt == has_messages:
+        raise RequestError(400, "give either prompt or messages", "prompt")
+    strs = _bool(obj, "return_token_strs")
+    special = obj.get("add_special_tokens")
+    if special is not None:
+        special = _bool(obj, "add_special_tokens")
+    if has_prompt:
+        prompt = obj["prompt"]
+        if not isinstance(prompt, str):
+            raise RequestError(400, "prompt must be a string", "prompt")
+        text = _utf8(prompt, "prompt")
+        return tokenizer.encode(text, add_special_tokens=special is not False), strs
+    messages = _messages(obj["messages"])
+    generation = obj.get("add_generation_prompt")
+    generation = True if generation is None else _bool(obj, "add_generation_prompt")
+    try:
+        text = template.render(messages, add_generation_prompt=generation)
+    except ChatTemplateError as exc:
+        raise RequestError(400, str(exc), "messages") from exc
+    special = template.add_special_tokens if special is None else special
+    return tokenizer.encode(text, add_special_tokens=special), strs
+
+
+def parse_detokenize(body: object, limits: ServingLimits) -> tuple[int, ...]:
+    """A ``/detokenize`` body, ``{"tokens": [ids]}``: the ids, each in the vocabulary."""
+    obj = _object(body)
+    _model(obj, limits)
+    tokens = obj.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        raise RequestError(400, "tokens must be a list of token ids", "tokens")
+    return _in_vocabulary(tokens, limits, "tokens", "token id")
 
 
 # -- shared fields --------------------------------------------------------------------
@@ -248,6 +359,7 @@ def _build(
     logprobs: int | None,
     fields: dict[str, Any],
     limits: ServingLimits,
+    defaults: GenerationDefaults,
 ) -> GenerationRequest:
     """Apply the context checks and the max_tokens default; assemble the request."""
     if not ids:
@@ -266,9 +378,8 @@ def _build(
             code="context_length_exceeded",
         )
     if max_tokens is None:
-        max_tokens = (
-            room if limits.default_max_tokens is None else min(room, limits.default_max_tokens)
-        )
+        caps = (limits.default_max_tokens, defaults.max_tokens)
+        max_tokens = min([room, *(cap for cap in caps if cap is not None)])
     elif max_tokens > room:
         raise RequestError(
             400,
@@ -294,7 +405,9 @@ def _build(
     )
 
 
-def _common(obj: Mapping[str, Any], limits: ServingLimits) -> dict[str, Any]:
+def _common(
+    obj: Mapping[str, Any], limits: ServingLimits, defaults: GenerationDefaults
+) -> dict[str, Any]:
     """The fields both endpoints share (everything but prompt, max_tokens, logprobs)."""
     if _bool(obj, "echo"):
         raise RequestError(400, "echo is not supported", "echo")
@@ -311,23 +424,101 @@ def _common(obj: Mapping[str, Any], limits: ServingLimits) -> dict[str, Any]:
                 400, "stream_options is only allowed when stream is true", "stream_options"
             )
         include_usage = _bool(options, "include_usage", "stream_options.include_usage")
-    top_p = _float(obj, "top_p", 1.0)
+    top_p = _float(obj, "top_p", defaults.top_p)
     if not 0 < top_p <= 1:
         raise RequestError(400, f"top_p must lie in (0, 1], got {top_p}", "top_p")
     n = _int(obj, "n", lo=1, hi=MAX_N)
+    n = 1 if n is None else n
+    _unsupported(obj, n)
+    ignore_eos = _bool(obj, "ignore_eos")
+    stop_token_ids = _stop_token_ids(obj.get("stop_token_ids"), limits)
+    if not ignore_eos:  # the model's EOS ids end a choice (generation_config.json's too)
+        eos = tuple(t for t in defaults.eos_token_ids if 0 <= t < limits.vocab_size)
+        stop_token_ids = tuple(dict.fromkeys(stop_token_ids + eos))
+    if top_k is None:
+        top_k = defaults.top_k
+    presence, frequency = (
+        _signed(obj, name, PENALTY_LIMIT) for name in ("presence_penalty", "frequency_penalty")
+    )
     return {
-        "temperature": _float(obj, "temperature", 1.0),
+        "temperature": _float(obj, "temperature", defaults.temperature),
         "top_p": top_p,
-        "top_k": -1 if top_k in (None, 0) else top_k,
+        "top_k": -1 if top_k == 0 else top_k,
         "seed": seed,
-        "n": 1 if n is None else n,
+        "n": n,
         "stop": _stop(obj.get("stop")),
-        "stop_token_ids": _stop_token_ids(obj.get("stop_token_ids"), limits),
+        "stop_token_ids": stop_token_ids,
         "stream": stream,
         "include_usage": include_usage,
-        "ignore_eos": _bool(obj, "ignore_eos"),
+        "ignore_eos": ignore_eos,
         "min_tokens": _int(obj, "min_tokens", lo=0) or 0,
+        "presence_penalty": presence,
+        "frequency_penalty": frequency,
+        "repetition_penalty": _repetition_penalty(obj, defaults.repetition_penalty),
+        "logit_bias": _logit_bias(obj.get("logit_bias"), limits),
     }
+
+
+def _unsupported(obj: Mapping[str, Any], n: int) -> None:
+    """A 400 naming each field the runtime does not implement, unless it is a no-op."""
+
+    def refuse(param: str, message: str) -> RequestError:
+        return RequestError(400, message, param)
+
+    best_of = _int(obj, "best_of", lo=1)
+    if best_of is not None and best_of > n:
+        raise refuse(
+            "best_of",
+            f"best_of > n is not supported (best_of {best_of}, n {n}): every sampled "
+            "choice is returned, so ask for n choices instead",
+        )
+    suffix = obj.get("suffix")
+    if suffix is not None and suffix != "":
+        raise refuse("suffix", "suffix (insertion after the completion) is not supported")
+    if _bool(obj, "use_beam_search"):
+        raise refuse("use_beam_search", "use_beam_search: beam search is not supported")
+    for name in GUIDED_FIELDS:
+        if obj.get(name) is not None:
+            raise refuse(name, f"{name}: guided decoding is not supported")
+    fmt = obj.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(kind, str):
+            raise refuse("response_format", 'response_format must be an object with a "type"')
+        if kind != "text":
+            raise refuse(
+                "response_format",
+                f'response_format type {kind!r} is not supported; only {{"type": "text"}}',
+            )
+    for name in ("tools", "functions"):
+        value = obj.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            raise refuse(name, f"{name} must be a list")
+        if value:
+            raise refuse(name, f"{name}: tool calling is not supported (only {name}: [])")
+    for name in ("tool_choice", "function_call"):
+        value = obj.get(name)
+        if value is not None and value not in ("none", "auto"):
+            raise refuse(
+                name,
+                f'{name}: tool calling is not supported (only "none", or "auto" without tools)',
+            )
+    min_p = obj.get("min_p")
+    if min_p is not None and not (type(min_p) in (int, float) and min_p == 0):
+        raise refuse("min_p", "min_p sampling is not supported (only min_p: 0)")
+
+
+def _check_choices(prompts: int, n: int, limits: ServingLimits) -> None:
+    """Prompts x n within ``limits.max_choices``; the 400 names n (prompt when n is 1)."""
+    if prompts * n > limits.max_choices:
+        raise RequestError(
+            400,
+            f"{prompts} prompt(s) x n {n} = {prompts * n} choices exceed this server's limit "
+            f"of {limits.max_choices} per request (--max-choices-per-request)",
+            "prompt" if n == 1 else "n",
+        )
 
 
 def _object(body: object) -> Mapping[str, Any]:
@@ -454,6 +645,86 @@ def _stop_token_ids(value: Any, limits: ServingLimits) -> tuple[int, ...]:
             400, "stop_token_ids has more entries than the vocabulary", "stop_token_ids"
         )
     return _in_vocabulary(value, limits, "stop_token_ids", "stop_token_ids:")
+
+
+def _logit_bias(value: Any, limits: ServingLimits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token-id strings to biases, as distinct (id, bias) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError(
+            400, "logit_bias must be an object mapping token ids to biases", "logit_bias"
+        )
+    if len(value) > MAX_LOGIT_BIAS:
+        raise RequestError(
+            400,
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(value)}",
+            "logit_bias",
+        )
+    vocab = limits.vocab_size
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise RequestError(400, f"logit_bias: key {key!r} is not a token id", "logit_bias")
+        token = int(key) if len(key) <= 12 else vocab  # no int() of a 5000-digit key
+        if token >= vocab:
+            raise RequestError(
+                400,
+                f"logit_bias: token id {key[:20]} is outside the vocabulary [0, {vocab})",
+                "logit_bias",
+            )
+        if token in out:
+            raise RequestError(400, f"logit_bias: token id {token} is given twice", "logit_bias")
+        if type(bias) not in (int, float):
+            raise RequestError(
+                400, f"logit_bias[{key!r}] must be a number, got {_json_type(bias)}", "logit_bias"
+            )
+        try:
+            number = float(bias)
+        except OverflowError:
+            number = math.inf
+        if not -LOGIT_BIAS_LIMIT <= number <= LOGIT_BIAS_LIMIT:  # NaN fails too
+            raise RequestError(
+                400,
+                f"logit_bias[{key!r}] must lie in [-{LOGIT_BIAS_LIMIT:g}, "
+                f"{LOGIT_BIAS_LIMIT:g}], got {number:g}",
+                "logit_bias",
+            )
+        out[token] = number
+    return tuple(out.items())
+
+
+def _signed(obj: Mapping[str, Any], name: str, limit: float) -> float:
+    """An optional number in [-limit, limit] (0 when absent or null)."""
+    value = obj.get(name)
+    if value is None:
+        return 0.0
+    if type(value) not in (int, float):
+        raise RequestError(400, f"{name} must be a number, got {_json_type(value)}", name)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not -limit <= number <= limit:
+        raise RequestError(400, f"{name} must lie in [-{limit:g}, {limit:g}], got {number:g}", name)
+    return number
+
+
+def _repetition_penalty(obj: Mapping[str, Any], default: float) -> float:
+    """vLLM's repetition_penalty: a finite number > 0 (1 is off)."""
+    value = obj.get("repetition_penalty")
+    if value is None:
+        return default
+    name = "repetition_penalty"
+    if type(value) not in (int, float):
+        raise RequestError(400, f"{name} must be a number, got {_json_type(value)}", name)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and number > 0):
+        raise RequestError(400, f"{name} must be a finite number > 0, got {number:g}", name)
+    return number
 
 
 def _in_vocabulary(

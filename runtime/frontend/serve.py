@@ -28,6 +28,7 @@ import uvicorn
 
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
 from runtime.frontend.protocol import ServingLimits
 from runtime.frontend.server import Frontend, create_app
@@ -115,17 +116,29 @@ def _stop_coordinator(proc) -> None:
             proc.wait()
 
 
-async def _serve(opts: ServeOptions, tokenizer: ModelTokenizer, template) -> int:
+async def _serve(
+    opts: ServeOptions, tokenizer: ModelTokenizer, template, defaults: GenerationDefaults
+) -> int:
     client = CoordinatorClient()
     proc = None
     try:
         started = time.monotonic()
         proc, status = await _start_coordinator(client, opts)
         limits = ServingLimits(
-            status.model_name, status.vocab_size, status.max_context, kv_tokens=status.kv_tokens
+            status.model_name,
+            status.vocab_size,
+            status.max_context,
+            kv_tokens=status.kv_tokens,
+            max_choices=opts.max_choices_per_request,
         )
         frontend = Frontend(
-            client, tokenizer, template, limits, ServingMetrics(status.model_name), opts.api_key
+            client,
+            tokenizer,
+            template,
+            limits,
+            ServingMetrics(status.model_name),
+            opts.api_key,
+            defaults,
         )
         app = create_app(frontend)
         config = uvicorn.Config(
@@ -180,11 +193,22 @@ async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient) -> Non
 def serve(opts: ServeOptions) -> int:
     """Run the HTTP deployment until interrupted; the exit code."""
     logging.basicConfig(level=logging.INFO, format="[frontend] %(levelname)s %(message)s")
-    tokenizer = ModelTokenizer.from_dir(opts.model_dir)
-    template = load_chat_template(opts.model_dir, tokenizer)
+    try:
+        tokenizer = ModelTokenizer.from_dir(opts.model_dir)
+        template = load_chat_template(opts.model_dir, tokenizer, opts.chat_template)
+        defaults = load_generation_defaults(opts.model_dir, tokenizer.eos_token_ids)
+    except ValueError as exc:  # names the file or the flag
+        print(f"flare: {exc}", file=sys.stderr)
+        return 1
+    if defaults.given:
+        taken = ", ".join(
+            f"{key}={getattr(defaults, 'max_tokens' if key == 'max_new_tokens' else key)}"
+            for key in defaults.given
+        )
+        log.info("request defaults from the model's generation_config.json: %s", taken)
     try:
         _check_port(opts.host, opts.port)
-        return asyncio.run(_serve(opts, tokenizer, template))
+        return asyncio.run(_serve(opts, tokenizer, template, defaults))
     except StartupError as exc:
         print(f"flare: {exc}", file=sys.stderr)
         return 1

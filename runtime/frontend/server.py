@@ -2,8 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events in OpenAI's chunk format, ``data: [DONE]`` last),
-``GET /v1/models``, ``GET /health`` (503 unless the engine serves) and
-``GET /metrics`` (Prometheus text).
+``GET /v1/models``, ``GET /health`` (503 unless the engine serves),
+``GET /metrics`` (Prometheus text), and vLLM's ``POST /tokenize``,
+``POST /detokenize`` and ``GET /version``.
 
 A request is validated (:mod:`runtime.frontend.protocol`), tokenized, and
 each of its ``n`` choices is submitted to the coordinator as its own request
@@ -18,13 +19,15 @@ frontend (stop string, stop token) or whose client disconnects is cancelled at
 the coordinator, which stops selecting it at once.
 
 Every invalid input gets a 4xx JSON error in OpenAI's shape naming the field.
-With an API key, every route but /health requires ``Authorization: Bearer``.
+With an API key, every route but /health and /version requires
+``Authorization: Bearer KEY`` (the scheme in any case, as HTTP says).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import math
 import secrets
@@ -39,6 +42,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.frontend.chat import ChatTemplate
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.detokenizer import IncrementalDetokenizer
 from runtime.frontend.metrics import ServingMetrics
 from runtime.frontend.protocol import (
@@ -47,6 +51,8 @@ from runtime.frontend.protocol import (
     ServingLimits,
     parse_chat,
     parse_completions,
+    parse_detokenize,
+    parse_tokenize,
 )
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.transport.api import Output, TokenLogprobs
@@ -58,6 +64,16 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
 DISCONNECT_POLL_S = 0.1
 MAX_BODY_BYTES = 32 << 20
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "aborted": "abort"}
+# Routes open without the API key: liveness, and the version (vLLM leaves it open too).
+OPEN_ROUTES = frozenset({"/health", "/version"})
+
+
+def package_version() -> str:
+    """The installed flare-runtime version (``0+unknown`` when run from a bare checkout)."""
+    try:
+        return importlib.metadata.version("flare-runtime")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 @dataclass
@@ -70,6 +86,7 @@ class Frontend:
     limits: ServingLimits
     metrics: ServingMetrics
     api_key: str | None = None
+    defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -115,6 +132,10 @@ def _sampling(req: GenerationRequest, index: int, seed: int, vocab: int) -> Samp
         (seed + index) % SEED_MODULUS,
         min_tokens=req.min_tokens,
         logprobs=-1 if req.logprobs is None else req.logprobs,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty,
+        logit_bias=req.logit_bias,
     )
 
 
@@ -453,7 +474,8 @@ async def _until_disconnect(request: Request) -> None:
 
 
 class ApiKeyMiddleware:
-    """Every HTTP route but /health needs ``Authorization: Bearer KEY``.
+    """Every HTTP route but /health and /version needs ``Authorization: Bearer KEY``;
+    the scheme is case-insensitive (``bearer KEY`` too), as HTTP auth schemes are.
 
     Plain ASGI rather than ``@app.middleware``: Starlette's BaseHTTPMiddleware
     hides client disconnects from the routes, and a route must see them to
@@ -462,12 +484,18 @@ class ApiKeyMiddleware:
 
     def __init__(self, app, key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {key}".encode()
+        self.expected = key.encode()
+
+    def authorized(self, header: bytes) -> bool:
+        scheme, _, credentials = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and secrets.compare_digest(
+            credentials.strip(), self.expected
+        )
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
+        if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            if not self.authorized(given):
                 response = _error(401, "missing or wrong API key", None, "authentication_error")
                 await response(scope, receive, send)
                 return
@@ -486,6 +514,20 @@ async def _read_body(request: Request) -> bytes:
             raise BodyTooLarge
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def _json_body(request: Request) -> object:
+    """The request's JSON body, or the 4xx response refusing it (content type, size,
+    syntax)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        return _error(415, f"Content-Type must be application/json, got {content_type!r}")
+    try:
+        return json.loads(await _read_body(request))
+    except BodyTooLarge:
+        return _error(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        return _error(400, f"body is not valid JSON: {str(exc)[:200]}")
 
 
 def _text_chars(body: object, chat: bool) -> int:
@@ -546,6 +588,7 @@ def create_app(fe: Frontend) -> FastAPI:
                     "created": fe.created,
                     "owned_by": "flare",
                     "max_model_len": fe.limits.max_context,
+                    "vocab_size": fe.limits.vocab_size,  # flare's: token-id prompts' range
                 }
             ],
         }
@@ -560,17 +603,50 @@ def create_app(fe: Frontend) -> FastAPI:
             fe.metrics.render(status), media_type="text/plain; version=0.0.4; charset=utf-8"
         )
 
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version()}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            ids, token_strs = await asyncio.to_thread(
+                parse_tokenize, body, fe.limits, fe.tokenizer, fe.template
+            )
+        except RequestError as exc:
+            return JSONResponse(exc.to_json(), status_code=exc.status)
+        strs = None
+        if token_strs:
+            strs = [fe.tokenizer.backend.id_to_token(t) or "" for t in ids]
+        return JSONResponse(
+            {
+                "count": len(ids),
+                "max_model_len": fe.limits.max_context,
+                "tokens": ids,
+                "token_strs": strs,
+            }
+        )
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            ids = parse_detokenize(body, fe.limits)
+        except RequestError as exc:
+            return JSONResponse(exc.to_json(), status_code=exc.status)
+        text = await asyncio.to_thread(fe.tokenizer.decode, ids, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
+
     async def generate(request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
-        content_type = request.headers.get("content-type", "")
-        if content_type.split(";")[0].strip().lower() != "application/json":
-            return _error(415, f"Content-Type must be application/json, got {content_type!r}")
-        try:
-            body = json.loads(await _read_body(request))
-        except BodyTooLarge:
-            return _error(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-            return _error(400, f"body is not valid JSON: {str(exc)[:200]}")
+        body = await _json_body(request)
+        if isinstance(body, Response):
+            return body
         if _text_chars(body, chat) > max_chars:
             param = "messages" if chat else "prompt"
             return _error(
@@ -584,11 +660,13 @@ def create_app(fe: Frontend) -> FastAPI:
             # Tokenizing and rendering templates take time: keep the event loop free.
             if chat:
                 req = await asyncio.to_thread(
-                    parse_chat, body, fe.limits, fe.tokenizer, fe.template
+                    parse_chat, body, fe.limits, fe.tokenizer, fe.template, fe.defaults
                 )
                 reqs = [req]
             else:
-                reqs = await asyncio.to_thread(parse_completions, body, fe.limits, fe.tokenizer)
+                reqs = await asyncio.to_thread(
+                    parse_completions, body, fe.limits, fe.tokenizer, fe.defaults
+                )
                 req = reqs[0]
         except RequestError as exc:
             return JSONResponse(exc.to_json(), status_code=exc.status)

@@ -33,6 +33,7 @@ class ScriptedClient:
         self.submitted: list[int] = []
         self.groups: list[int | None] = []
         self.sampling: list = []
+        self.prompts: list[tuple[int, ...]] = []
         self._ids = iter(range(1, 1000))
         self._groups = iter(range(1, 1000))
 
@@ -46,6 +47,7 @@ class ScriptedClient:
         self.submitted.append(request_id)
         self.groups.append(group)
         self.sampling.append(sampling)
+        self.prompts.append(tuple(prompt))
         queue: asyncio.Queue[Output] = asyncio.Queue()
         for out in self.script:
             queue.put_nowait(
