@@ -1,7 +1,9 @@
 """The frontend's side of the coordinator link (see ``runtime.coordinator.bridge``).
 
 The frontend binds both sockets, ``ipc://`` in a private run directory (mode
-0700, removed on close), and the coordinator process connects to them:
+0700, removed on close; a ``pid`` file in it lets a later start remove the
+directory of a frontend that was killed), and the coordinator process connects
+to them:
 requests leave on a PUSH socket (sends never block: no high-water mark), and
 outputs and status replies arrive on a PULL socket read by one asyncio task,
 which routes each :class:`Output` to its request's queue.  Everything runs on
@@ -16,18 +18,20 @@ import itertools
 import logging
 import os
 import shutil
-import tempfile
 
 import zmq
 import zmq.asyncio
 
 from runtime.coordinator.bridge import ApiEndpoints
 from runtime.transport.api import Cancel, Output, Publish, Status, StatusQuery, Submit
-from runtime.transport.channels import make_socket
+from runtime.transport.channels import make_run_dir, make_socket
 from runtime.transport.codec import decode_or_log, encode
 from runtime.transport.schema import SamplingParams
 
 log = logging.getLogger("runtime.frontend")
+
+API_RUN_PREFIX = "flare-api-"
+API_RUN_FILES = ("requests", "outputs")
 
 
 class CoordinatorGone(RuntimeError):
@@ -36,13 +40,14 @@ class CoordinatorGone(RuntimeError):
 
 class CoordinatorClient:
     def __init__(self, run_dir: str | None = None) -> None:
-        self.run_dir = tempfile.mkdtemp(prefix="flare-api-", dir=run_dir)
+        self.run_dir = make_run_dir(API_RUN_PREFIX, API_RUN_FILES, run_dir)
         self._sync = zmq.Context()
         self._async = zmq.asyncio.Context()
         self._push = make_socket(self._sync, zmq.PUSH)
         self._pull = make_socket(self._async, zmq.PULL)
-        self._push.bind(f"ipc://{os.path.join(self.run_dir, 'requests')}")
-        self._pull.bind(f"ipc://{os.path.join(self.run_dir, 'outputs')}")
+        requests, outputs = (os.path.join(self.run_dir, name) for name in API_RUN_FILES)
+        self._push.bind(f"ipc://{requests}")
+        self._pull.bind(f"ipc://{outputs}")
         self.endpoints = ApiEndpoints(
             self._push.getsockopt_string(zmq.LAST_ENDPOINT),
             self._pull.getsockopt_string(zmq.LAST_ENDPOINT),

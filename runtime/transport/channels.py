@@ -33,7 +33,9 @@ the channels: a rank answers pings as they arrive, the coordinator drops late
 ``ready`` replies.
 
 Endpoints default to ``ipc://`` sockets in a private run directory (mode 0700,
-removed on close); TCP binds only loopback addresses unless ``allow_remote``.
+removed on close, holding a ``pid`` file; :func:`make_run_dir` first removes
+the directories a killed process left behind); TCP binds only loopback
+addresses unless ``allow_remote``.
 A channel is not thread-safe: use it from one thread.
 """
 
@@ -45,6 +47,8 @@ import logging
 import math
 import os
 import secrets
+import socket
+import stat
 import tempfile
 import time
 import weakref
@@ -250,6 +254,107 @@ def _loopback_host(host: str, allow_remote: bool) -> str:
     return f"[{ip}]" if ip.version == 6 else str(ip)
 
 
+PID_FILE = "pid"
+TRANSPORT_RUN_PREFIX = "flare-transport-"
+TRANSPORT_RUN_FILES = ("frames", "completions")
+
+
+def make_run_dir(prefix: str, files: tuple[str, ...], parent: str | None = None) -> str:
+    """A fresh 0700 directory ``parent/prefix*`` (the system temp dir by default)
+    holding a ``pid`` file with this process's id, for sockets named ``files``.
+
+    Directories with the same prefix that a dead process left behind (SIGKILL skips
+    every clean-up) are removed first, see :func:`remove_stale_run_dirs`.
+    """
+    remove_stale_run_dirs(prefix, files, parent)
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    fd = os.open(os.path.join(path, PID_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    return path
+
+
+def remove_stale_run_dirs(
+    prefix: str, files: tuple[str, ...], parent: str | None = None
+) -> list[str]:
+    """Remove the run directories ``parent/prefix*`` provably left by a dead process;
+    the paths removed.
+
+    A directory goes only when all of this holds: it is a real directory (not a
+    link) owned by this user; its ``pid`` file names a process that no longer
+    exists (a process of another user counts as alive); no socket in it accepts a
+    connection (a live owner in another pid namespace would); and it holds
+    nothing but that file and the sockets ``files``.  Anything else is left as it
+    is: a directory without a ``pid`` file, say, cannot be proved stale.
+    """
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        entries = [e for e in os.scandir(parent) if e.name.startswith(prefix)]
+    except OSError:
+        return removed
+    allowed = {PID_FILE, *files}
+    for entry in entries:
+        try:
+            info = entry.stat(follow_symlinks=False)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                continue
+            names = set(os.listdir(entry.path))
+            if PID_FILE not in names or not names <= allowed:
+                continue
+            pid = _read_pid(os.path.join(entry.path, PID_FILE))
+            if pid is None or _alive(pid):
+                continue
+            if any(_listening(os.path.join(entry.path, name)) for name in names - {PID_FILE}):
+                continue
+            for name in names:
+                os.unlink(os.path.join(entry.path, name))
+            os.rmdir(entry.path)
+        except OSError:  # raced with its owner or another clean-up: leave it
+            continue
+        removed.append(entry.path)
+        logger.info("removed %s, left behind by process %d", entry.path, pid)
+    return removed
+
+
+def _read_pid(path: str) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd) as f:
+            text = f.read(32)
+    except OSError:
+        return None
+    text = text.strip()
+    return int(text) if text.isascii() and text.isdigit() and 0 < int(text) < 2**31 else None
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _listening(path: str) -> bool:
+    """Whether the Unix socket at ``path`` accepts a connection (a live owner)."""
+    try:
+        if not stat.S_ISSOCK(os.stat(path, follow_symlinks=False).st_mode):
+            return False
+    except OSError:
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        try:
+            sock.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 def _remove_run_dir(path: str, files: tuple[str, ...]) -> None:
     for file in files:
         with contextlib.suppress(FileNotFoundError):
@@ -300,9 +405,10 @@ class CoordinatorChannel(_Channel):
         self._finalizer: weakref.finalize | None = None
         try:
             if transport == "ipc":
-                self.run_dir = tempfile.mkdtemp(prefix="flare-transport-", dir=run_dir)
-                paths = tuple(os.path.join(self.run_dir, n) for n in ("frames", "completions"))
-                self._finalizer = weakref.finalize(self, _remove_run_dir, self.run_dir, paths)
+                self.run_dir = make_run_dir(TRANSPORT_RUN_PREFIX, TRANSPORT_RUN_FILES, run_dir)
+                paths = tuple(os.path.join(self.run_dir, n) for n in TRANSPORT_RUN_FILES)
+                owned = (*paths, os.path.join(self.run_dir, PID_FILE))
+                self._finalizer = weakref.finalize(self, _remove_run_dir, self.run_dir, owned)
                 if len(paths[1]) > MAX_IPC_PATH:
                     raise EndpointError(f"ipc path too long ({len(paths[1])} bytes): {paths[1]}")
                 wanted = tuple(f"ipc://{p}" for p in paths)
