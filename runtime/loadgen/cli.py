@@ -25,15 +25,17 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from runtime.loadgen.client import PATHS, ClientConfig, first_model, run_benchmark
+from runtime.loadgen.client import PATHS, ClientConfig, model_card, run_benchmark
 from runtime.loadgen.report import format_table, per_request, summarize
 from runtime.loadgen.workload import (
+    EMBEDDED_TOKENS_PER_WORD,
     TOKEN_ID_RANGE,
     Distribution,
     WorkloadSpec,
     arrival_offsets,
     build_requests,
     parse_distribution,
+    token_id_range_for,
 )
 
 
@@ -94,6 +96,18 @@ def _id_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _tokenizer_vocab(path: str) -> int:
+    """The vocabulary size (added tokens included) of a ``tokenizer.json``, or of the
+    one in a model directory."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    try:
+        return Tokenizer.from_file(str(file)).get_vocab_size(with_added_tokens=True)
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise argparse.ArgumentTypeError(f"cannot load {file}: {exc}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flare bench",
@@ -122,13 +136,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-kind",
         choices=["words", "token-ids"],
         default="words",
-        help="random words (about one token each), or token-id lists (completions only)",
+        help="random common words (--prompt-len counts words; measured "
+        f"{EMBEDDED_TOKENS_PER_WORD} tokens per word with the embedded default model, "
+        "the server's usage reports the real count), or token-id lists, exact lengths "
+        "(completions only)",
     )
     p.add_argument(
         "--token-id-range",
         type=_id_range,
-        default=f"{TOKEN_ID_RANGE[0]}:{TOKEN_ID_RANGE[1]}",
-        help="LO:HI, token ids of token-id prompts (inside the model's vocabulary)",
+        default=None,
+        help="LO:HI, token ids of token-id prompts; default: the middle of the served "
+        "model's vocabulary (vocab_size from /v1/models, or --tokenizer), "
+        f"else {TOKEN_ID_RANGE[0]}:{TOKEN_ID_RANGE[1]}",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        type=_tokenizer_vocab,
+        help="a model directory or tokenizer.json: its vocabulary bounds token-id prompts "
+        "(for servers whose /v1/models gives no vocab_size, such as vLLM)",
     )
     p.add_argument(
         "--prompts-file",
@@ -147,15 +173,35 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.prompt_kind == "token-ids" and args.endpoint == "chat" and not args.prompts_file:
+    token_ids = args.prompt_kind == "token-ids" and not args.prompts_file
+    if token_ids and args.endpoint == "chat":
         parser.error("argument --prompt-kind: token-ids prompts need --endpoint completions")
-    model = args.model
-    if model is None:
+    model, card = args.model, {}
+    if model is None or (token_ids and args.tokenizer is None):
         try:
-            model = first_model(args.base_url, args.api_key, args.timeout)
+            card = model_card(args.base_url, args.api_key, args.timeout)
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            print(f"error: no model from {args.base_url}/v1/models: {exc}", file=sys.stderr)
-            return 1
+            if model is None:
+                print(f"error: no model from {args.base_url}/v1/models: {exc}", file=sys.stderr)
+                return 1
+        model = model or str(card["id"])
+    vocab, vocab_from = args.tokenizer, "--tokenizer"
+    if vocab is None and type(card.get("vocab_size")) is int and card["vocab_size"] >= 2:
+        vocab, vocab_from = card["vocab_size"], "/v1/models"
+    token_range = args.token_id_range
+    if token_range is None:
+        token_range = TOKEN_ID_RANGE if vocab is None else token_id_range_for(vocab)
+        if token_ids and vocab is None:
+            print(
+                f"note: the vocabulary size is unknown (no vocab_size in /v1/models, no "
+                f"--tokenizer): token ids drawn from {token_range[0]}:{token_range[1]}",
+                file=sys.stderr,
+            )
+    elif token_ids and vocab is not None and token_range[1] > vocab:
+        parser.error(
+            f"argument --token-id-range: {token_range[0]}:{token_range[1]} reaches past the "
+            f"vocabulary of {vocab} tokens ({vocab_from})"
+        )
 
     spec = WorkloadSpec(
         num_requests=args.num_requests,
@@ -164,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt_kind=args.prompt_kind,
         prompts=args.prompts_file or (),
         seed=args.seed,
-        token_id_range=args.token_id_range,
+        token_id_range=token_range,
     )
     config = ClientConfig(
         base_url=args.base_url,
@@ -194,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_len": None if args.prompts_file else str(args.prompt_len),
         "output_len": str(args.output_len),
         "prompt_kind": "file" if args.prompts_file else args.prompt_kind,
+        "token_id_range": f"{token_range[0]}:{token_range[1]}" if token_ids else None,
         "seed": args.seed,
         "ignore_eos": args.ignore_eos,
         "timeout_s": args.timeout,

@@ -193,11 +193,16 @@ async def run_benchmark(
     return list(records), time.perf_counter() - start
 
 
-def first_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
-    """The id of the first model ``GET /v1/models`` lists."""
+def model_card(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> dict:
+    """The first model card ``GET /v1/models`` lists (flare's carries ``vocab_size``)."""
     response = httpx.get(f"{base_url}/v1/models", headers=auth_headers(api_key), timeout=timeout)
     response.raise_for_status()
     models = response.json().get("data") or []
-    if not models:
+    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
         raise ValueError(f"{base_url}/v1/models lists no models")
-    return str(models[0]["id"])
+    return models[0]
+
+
+def first_model(base_url: str, api_key: str | None = None, timeout: float = 30.0) -> str:
+    """The id of the first model ``GET /v1/models`` lists."""
+    return str(model_card(base_url, api_key, timeout)["id"])

@@ -13,8 +13,10 @@ import random
 from dataclasses import dataclass
 from typing import Literal
 
-# Common English words: most tokenizers encode " word" as one token, so a prompt
-# of N words is close to N tokens.  Use token-id prompts for exact lengths.
+# Common English words.  A prompt of N words is N * (tokens per word) tokens, and
+# that ratio is the tokenizer's: measured, 2.84 with the embedded default model's
+# 512-token vocabulary (EMBEDDED_TOKENS_PER_WORD; tests/loadgen re-measures it).
+# Use token-id prompts for exact lengths.
 WORDS: tuple[str, ...] = (
     "the", "of", "and", "to", "in", "is", "that", "it", "was", "for", "on", "are", "as", "with",
     "his", "they", "at", "be", "this", "from", "have", "or", "by", "one", "had", "not", "but",
@@ -29,9 +31,25 @@ WORDS: tuple[str, ...] = (
     "another", "came", "come", "work", "three", "word", "must", "because", "does", "part",
 )  # fmt: skip
 
-# Token ids drawn for token-id prompts: clear of the low ids that tokenizers use
-# for special tokens, and inside every common vocabulary (32k and up).
+EMBEDDED_TOKENS_PER_WORD = 2.84  # 200 seeded 128-word prompts, embedded default model
+
+# Token ids drawn for token-id prompts when the vocabulary is unknown: clear of the
+# low ids that tokenizers use for special tokens, inside every common vocabulary
+# (32k and up).  When it is known, token_id_range_for(vocab_size) instead.
 TOKEN_ID_RANGE = (1000, 30000)
+
+
+def token_id_range_for(vocab_size: int) -> tuple[int, int]:
+    """Token ids [lo, hi) for token-id prompts against a vocabulary of ``vocab_size``:
+    clear of the lowest tenth (at most 1000 ids: byte and control tokens) and of the
+    top tenth, where vocabularies keep their special tokens (the embedded model's
+    512 give 51:460)."""
+    if type(vocab_size) is not int or vocab_size < 2:
+        raise ValueError(f"vocab_size must be an integer >= 2, got {vocab_size!r}")
+    lo = min(1000, vocab_size // 10)
+    hi = max(lo + 1, vocab_size * 9 // 10)
+    return lo, hi
+
 
 PromptKind = Literal["words", "token-ids"]
 

@@ -32,11 +32,13 @@ from runtime.loadgen.cli import main
 from runtime.loadgen.client import ClientConfig, RequestRecord, run_benchmark
 from runtime.loadgen.report import format_table, percentile, summarize
 from runtime.loadgen.workload import (
+    EMBEDDED_TOKENS_PER_WORD,
     TOKEN_ID_RANGE,
     WorkloadSpec,
     arrival_offsets,
     build_requests,
     parse_distribution,
+    token_id_range_for,
 )
 
 MODEL = "fake-model"
@@ -55,13 +57,17 @@ class FakeBehaviour:
     fail: frozenset[int] = frozenset()
     usage: bool = True
     tokens_per_chunk: int = 1  # what usage claims per chunk
+    vocab_size: int | None = None  # flare's model card carries it; vLLM's does not
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
 
 
 def _fake_app(state: dict[str, FakeBehaviour]) -> Starlette:
     async def models(_: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        card: dict[str, Any] = {"id": MODEL, "object": "model"}
+        if state["now"].vocab_size is not None:
+            card["vocab_size"] = state["now"].vocab_size
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def generate(request: Request) -> JSONResponse | StreamingResponse:
         behaviour = state["now"]
@@ -263,6 +269,83 @@ def test_an_unreachable_server_without_model_fails_cleanly(capsys):
     assert "/v1/models" in capsys.readouterr().err
 
 
+# --- token-id prompts and the served vocabulary --------------------------------
+
+TOKEN_ARGS = ["--prompt-kind", "token-ids", "--prompt-len", "40", "--num-requests", "5",
+              "--output-len", "2"]  # fmt: skip
+
+
+def sent_ids(behaviour: FakeBehaviour) -> set[int]:
+    return {t for body in behaviour.received for t in body["prompt"]}
+
+
+def test_token_id_prompts_stay_inside_the_served_vocabulary(fake, capsys):
+    url, behaviour = fake
+    behaviour.vocab_size = 512  # the embedded default model's
+    code, _, result = _run(url, TOKEN_ARGS, capsys)
+    assert code == 0 and result["completed"] == 5
+    ids = sent_ids(behaviour)
+    assert min(ids) >= 51 and max(ids) < 460 and len(ids) > 100
+    assert result["config"]["token_id_range"] == "51:460"
+
+
+def test_a_tokenizer_gives_the_vocabulary_when_the_server_does_not(fake, capsys):
+    from runtime.ranks.model import default_model_dir
+
+    url, behaviour = fake  # no vocab_size in the card, as vLLM's
+    code, _, result = _run(url, [*TOKEN_ARGS, "--tokenizer", str(default_model_dir())], capsys)
+    assert code == 0 and max(sent_ids(behaviour)) < 460
+    assert result["config"]["token_id_range"] == "51:460"
+    code, _, _ = _run(
+        url, [*TOKEN_ARGS, "--tokenizer", str(default_model_dir() / "tokenizer.json")], capsys
+    )
+    assert code == 0
+
+
+def test_an_unknown_vocabulary_falls_back_to_the_common_range_and_says_so(fake, capsys):
+    url, behaviour = fake
+    code = main(["--base-url", url, *TOKEN_ARGS])
+    captured = capsys.readouterr()
+    assert code == 0 and "vocabulary size is unknown" in captured.err
+    assert min(sent_ids(behaviour)) >= TOKEN_ID_RANGE[0]
+    assert max(sent_ids(behaviour)) < TOKEN_ID_RANGE[1]
+
+
+def test_a_token_id_range_past_the_served_vocabulary_fails_naming_the_flag(fake, capsys):
+    url, behaviour = fake
+    behaviour.vocab_size = 512
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--base-url", url, *TOKEN_ARGS, "--token-id-range", "1000:30000"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --token-id-range" in err and "512" in err
+    assert behaviour.received == []
+    code, _, _ = _run(url, [*TOKEN_ARGS, "--token-id-range", "3:9"], capsys)
+    assert code == 0 and sent_ids(behaviour) <= set(range(3, 9))
+
+
+def test_token_id_range_for_common_vocabularies():
+    assert token_id_range_for(512) == (51, 460)
+    assert token_id_range_for(32000) == (1000, 28800)
+    assert token_id_range_for(128256) == (1000, 115430)
+    assert token_id_range_for(2) == (0, 1)
+    with pytest.raises(ValueError):
+        token_id_range_for(1)
+
+
+def test_the_stated_tokens_per_word_is_measured_on_the_embedded_model():
+    """The help text's figure: words prompts against the embedded default model."""
+    from runtime.frontend.tokenizer import ModelTokenizer
+    from runtime.ranks.model import default_model_dir
+
+    tokenizer = ModelTokenizer.from_dir(default_model_dir())
+    spec = WorkloadSpec(200, parse_distribution("128"), parse_distribution("1"), seed=0)
+    requests = build_requests(spec)
+    tokens = sum(len(tokenizer.encode(r.prompt)) for r in requests)
+    words = sum(r.prompt_len for r in requests)
+    assert tokens / words == pytest.approx(EMBEDDED_TOKENS_PER_WORD, abs=0.01)
+
+
 # --- argument errors name the flag -------------------------------------------
 
 
@@ -282,6 +365,7 @@ def test_an_unreachable_server_without_model_fails_cleanly(capsys):
         (["--request-rate", "2", "--concurrency", "2"], "--concurrency"),
         (["--token-id-range", "9:3"], "--token-id-range"),
         (["--token-id-range", "512"], "--token-id-range"),
+        (["--tokenizer", "/nonexistent/dir"], "--tokenizer"),
     ],
 )
 def test_invalid_flags_fail_fast_naming_the_flag(capsys, argv, flag):
