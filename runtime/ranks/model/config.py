@@ -186,6 +186,17 @@ class ModelConfig:
                 f"tensor-parallel size ({world_size})"
             )
 
+    def tensor_parallel_sizes(self, limit: int = 64) -> list[int]:
+        """The world sizes up to ``limit`` that :meth:`check_tensor_parallel` accepts."""
+        sizes = []
+        for world_size in range(1, limit + 1):
+            try:
+                self.check_tensor_parallel(world_size)
+            except ConfigError:
+                continue
+            sizes.append(world_size)
+        return sizes
+
     # -- Hugging Face ----------------------------------------------------------
 
     @classmethod
