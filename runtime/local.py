@@ -17,6 +17,7 @@ from runtime.coordinator.engine import Engine, EngineConfig, EngineError
 from runtime.launch import spawn_ranks, stop_ranks
 
 DEFAULT_SPIN_US = 200
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
 RANK_WATCH_S = 0.5
 
 
@@ -43,6 +44,7 @@ class DeploymentConfig:
     num_pages: int = 1024
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cuda_graphs: bool = True
     mixed_prefill: bool = False  # also capture mixed prefill/decode programs
@@ -57,6 +59,8 @@ class DeploymentConfig:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.mixed_prefill, bool):
             raise ValueError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
         spin = self.poll_spin_us
@@ -83,6 +87,8 @@ class DeploymentConfig:
             args += ["--model", os.fspath(self.model)]
         if self.max_model_len is not None:
             args += ["--max-model-len", str(self.max_model_len)]
+        if self.dtype != "auto":
+            args += ["--dtype", self.dtype]
         if not self.cuda_graphs:
             args.append("--no-cuda-graphs")
         if self.mixed_prefill:

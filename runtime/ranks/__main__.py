@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from runtime.ranks.capacity import CapacityConfig, CapacityError
-from runtime.ranks.model import TPGroup, default_model_dir, load_model
+from runtime.ranks.model import ConfigError, LoadError, TPGroup, default_model_dir, load_model
 from runtime.ranks.worker import RankWorker
 from runtime.transport.channels import ChannelEndpoints, RankChannel
 
@@ -47,7 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--num-pages", type=int, default=1024)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *sorted(DTYPES)],
+        default="auto",
+        help="weights and activations (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
     p.add_argument("--no-cuda-graphs", action="store_true", help="run programs eagerly on CUDA")
     p.add_argument(
         "--mixed-prefill",
@@ -100,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, ((cores or 1) - 1) // local_world))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if use_cuda else torch.float32)
+    if args.dtype != "auto":
+        dtype = DTYPES[args.dtype]
+    else:
+        dtype = torch.bfloat16 if use_cuda else torch.float32
     if world_size > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
         group = TPGroup.from_process_group()
@@ -109,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     channel = None
     try:
         model_dir = args.model or str(default_model_dir())
-        model = load_model(model_dir, group, dtype=dtype, device=device)
+        try:
+            model = load_model(model_dir, group, dtype=dtype, device=device)
+        except (ConfigError, LoadError) as exc:  # one line, not a traceback per rank
+            print(f"rank {rank}: model {model_dir}: {exc}", file=sys.stderr)
+            return 1
         progress = None
         if rank == 0:
             from tqdm import tqdm
