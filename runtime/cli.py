@@ -17,18 +17,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
+from typing import TYPE_CHECKING, NoReturn
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
-from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
+from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.ranks.model.config import ModelConfig
 
 # Flags of features that later issues build: refused rather than ignored.
 NOT_YET = {
@@ -36,86 +43,296 @@ NOT_YET = {
     "speculative_token_capacity": "speculative programs",
 }
 
+MIN_CONTEXT = PROMPT_ALIGNMENT  # the shortest context the ranks serve (one prefill bucket)
 
-def _positive(name: str):
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on ONE stderr line (no usage block) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help states it already
+    (or there is none to state)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text.lower() or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action) or help_text
+
+
+def _int_in(low: int, high: int | None = None, why: str = ""):
+    """An integer flag in [low, high]; the error names the flag and the bound."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 1, got {value}")
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}{why}, got {value}")
         return value
 
     return parse
+
+
+def _positive(text: str) -> int:
+    return _int_in(1)(text)
 
 
 def _port(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--port must be an integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"--port must lie in 1..65535, got {value}")
+        raise argparse.ArgumentTypeError(f"must lie in 1..65535, got {value}")
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flare", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="serve a model over HTTP (or generate once with --prompt)")
-    run.add_argument("--config", help="TOML file with [scheduler] and [run] tables")
-    run.add_argument("--model", help="Hugging Face style model directory (default: embedded)")
+def _prefill_tokens(text: str) -> int:
+    value = _positive(text)
+    if value % PROMPT_ALIGNMENT:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {PROMPT_ALIGNMENT}, got {value}")
+    return value
+
+
+def _model_len(text: str) -> int:
+    return _int_in(MIN_CONTEXT)(text)
+
+
+def _number(low: float | None = None, strict: bool = False):
+    """A finite float flag, optionally bounded below; the error names the flag."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
+        if low is not None and (value <= low if strict else value < low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low:g}, got {value:g}"
+            )
+        return value
+
+    return parse
+
+
+def _add_run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
-        "--served-model-name", help="the model id of the API (default: directory name)"
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="Hugging Face style model directory, as --model (default: the "
+        "embedded model, created on first use)",
     )
-    run.add_argument("--tensor-parallel-size", type=_positive("--tensor-parallel-size"), default=1)
-    run.add_argument("--max-concurrency", type=_positive("--max-concurrency"), default=8)
-    run.add_argument("--max-prefill-tokens", type=_positive("--max-prefill-tokens"), default=512)
-    run.add_argument("--num-pages", type=_positive("--num-pages"), default=1024)
-    run.add_argument("--page-size", type=_positive("--page-size"), default=16)
+    run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file with [scheduler] and [run] tables (default: none)",
+    )
+    run.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model directory (default: the embedded model); the same as MODEL_DIR",
+    )
+    run.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id of the API (default: the directory name)",
+    )
+    run.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="auto",
+        help="weights and activations; auto is bfloat16 on CUDA and float32 on CPU",
+    )
+    run.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for /v1/chat/completions (default: the model directory's)",
+    )
+    run.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        metavar="N",
+        type=_int_in(1, 64),
+        default=1,
+        help="ranks, one per device",
+    )
+    run.add_argument(
+        "--max-num-seqs",
+        "--max-concurrency",
+        metavar="N",
+        dest="max_concurrency",
+        type=_int_in(
+            1,
+            MAX_BATCH_CAPACITY,
+            f" (the scheduler selects among at most {MAX_BATCH_CAPACITY} request slots)",
+        ),
+        default=8,
+        help="resident request slots (--max-concurrency is an alias)",
+    )
+    run.add_argument(
+        "--max-prefill-tokens",
+        "--max-num-batched-tokens",
+        metavar="N",
+        dest="max_prefill_tokens",
+        type=_prefill_tokens,
+        default=512,
+        help=f"the largest prompt capacity of a prepared program (a multiple of "
+        f"{PROMPT_ALIGNMENT}); longer prompts run in chunks. flare has no per-step "
+        "token budget: --max-num-batched-tokens is an alias of this flag",
+    )
+    run.add_argument(
+        "--max-choices-per-request",
+        metavar="N",
+        type=_positive,
+        default=1024,
+        help="the most choices (prompts x n) one HTTP request may ask for",
+    )
+    run.add_argument(
+        "--num-pages", metavar="N", type=_positive, default=1024, help="KV cache pages per rank"
+    )
+    run.add_argument(
+        "--page-size", metavar="N", type=_positive, default=16, help="tokens per KV page"
+    )
     run.add_argument(
         "--max-model-len",
-        type=_positive("--max-model-len"),
-        help="context limit (default: the model's max_position_embeddings)",
+        metavar="N",
+        type=_model_len,
+        help=f"context limit, >= {MIN_CONTEXT} (default: the model's max_position_embeddings)",
     )
-    run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    run.add_argument("--no-cuda-graphs", action="store_true")
-    run.add_argument("--scheduler-policy", choices=sorted(PRESETS), default=None,
-                     help="balanced (default) or throughput")  # fmt: skip
-    run.add_argument("--scheduler-terminal-value", type=float)
-    run.add_argument("--scheduler-terminal-age-price", type=float)
-    run.add_argument("--mtp-adaptive-verification-alpha", type=float,
-                     help="not available yet: needs speculative decoding")  # fmt: skip
-    run.add_argument("--speculative-token-capacity", type=int,
-                     help="not available yet: needs speculative programs")  # fmt: skip
-    run.add_argument("--mixed-prefill", action="store_true",
-                     help="also capture mixed prefill/decode programs (one prompt chunk "
-                     "beside decode rows in one forward)")  # fmt: skip
-    run.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default loopback)")
-    run.add_argument("--port", type=_port, default=8000)
-    run.add_argument("--api-key", default=os.environ.get("FLARE_API_KEY"),
-                     help="require this bearer key on every route but /health")  # fmt: skip
-    run.add_argument("--startup-timeout", type=float, default=600.0, help="seconds")
-    run.add_argument("--prompt", help="generate one completion for this text, then exit")
-    run.add_argument("--max-tokens", type=_positive("--max-tokens"), default=32)
-    run.add_argument("--temperature", type=float, default=0.0)
-    run.add_argument("--top-p", type=float, default=1.0)
-    run.add_argument("--top-k", type=int, default=-1)
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto is cuda when available",
+    )
+    run.add_argument(
+        "--enforce-eager",
+        "--no-cuda-graphs",
+        dest="enforce_eager",
+        action="store_true",
+        help="run programs eagerly, without CUDA graphs (--no-cuda-graphs is an alias)",
+    )
+    run.add_argument(
+        "--scheduler-policy",
+        choices=sorted(PRESETS),
+        default=None,
+        help="scheduling preset (default: balanced, or --config's [scheduler])",
+    )
+    run.add_argument(
+        "--scheduler-terminal-value",
+        type=float,
+        help="the policy's terminal value (default: the preset's)",
+    )
+    run.add_argument(
+        "--scheduler-terminal-age-price",
+        type=float,
+        help="the policy's terminal age price (default: the preset's)",
+    )
+    run.add_argument(
+        "--mtp-adaptive-verification-alpha",
+        type=float,
+        help="not available yet: needs speculative decoding (default: unset)",
+    )
+    run.add_argument(
+        "--speculative-token-capacity",
+        metavar="N",
+        type=int,
+        help="not available yet: needs speculative programs (default: unset)",
+    )
+    run.add_argument(
+        "--mixed-prefill",
+        action="store_true",
+        help="also capture mixed prefill/decode programs (one prompt chunk "
+        "beside decode rows in one forward)",
+    )
+    run.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    run.add_argument("--port", metavar="N", type=_port, default=8000, help="HTTP port")
+    run.add_argument(
+        "--api-key",
+        default=os.environ.get("FLARE_API_KEY"),
+        help="require this bearer key on every route but /health (default: "
+        "$FLARE_API_KEY, else none)",
+    )
+    run.add_argument(
+        "--startup-timeout",
+        type=_number(0.0, strict=True),
+        default=600.0,
+        help="seconds",
+    )
+    run.add_argument(
+        "--prompt", help="generate one completion for this text, then exit (default: serve HTTP)"
+    )
+    run.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=_positive,
+        default=32,
+        help="--prompt: tokens to generate",
+    )
+    run.add_argument(
+        "--temperature",
+        type=_number(0.0),
+        default=0.0,
+        help="--prompt: sampling temperature",
+    )
+    run.add_argument(
+        "--top-p",
+        type=_number(0.0, strict=True),
+        default=1.0,
+        help="--prompt: nucleus sampling mass, in (0, 1]",
+    )
+    run.add_argument(
+        "--top-k",
+        metavar="N",
+        type=_int_in(-1),
+        default=-1,
+        help="--prompt: top-k sampling, -1 for all",
+    )
+    run.add_argument("--seed", metavar="N", type=int, default=0, help="--prompt: sampling seed")
     # Set by the frontend for its coordinator process (python -m runtime.coordinator).
     run.add_argument("--api-requests", help=argparse.SUPPRESS)
     run.add_argument("--api-outputs", help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="flare", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    run = sub.add_parser(
+        "run",
+        aliases=["serve"],
+        help="serve a model over HTTP (or generate once with --prompt); serve is an alias",
+        description="Serve MODEL_DIR over an OpenAI-compatible HTTP API, or generate one "
+        "completion with --prompt. `flare serve` is the same command.",
+        formatter_class=HelpFormatter,
+    )
+    _add_run_flags(run)
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
+def _run_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The ``run`` subcommand's parser (``parser`` itself when it is that one)."""
+    if parser._subparsers is None:
+        return parser
+    return parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+
+
 def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """Destinations of the run flags given on the command line."""
-    run = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
     given = set()
-    for action in run._actions:
+    for action in _run_parser(parser)._actions:
         for option in action.option_strings:
             if any(arg == option or arg.startswith(option + "=") for arg in argv):
                 given.add(action.dest)
@@ -123,7 +340,11 @@ def _explicit(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
 
 
 def _apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser, argv) -> dict:
-    """Fill flags not given on the command line from ``--config``'s [run]; its data."""
+    """Fill flags not given on the command line from ``--config``'s [run]; its data.
+
+    A [run] key is any long flag name (an alias too: ``max-num-seqs`` or
+    ``max-concurrency``), without the dashes in front.
+    """
     if not args.config:
         return {}
     try:
@@ -134,14 +355,27 @@ def _apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser
     unknown = set(data) - {"run", "scheduler"}
     if unknown:
         parser.error(f"--config {args.config}: unknown table(s) {sorted(unknown)}")
-    run_parser = parser._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
-    actions = {a.dest: a for a in run_parser._actions if a.option_strings}
+    run = data.get("run", {})
+    if not isinstance(run, dict):
+        parser.error(f"--config {args.config}: [run] must be a table")
+    actions = {
+        option[2:]: action
+        for action in _run_parser(parser)._actions
+        for option in action.option_strings
+        if option.startswith("--")
+    }
     given = _explicit(parser, argv)
-    for key, value in data.get("run", {}).items():
-        dest = key.replace("-", "_")
-        action = actions.get(dest)
+    if args.model_dir is not None:
+        given.add("model")
+    seen: dict[str, str] = {}
+    for key, value in run.items():
+        action = actions.get(key) or actions.get(key.replace("_", "-"))
+        dest = action.dest if action is not None else None
         if action is None or dest in ("config", "api_requests", "api_outputs", "help"):
             parser.error(f"--config {args.config}: unknown [run] key {key!r}")
+        if dest in seen:
+            parser.error(f"--config {args.config}: [run] {seen[dest]} and {key} set the same flag")
+        seen[dest] = key
         if dest in given:
             continue
         try:
@@ -151,6 +385,8 @@ def _apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser
                 raise argparse.ArgumentTypeError(f"must be one of {sorted(action.choices)}")
             elif action.nargs == 0 and not isinstance(value, bool):  # a switch
                 raise argparse.ArgumentTypeError(f"must be true or false, got {value!r}")
+            elif action.nargs != 0 and not isinstance(value, str):
+                raise argparse.ArgumentTypeError(f"must be a string, got {value!r}")
         except (argparse.ArgumentTypeError, ValueError) as exc:
             parser.error(f"--config {args.config}: [run] {key}: {exc}")
         setattr(args, dest, value)
@@ -173,10 +409,76 @@ def _policy(args: argparse.Namespace, parser: argparse.ArgumentParser, data: dic
         raise  # unreachable
 
 
-def deployment_config(
+def _model_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str]:
+    """The model directory and how the command line named it (for messages)."""
+    positional, flag = args.model_dir, args.model
+    if (
+        positional is not None
+        and flag is not None
+        and os.path.realpath(positional) != os.path.realpath(flag)
+    ):
+        parser.error(
+            f"MODEL_DIR {positional} and --model {flag} name different directories; "
+            "give one of them"
+        )
+    if positional is not None:
+        return positional, f"MODEL_DIR {positional}"
+    if flag is not None:
+        return flag, f"--model {flag}"
+    from runtime.ranks.model import default_model_dir
+
+    path = str(default_model_dir())
+    return path, f"the default model {path}"
+
+
+def _check_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str | None:
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as fh:
+            fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        parser.error(f"--chat-template {path}: cannot be read ({reason}); give a Jinja file")
+    return os.path.abspath(path)
+
+
+def _check_pages(args: argparse.Namespace, parser: argparse.ArgumentParser, context: int) -> None:
+    """The KV pool must hold one request.
+
+    With ``--max-model-len`` it must hold one request of that many tokens (as
+    vLLM requires); without it, a pool smaller than the model's context bounds
+    each request's prompt + max_tokens instead (a 400 naming ``max_tokens``),
+    and it must hold at least the shortest context flare serves.
+    """
+    page, pages = args.page_size, args.num_pages
+    pool = page * pages
+    held = f"the KV pool ({pages} page{'s' if pages != 1 else ''} of {page} tokens = {pool} tokens)"
+    if args.max_model_len is not None and pool < context:
+        parser.error(
+            f"--num-pages {pages}: {held} cannot hold one request of --max-model-len "
+            f"{context} tokens, which needs {-(-context // page)} pages; raise --num-pages "
+            "or lower --max-model-len"
+        )
+    if pool < MIN_CONTEXT:
+        parser.error(
+            f"--num-pages {pages}: {held} cannot hold one request: flare needs at least "
+            f"{MIN_CONTEXT} tokens ({-(-MIN_CONTEXT // page)} pages), and one request of the "
+            f"model's context of {context} tokens needs {-(-context // page)} pages"
+        )
+
+
+def checked_run(
     args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None
-) -> DeploymentConfig:
-    """The deployment ``flare run`` asks for; fails fast naming the bad flag."""
+) -> tuple[DeploymentConfig, ModelConfig]:
+    """The deployment ``flare run`` asks for and its model's config.
+
+    Every flag and model-directory problem fails here, before any process
+    starts, in one line naming the flag or file (``parser.error``: exit 2).
+    The model check reads ``config.json`` and looks for the tokenizer and
+    weight files; it loads no weight.
+    """
+    parser = _run_parser(parser)  # errors read "flare run: error: ..."
     data = _apply_config_file(args, parser, argv or [])
     for dest, feature in NOT_YET.items():
         if getattr(args, dest) is not None:
@@ -185,22 +487,41 @@ def deployment_config(
     policy = _policy(args, parser, data)
     if not 0 < args.startup_timeout < float("inf"):
         parser.error("--startup-timeout must be a finite number of seconds > 0")
-    from runtime.ranks.model import default_model_dir
-
-    model_dir = args.model or str(default_model_dir())
+    args.chat_template = _check_chat_template(args.chat_template, parser)
+    model_dir, named = _model_dir(args, parser)
+    if not os.path.exists(model_dir):
+        parser.error(f"{named}: no such directory")
     if not os.path.isdir(model_dir):
-        parser.error(f"--model {model_dir}: not a directory")
-    if args.max_model_len is not None:
-        from runtime.ranks.model.config import ModelConfig
+        parser.error(f"{named}: not a directory")
+    from runtime.ranks.model.errors import ConfigError as ModelConfigError
+    from runtime.ranks.model.errors import LoadError
+    from runtime.ranks.model.loader import check_model_dir
 
-        try:
-            limit = ModelConfig.from_dir(model_dir).max_position_embeddings
-        except (OSError, ValueError) as exc:
-            parser.error(f"--model {model_dir}: {exc}")
-        if args.max_model_len > limit:
-            parser.error(f"--max-model-len {args.max_model_len} exceeds the model's {limit}")
     try:
-        return DeploymentConfig(
+        model = check_model_dir(model_dir)
+    except (ModelConfigError, LoadError) as exc:
+        parser.error(f"{named}: {exc}")
+    tp = args.tensor_parallel_size
+    try:
+        model.check_tensor_parallel(tp)
+    except ModelConfigError as exc:
+        allowed = ", ".join(map(str, model.tensor_parallel_sizes()))
+        parser.error(f"--tensor-parallel-size {tp}: {exc} ({named}); allowed: {allowed}")
+    limit = model.max_position_embeddings
+    if args.max_model_len is not None and args.max_model_len > limit:
+        parser.error(
+            f"--max-model-len {args.max_model_len} exceeds the model's {limit} "
+            f"(max_position_embeddings of {named}); allowed: {MIN_CONTEXT}..{limit}"
+        )
+    context = args.max_model_len or limit
+    if context < MIN_CONTEXT:
+        parser.error(
+            f"{named}: max_position_embeddings {limit} is below {MIN_CONTEXT}, the shortest "
+            "context flare serves"
+        )
+    _check_pages(args, parser, context)
+    try:
+        config = DeploymentConfig(
             model=model_dir,
             tensor_parallel_size=args.tensor_parallel_size,
             max_concurrency=args.max_concurrency,
@@ -209,35 +530,84 @@ def deployment_config(
             num_pages=args.num_pages,
             max_model_len=args.max_model_len,
             device=args.device,
+            dtype=args.dtype,
             policy=policy,
-            cuda_graphs=not args.no_cuda_graphs,
+            cuda_graphs=not args.enforce_eager,
             mixed_prefill=bool(args.mixed_prefill),
             startup_timeout_s=args.startup_timeout,
         )
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable
+    return config, model
+
+
+def deployment_config(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None
+) -> DeploymentConfig:
+    """The deployment ``flare run`` asks for; fails fast naming the bad flag."""
+    return checked_run(args, parser, argv)[0]
 
 
 def _sampling(args: argparse.Namespace, parser: argparse.ArgumentParser) -> SamplingParams:
     try:
         return SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+    except ProtocolError as exc:
+        parser.error(f"--{exc.field.replace('_', '-')}: {exc.reason}")
+        raise  # unreachable
     except ValueError as exc:
         parser.error(f"sampling flags: {exc}")
         raise  # unreachable
 
 
-def generate_once(args: argparse.Namespace, config: DeploymentConfig, sampling) -> int:
-    """``--prompt``: one completion in this process, printed with the run's figures."""
-    from runtime.ranks.model import load_tokenizer
+def _tokenizer(model_dir: str, parser: argparse.ArgumentParser):
+    """The model's tokenizer, or a one-line error naming the file."""
+    from tokenizers import Tokenizer
 
-    tokenizer = load_tokenizer(config.model)
-    ids = tokenizer.encode(args.prompt).ids
+    path = os.path.join(model_dir, "tokenizer.json")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as exc:  # the tokenizers library raises plain Exceptions
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        parser.error(f"{path}: not a tokenizers tokenizer.json ({reason})")
+
+
+def _check_prompt(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    config: DeploymentConfig,
+    context: int,
+    ids: list[int],
+) -> None:
+    """``--prompt`` + ``--max-tokens`` must fit the context and the KV pool."""
     if not ids:
-        print("flare: --prompt encodes to no tokens", file=sys.stderr)
-        return 2
+        parser.error("--prompt encodes to no tokens")
+    total = len(ids) + args.max_tokens
+    request = f"--prompt ({len(ids)} tokens) + --max-tokens {args.max_tokens} = {total} tokens"
+    if total > context:
+        parser.error(f"--max-tokens {args.max_tokens}: {request} exceed the context of {context}")
+    pages = -(-total // config.page_size)
+    if pages > config.num_pages:
+        parser.error(
+            f"--num-pages {config.num_pages}: {request} need {pages} KV pages of "
+            f"{config.page_size} tokens; raise --num-pages or lower --max-tokens"
+        )
+
+
+def generate_once(
+    args: argparse.Namespace, config: DeploymentConfig, sampling, tokenizer, ids: list[int]
+) -> int:
+    """``--prompt``: one completion in this process, printed with the run's figures."""
     started = time.monotonic()
-    with LocalDeployment(config) as deployment:
+    deployment = LocalDeployment(config)
+    try:
+        deployment.start()
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a rank died, a timeout: one line, the ranks said why
+        print(f"flare: start-up failed: {exc}", file=sys.stderr)
+        return 1
+    try:
         engine = deployment.engine
         facts = engine.facts
         print(
@@ -259,6 +629,8 @@ def generate_once(args: argparse.Namespace, config: DeploymentConfig, sampling) 
             file=sys.stderr,
         )
         summary = engine.stats.summary()
+    finally:
+        deployment.stop()
     print(json.dumps({k: summary[k] for k in sorted(summary)}), file=sys.stderr)
     return 0
 
@@ -279,10 +651,16 @@ def _without_secrets(argv: list[str]) -> tuple[str, ...]:
 
 
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
-    config = deployment_config(args, parser, argv)
+    """``flare run`` / ``flare serve``: every check first, then the processes."""
+    parser = _run_parser(parser)
+    config, model = checked_run(args, parser, argv)
     sampling = _sampling(args, parser)
+    tokenizer = _tokenizer(config.model, parser)
     if args.prompt is not None:
-        return generate_once(args, config, sampling)
+        context = min(model.max_position_embeddings, config.max_model_len or 1 << 62)
+        ids = tokenizer.encode(args.prompt).ids
+        _check_prompt(args, parser, config, context, ids)
+        return generate_once(args, config, sampling, tokenizer, ids)
     from runtime.frontend.serve import ServeOptions, serve
 
     return serve(
@@ -293,6 +671,8 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
             api_key=args.api_key,
             startup_timeout_s=args.startup_timeout,
             coordinator_args=_without_secrets(argv),
+            chat_template=args.chat_template,
+            max_choices_per_request=args.max_choices_per_request,
         )
     )
 
@@ -305,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.command == "run":
+    if args.command in ("run", "serve"):
         return cmd_run(args, parser, argv[1:])
     parser.error(f"unknown command {args.command!r}")
     return 2

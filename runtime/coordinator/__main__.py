@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     try:
-        deployment.start()
+        try:
+            deployment.start()
+        except Exception as exc:  # a rank died, a timeout: one line, the ranks said why
+            log.error("start-up failed: %s", exc)
+            return 1
         facts = deployment.engine.facts
         assert facts is not None
         info = ServingInfo(
