@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 
@@ -225,3 +226,51 @@ def test_wrong_content_type_and_broken_json_are_4xx_and_the_server_stays_healthy
                    headers={"content-type": "application/json"})  # fmt: skip
     assert r.status_code == 400 and "error" in r.json()
     assert httpx.get(f"{server.base}/health").status_code == 200
+
+
+# ------------------------------------------------------------------ vLLM's API
+
+
+def test_tokenize_detokenize_version_and_a_logit_bias_that_reaches_the_ranks(server):
+    ids = server.post("/tokenize", {"prompt": "alpha beta"}).json()
+    assert ids["count"] == len(ids["tokens"]) > 0 and ids["max_model_len"] > 0
+    text = server.post("/detokenize", {"tokens": ids["tokens"]}).json()["prompt"]
+    assert text == "alpha beta"
+    assert httpx.get(f"{server.base}/version").json()["version"]
+    # A bias of 100 on one token makes greedy decoding pick it every time.
+    body = {"prompt": words(8), "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    plain = server.post("/v1/completions", body).json()["choices"][0]["text"]
+    biased = server.post("/v1/completions", {**body, "logit_bias": {"300": 100}}).json()
+    expected = server.post("/detokenize", {"tokens": [300] * 5}).json()["prompt"]
+    assert biased["choices"][0]["text"] == expected != plain
+    r = server.post("/v1/completions", {**body, "logit_bias": {"512": 1}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    r = server.post("/v1/completions", {**body, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+
+
+def test_a_small_request_completes_while_a_big_one_runs(server):
+    """32 choices of 16 tokens on 4 slots: the small request, sent once they queue, is
+    admitted at the next turn of the rotation, not after all 32."""
+    big = {"prompt": [words(4, i) for i in range(8)], "n": 4, "max_tokens": 16,
+           "ignore_eos": True, "temperature": 0}  # fmt: skip
+    done: dict[str, float] = {}
+
+    def run_big() -> None:
+        out = server.post("/v1/completions", big).json()
+        assert len(out["choices"]) == 32
+        done["big"] = time.monotonic()
+
+    thread = threading.Thread(target=run_big, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while server.metrics()["flare_num_requests_waiting"] < 20:
+        assert time.monotonic() < deadline and thread.is_alive()
+        time.sleep(0.05)
+    small = {"prompt": "x", "max_tokens": 4, "ignore_eos": True}
+    assert server.post("/v1/completions", small).json()["usage"]["completion_tokens"] == 4
+    done["small"] = time.monotonic()
+    waiting = server.metrics()["flare_num_requests_waiting"]
+    thread.join(120)
+    assert done["small"] < done["big"]
+    assert waiting > 0  # the big request still had choices queued
