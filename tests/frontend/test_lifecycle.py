@@ -70,7 +70,8 @@ class Stream(threading.Thread):
 def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
     config = tmp_path / "serve.toml"
     config.write_text("[run]\nnum-pages = 64\nmax-concurrency = 2\n")
-    s = Server("--api-key", "sekrit", "--config", str(config), "--num-pages", "200")
+    s = Server("--api-key", "sekrit", "--config", str(config), "--num-pages", "200",
+               "--max-choices-per-request", "8")  # fmt: skip
     try:
         assert "sekrit" not in " ".join(" ".join(p.cmdline()) for p in children(s, "coordinator"))
         assert httpx.get(f"{s.base}/health").status_code == 200
@@ -81,6 +82,15 @@ def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
         ok = openai.OpenAI(base_url=f"{s.base}/v1", api_key="sekrit", max_retries=0)
         assert ok.completions.create(model=ok.models.list().data[0].id, prompt="x",
                                      max_tokens=2).usage.completion_tokens >= 1  # fmt: skip
+        # Prompts x n over --max-choices-per-request: a 400 naming n; "bearer" works too.
+        lower = {"authorization": "bearer sekrit"}
+        r = s.post("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}, headers=lower)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = s.post("/v1/completions", {"prompt": ["a"] * 9, "max_tokens": 1}, headers=lower)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert httpx.get(f"{s.base}/version").status_code == 200  # open, as in vLLM
+        assert s.post("/tokenize", {"prompt": "x"}).status_code == 401
+        assert s.post("/tokenize", {"prompt": "x"}, headers=lower).status_code == 200
         metrics = s.metrics_with(AUTH)
         # The command line beat the file in the coordinator and the ranks too.
         assert metrics["flare_kv_pages_total"] == 200
