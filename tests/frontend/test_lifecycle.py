@@ -7,12 +7,14 @@ import json
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import psutil
 import pytest
 
+from runtime.ranks.model import default_model_dir
 from tests.server.harness import Server, body, words
 
 AUTH = {"authorization": "Bearer sekrit"}
@@ -70,8 +72,17 @@ class Stream(threading.Thread):
 def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
     config = tmp_path / "serve.toml"
     config.write_text("[run]\nnum-pages = 64\nmax-concurrency = 2\n")
+    # The embedded model with a generation_config.json, and a chat template of our own.
+    model = tmp_path / "model"
+    model.mkdir()
+    for file in Path(default_model_dir()).iterdir():
+        (model / file.name).symlink_to(file)
+    (model / "generation_config.json").write_text('{"temperature": 0.0, "max_new_tokens": 3}')
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}#{{ m.content }}{% endfor %}=")
     s = Server("--api-key", "sekrit", "--config", str(config), "--num-pages", "200",
-               "--max-choices-per-request", "8")  # fmt: skip
+               "--max-choices-per-request", "8", "--model", str(model),
+               "--chat-template", str(template))  # fmt: skip
     try:
         assert "sekrit" not in " ".join(" ".join(p.cmdline()) for p in children(s, "coordinator"))
         assert httpx.get(f"{s.base}/health").status_code == 200
@@ -91,6 +102,14 @@ def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
         assert httpx.get(f"{s.base}/version").status_code == 200  # open, as in vLLM
         assert s.post("/tokenize", {"prompt": "x"}).status_code == 401
         assert s.post("/tokenize", {"prompt": "x"}, headers=lower).status_code == 200
+        # --chat-template renders the messages; generation_config.json gives the defaults.
+        ids = s.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]},
+                     headers=AUTH).json()["tokens"]  # fmt: skip
+        assert s.post("/detokenize", {"tokens": ids}, headers=AUTH).json()["prompt"] == "#hi="
+        plain = {"prompt": words(6), "ignore_eos": True}
+        first, again = (s.post("/v1/completions", plain, headers=AUTH).json() for _ in range(2))
+        assert first["usage"]["completion_tokens"] == 3  # max_new_tokens
+        assert first["choices"][0]["text"] == again["choices"][0]["text"]  # temperature 0
         metrics = s.metrics_with(AUTH)
         # The command line beat the file in the coordinator and the ranks too.
         assert metrics["flare_kv_pages_total"] == 200
