@@ -5,7 +5,10 @@
 - ``tokenizer``: the model directory's tokenizer (encode with BOS policy, decode, EOS ids).
 - ``detokenizer``: per-request incremental detokenization with stop strings held back
   until they are disambiguated.
-- ``chat``: the model's jinja chat template, or a documented fallback.
+- ``chat``: the model's jinja chat template (or ``--chat-template``'s), or a documented
+  fallback.
+- ``defaults``: request defaults from the model's ``generation_config.json``.
 
-The modules import only ``tokenizers`` and ``jinja2``; the server wires them to the engine.
+The modules import only ``tokenizers``, ``jinja2`` and the transport's schema (no torch);
+the server wires them to the engine.
 """
