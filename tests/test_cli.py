@@ -1,6 +1,11 @@
-"""`flare run` flag handling: config files, fail-fast errors naming the flag."""
+"""`flare run` flag handling: config files, fail-fast errors naming the flag, the
+vLLM-style names (aliases, positional model, `flare serve`).  The real command's
+errors and runs are in tests/cli/."""
 
 from __future__ import annotations
+
+import argparse
+import dataclasses
 
 import pytest
 
@@ -95,3 +100,170 @@ def test_rank_entry_point_prepares_mixed_programs_when_asked():
     assert capacity.mixed_prefill
     mixed = [d for d in build_catalog(capacity) if d.kind is GraphKind.MIXED]
     assert {d.batch_capacity for d in mixed} == {2, 4} and mixed
+
+
+# -- the vLLM-style names: aliases, positional model, `flare serve` --------------------------
+
+
+def run_args(argv: list[str]):
+    """`flare ARGV` through the real parser: (args, config) as cmd_run sees them."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args, deployment_config(args, parser, argv[1:])
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "value"),
+    [
+        (["--max-num-seqs", "16"], "max_concurrency", 16),
+        (["--max-concurrency", "16"], "max_concurrency", 16),
+        (["-tp", "2"], "tensor_parallel_size", 2),
+        (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
+        (["--max-num-batched-tokens", "128"], "max_prefill_tokens", 128),
+        (["--max-prefill-tokens", "128"], "max_prefill_tokens", 128),
+        (["--enforce-eager"], "cuda_graphs", False),
+        (["--no-cuda-graphs"], "cuda_graphs", False),
+        ([], "cuda_graphs", True),
+        (["--dtype", "bfloat16"], "dtype", "bfloat16"),
+        ([], "dtype", "auto"),
+        ([], "max_concurrency", 8),
+    ],
+)
+def test_aliases_reach_the_deployment(flags, field, value):
+    _, config = configure(flags)
+    assert getattr(config, field) == value
+
+
+def test_the_new_flags_reach_the_rank_command_line():
+    _, config = configure(["--max-num-seqs", "16", "--dtype", "float16", "--enforce-eager"])
+    args = config.rank_args()
+    assert args[args.index("--max-concurrency") + 1] == "16"
+    assert args[args.index("--dtype") + 1] == "float16"
+    assert "--no-cuda-graphs" in args
+    _, config = configure([])
+    assert "--dtype" not in config.rank_args()  # auto: the rank's own choice per device
+
+
+def test_rank_entry_point_takes_every_dtype_flare_run_passes():
+    from runtime.local import DTYPES
+    from runtime.ranks.__main__ import parse_args
+
+    base = ["--frames-endpoint", "ipc:///x/f", "--completions-endpoint", "ipc:///x/c"]
+    assert parse_args(base).dtype == "auto"
+    for dtype in DTYPES:
+        assert parse_args([*base, "--dtype", dtype]).dtype == dtype
+
+
+def test_positional_model_equals_the_flag_and_serve_equals_run(tmp_path):
+    from runtime.ranks.model import default_model_dir
+
+    model = str(default_model_dir())
+    _, by_flag = run_args(["run", "--model", model])
+    _, positional = run_args(["run", model])
+    _, served = run_args(["serve", model])
+    _, both = run_args(["serve", model, "--model", model + "/"])  # the same directory twice
+    assert by_flag == positional == served == both
+    assert positional.model == model
+
+
+def test_config_file_takes_the_new_long_names(tmp_path):
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        "[run]\nmax-num-seqs = 16\nmax-num-batched-tokens = 128\nenforce-eager = true\n"
+        f'dtype = "bfloat16"\ntensor-parallel-size = 2\nchat-template = "{template}"\n'
+        "max-choices-per-request = 7\n"
+    )
+    args, config = configure(["--config", str(path)])
+    assert (config.max_concurrency, config.max_prefill_tokens) == (16, 128)
+    assert not config.cuda_graphs and config.dtype == "bfloat16"
+    assert config.tensor_parallel_size == 2
+    assert args.chat_template == str(template) and args.max_choices_per_request == 7
+    # Aliases too, and the command line (short form included) still wins.
+    path.write_text("[run]\nmax-concurrency = 12\nno-cuda-graphs = true\n")
+    _, config = configure(["--config", str(path), "-tp", "2"])
+    assert config.max_concurrency == 12 and not config.cuda_graphs
+    assert config.tensor_parallel_size == 2
+    _, config = configure(["--config", str(path), "--max-num-seqs", "3"])
+    assert config.max_concurrency == 3
+
+
+@pytest.mark.parametrize(
+    ("toml", "needle"),
+    [
+        ("[run]\nmax-num-seqs = 100\n", "max-num-seqs"),
+        ("[run]\nmax-num-seqs = 4\nmax-concurrency = 4\n", "set the same flag"),
+        ("[run]\ndtype = 'float8'\n", "dtype"),
+        ("[run]\nenforce-eager = 'yes'\n", "enforce-eager"),
+        ("[run]\nmax-choices-per-request = 0\n", "max-choices-per-request"),
+        ("[run]\nchat-template = 3\n", "chat-template"),
+    ],
+)
+def test_bad_new_config_keys_fail_naming_the_key(tmp_path, capsys, toml, needle):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(SystemExit) as exit_info:
+        configure(["--config", str(path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and needle in err and len(err.splitlines()) == 1
+
+
+def test_every_run_flag_states_its_default_in_help():
+    from runtime.cli import HelpFormatter, _run_parser
+
+    run = _run_parser(build_parser())
+    formatter = HelpFormatter("flare run")
+    for action in run._actions:
+        if action.help == argparse.SUPPRESS or action.dest == "help":
+            continue
+        text = formatter._expand_help(action)
+        assert "default" in text, f"{action.option_strings or action.dest}: {text!r}"
+
+
+def test_serve_options_and_the_coordinator_get_the_new_flags(tmp_path, monkeypatch):
+    """`flare serve DIR ...` hands ServeOptions the template and the choice bound, and
+    the coordinator's command line parses to the same deployment."""
+    import signal
+
+    import runtime.cli as cli
+    import runtime.coordinator.__main__ as coordinator
+    import runtime.frontend.serve as frontend_serve
+    from runtime.ranks.model import default_model_dir
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0].content }}")
+    model = str(default_model_dir())
+    seen = {}
+    monkeypatch.setattr(frontend_serve, "serve", lambda opts: seen.setdefault("opts", opts) and 0)
+    argv = ["serve", model, "--chat-template", str(template), "--max-choices-per-request", "7",
+            "--max-num-seqs", "16", "-tp", "2", "--dtype", "float32", "--enforce-eager",
+            "--api-key", "sekrit"]  # fmt: skip
+    assert cli.main(argv) == 0
+    opts = seen["opts"]
+    assert opts.chat_template == str(template) and opts.max_choices_per_request == 7
+    assert opts.model_dir == model and "sekrit" not in opts.coordinator_args
+
+    class FakeDeployment:
+        def __init__(self, config):
+            seen["config"] = config
+
+        def start(self):
+            raise KeyboardInterrupt  # stop before any process starts
+
+        def stop(self):
+            return []
+
+    monkeypatch.setattr(coordinator, "LocalDeployment", FakeDeployment)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        api = ["--api-requests", "ipc:///x/r", "--api-outputs", "ipc:///x/o"]
+        assert coordinator.main([*opts.coordinator_args, *api]) == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    config = seen["config"]
+    _, expected = run_args(argv)
+    assert config == dataclasses.replace(expected, external_publication=True)
+    assert config.max_concurrency == 16 and config.tensor_parallel_size == 2
+    assert config.dtype == "float32" and not config.cuda_graphs and config.model == model
