@@ -115,6 +115,7 @@ FLOAT_FIELDS_PER_LANE = (
     "frequency_penalty",
     "repetition_penalty",
 )
+INT_FIELD_NAMES = INT_FIELDS_PER_TOKEN + INT_FIELDS_PER_LANE + INT_SCALARS  # then the page table
 
 
 @dataclass(frozen=True)
@@ -171,20 +172,15 @@ class ProgramInputs:
         bias_ids: torch.Tensor,
         bias_values: torch.Tensor,
     ) -> ProgramInputs:
-        views: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name in INT_FIELDS_PER_TOKEN:
-            views[name] = ints[offset : offset + n]
-            offset += n
-        for name in INT_FIELDS_PER_LANE:
-            views[name] = ints[offset : offset + lanes]
-            offset += lanes
-        for name in INT_SCALARS:
-            views[name] = ints[offset : offset + 1]
-            offset += 1
-        views["page_tables"] = ints[offset : offset + lanes * pages].view(lanes, pages)
-        for i, name in enumerate(FLOAT_FIELDS_PER_LANE):
-            views[name] = floats[i * lanes : (i + 1) * lanes]
+        # One split call for every view (slicing field by field costs ~2 us each).
+        sizes = [n] * len(INT_FIELDS_PER_TOKEN) + [lanes] * len(INT_FIELDS_PER_LANE)
+        sizes += [1] * len(INT_SCALARS) + [lanes * pages]
+        used = sum(sizes)
+        parts = ints.split_with_sizes([*sizes, ints.shape[0] - used])
+        views = dict(zip(INT_FIELD_NAMES, parts))
+        views["page_tables"] = parts[len(INT_FIELD_NAMES)].view(lanes, pages)
+        floats = floats.split_with_sizes([lanes] * len(FLOAT_FIELDS_PER_LANE))
+        views.update(zip(FLOAT_FIELDS_PER_LANE, floats))
         return cls(**views, bias_ids=bias_ids, bias_values=bias_values)
 
     @staticmethod
