@@ -17,10 +17,16 @@ Checks, each printed as PASS/FAIL with its figures, on the embedded model:
    replay gives the eager tokens (greedy and seeded), the greedy tokens equal
    the same work run as separate prefill and decode frames, and a mixed
    frame's logprobs match eager within 1e-5;
-6. NCCL: a one-rank ``nccl`` process group all-reduces (two ranks when the
+6. logit bias and penalties inside the graphs: eight requests with different
+   settings (repetition, frequency/presence, bias, none; greedy and seeded)
+   give the eager tokens, in plain and in mixed frames, batched equal alone;
+   lanes without adjustments keep their plain tokens; a -100 bias on the
+   greedy token changes it; and the per-slot state the graphs updated equals
+   the committed tokens' counts and the prompt's token set;
+7. NCCL: a one-rank ``nccl`` process group all-reduces (two ranks when the
    machine has two GPUs: ``--tp2``);
-7. a timing table: CUDA-event replay time per program (mixed ones included);
-8. the deployment end to end: ``LocalDeployment`` on CUDA with graphs (mixed
+8. a timing table: CUDA-event replay time per program (mixed ones included);
+9. the deployment end to end: ``LocalDeployment`` on CUDA with graphs (mixed
    programs too) serves 16 concurrent requests consistently (the frames run
    per kind are recorded), and ``Engine.measure_round_trip`` gives the
    empty-frame round trip.
@@ -38,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import ClassVar
 
@@ -172,6 +179,49 @@ def generate_mixed(w: RankWorker, prompts, samplings, new: int, use_mixed: bool 
     return [out[i] for i in range(len(prompts))], d
 
 
+def check_penalties(eager: RankWorker, graphs: RankWorker, prompts: list[list[int]]) -> bool:
+    """Logit bias and penalties: graph == eager, batch invariance, device state."""
+    plain = [SamplingParams()] * 3 + [SamplingParams(0.9, 0.95, 20, 1006)]
+    settings = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.7, presence_penalty=0.4),
+        SamplingParams(logit_bias=((5, 3.0), (7, -2.0), (300, 1.0))),
+        plain[0],  # no adjustments, beside adjusted lanes
+        SamplingParams(0.8, 0.9, 40, 1004, repetition_penalty=1.2, logit_bias=((11, 1.5),)),
+        SamplingParams(0.7, 1.0, -1, 1005, frequency_penalty=1.0),
+        plain[3],  # seeded, no adjustments
+        SamplingParams(presence_penalty=-1.0, repetition_penalty=0.9),
+    ]
+    ok = True
+    ref, _ = generate(eager, prompts, settings, 12)
+    got, _ = generate(graphs, prompts, settings, 12)
+    ok &= check("penalties_graph_equals_eager", got == ref)
+    # The state the graphs updated: counts of the committed tokens, the prompt's set.
+    state = next(iter(graphs.programs.values())).outputs.penalties
+    counts, mask = state.counts[:8].cpu(), state.prompt_mask[:8].cpu()
+    good = all(
+        Counter({t: c for t, c in enumerate(counts[i].tolist()) if c}) == Counter(got[i])
+        and set(mask[i].nonzero().flatten().tolist()) == set(prompts[i])
+        for i in range(8)
+    )
+    ok &= check("penalties_device_state", good)
+    alone, _ = generate(graphs, prompts, settings, 12, together=False)
+    ok &= check("penalties_batch_invariance", alone == got)
+    base, _ = generate(graphs, prompts, [plain[0]] * 6 + [plain[3], plain[0]], 12)
+    ok &= check("penalties_unadjusted_lanes_unchanged", got[3] == base[3] and got[6] == base[6])
+    adjusted = sum(got[i] != base[i] for i in (0, 1, 2, 7))
+    ok &= check("penalties_change_greedy_tokens", adjusted >= 3, f"{adjusted}/4 lanes changed")
+    banned = [SamplingParams(logit_bias=((tokens[0], -100.0),)) for tokens in base]
+    moved, _ = generate(graphs, prompts, banned, 4)
+    ok &= check("penalties_bias_moves_greedy", all(m[0] != b[0] for m, b in zip(moved, base)))
+    ref, _ = generate_mixed(eager, prompts, settings, 12)
+    got, _ = generate_mixed(graphs, prompts, settings, 12)
+    ok &= check("penalties_mixed_graph_equals_eager", got == ref)
+    separate, _ = generate_mixed(graphs, prompts, settings, 12, use_mixed=False)
+    ok &= check("penalties_mixed_equals_separate", got == separate)
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -232,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     diff = max(abs(x - y) for x, y in zip(a, b))
     ok &= check("mixed_logprobs_graph_equals_eager", len(a) == len(b) == 12 and diff < 1e-5,
                 f"max diff {diff}")  # fmt: skip
+
+    ok &= check_penalties(eager, graphs, prompts)
 
     if cuda:
         import torch.distributed as dist
