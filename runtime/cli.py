@@ -1,15 +1,19 @@
 """The ``flare`` command line.
 
-``flare run`` serves a model directory (default: the embedded model, created
-on first use, no download) over an OpenAI-compatible HTTP API: the frontend
-(this process), the coordinator and N rank processes on this machine.  With
+``flare run [MODEL_DIR]`` (also ``flare serve MODEL_DIR``, as vLLM users type
+it) serves a model directory (default: the embedded model, created on first
+use, no download) over an OpenAI-compatible HTTP API: the frontend (this
+process), the coordinator and N rank processes on this machine.  With
 ``--prompt`` it instead generates one completion in-process, prints it and the
 run's figures, and exits.  ``flare bench`` drives an OpenAI-compatible endpoint
 with a load generator (``runtime.loadgen``).
 
+Every flag and model-directory problem fails before any process starts, in one
+stderr line naming the flag or file (:func:`checked_run`).
+
 ``--config FILE`` reads a TOML file: ``[scheduler]`` (a policy, as in
-``configs/``) and ``[run]`` (any ``flare run`` flag by its long name, e.g.
-``max-concurrency = 16``); flags given on the command line win.
+``configs/``) and ``[run]`` (any ``flare run`` flag by a long name, aliases
+included, e.g. ``max-num-seqs = 16``); flags given on the command line win.
 """
 
 from __future__ import annotations
