@@ -82,10 +82,13 @@ class SamplingParams:
     produced this many tokens (vLLM's ``min_tokens``).  ``logprobs``: -1 for
     none, else 0..:data:`MAX_LOGPROBS`: rank 0 returns the sampled token's log
     probability and this many top tokens with theirs (``Completion.sidecars``),
-    from ``log_softmax`` of the raw logits (before temperature, top-k, top-p).
+    from ``log_softmax`` of the raw logits (before logit bias, penalties,
+    temperature, top-k, top-p).
 
-    Logit adjustments, with vLLM's semantics, applied before temperature (so a
-    greedy request takes the argmax of the adjusted logits): ``logit_bias``
+    Logit adjustments, with vLLM's semantics and in vLLM's order (bias, then
+    repetition, then frequency and presence), applied before temperature (so
+    a greedy request takes the argmax of the adjusted logits; the log
+    probabilities stay those of the raw logits): ``logit_bias``
     ((token id, bias) pairs, bias in [-100, 100], at most
     :data:`MAX_LOGIT_BIAS`, ids distinct) is added; ``presence_penalty`` and
     ``frequency_penalty`` (in [-2, 2]) subtract ``presence * [count > 0] +
