@@ -35,6 +35,7 @@ else:  # pragma: no cover - Python 3.10
 from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
+from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import SamplingParams
 
@@ -181,8 +182,9 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
             MAX_BATCH_CAPACITY,
             f" (the scheduler selects among at most {MAX_BATCH_CAPACITY} request slots)",
         ),
-        default=8,
-        help="resident request slots (--max-concurrency is an alias)",
+        default=DEFAULT_MAX_CONCURRENCY,
+        help="resident request slots (--max-concurrency is an alias); requests also need "
+        "their worst-case KV pages (prompt + max_tokens) to become resident",
     )
     run.add_argument(
         "--max-prefill-tokens",

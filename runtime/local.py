@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.engine import Engine, EngineConfig, EngineError
 from runtime.launch import spawn_ranks, stop_ranks
+from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 
 DEFAULT_SPIN_US = 200
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
@@ -38,7 +39,7 @@ def spin_budget_us(local_ranks: int) -> int:
 class DeploymentConfig:
     model: str | None = None  # None: the embedded default model
     tensor_parallel_size: int = 1
-    max_concurrency: int = 8
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
     max_prefill_tokens: int = 512
     page_size: int = 16
     num_pages: int = 1024

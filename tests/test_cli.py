@@ -126,7 +126,7 @@ def run_args(argv: list[str]):
         ([], "cuda_graphs", True),
         (["--dtype", "bfloat16"], "dtype", "bfloat16"),
         ([], "dtype", "auto"),
-        ([], "max_concurrency", 8),
+        ([], "max_concurrency", 32),  # the measured default (docs/serving.md)
     ],
 )
 def test_aliases_reach_the_deployment(flags, field, value):

@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from runtime.ranks.capacity import CapacityConfig, CapacityError
+from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY, CapacityConfig, CapacityError
 from runtime.ranks.model import ConfigError, LoadError, TPGroup, default_model_dir, load_model
 from runtime.ranks.worker import RankWorker
 from runtime.transport.channels import ChannelEndpoints, RankChannel
@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", help="Hugging Face style directory (default: the embedded model)")
     p.add_argument("--frames-endpoint", default=os.environ.get("FLARE_FRAMES_ENDPOINT"))
     p.add_argument("--completions-endpoint", default=os.environ.get("FLARE_COMPLETIONS_ENDPOINT"))
-    p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument("--max-concurrency", type=int, default=DEFAULT_MAX_CONCURRENCY)
     p.add_argument("--min-prefill-tokens", type=int, default=64)
     p.add_argument("--max-prefill-tokens", type=int, default=512)
     p.add_argument("--page-size", type=int, default=16)

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
 
+# Resident request slots when nobody says (--max-num-seqs): measured on the CPU
+# runtime with flare bench (docs/serving.md, "Default concurrency").
+DEFAULT_MAX_CONCURRENCY = 32
+
 
 class CapacityError(ValueError):
     """A capacity setting is invalid; the message names it."""
@@ -33,7 +37,7 @@ def padded_concurrency(concurrency: int) -> int:
 
 @dataclass(frozen=True)
 class CapacityConfig:
-    max_concurrency: int = 8
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
     min_prefill_tokens: int = 64
     max_prefill_tokens: int = 2048
     mixed_prefill: bool = False

@@ -225,7 +225,7 @@ def test_help_shows_every_default(tmp_path):
         code, stdout, stderr, _ = flare([command, "--help"], tmp_path)
         assert code == 0, stderr
         text = " ".join(stdout.split())  # unwrap the help columns
-        for default in ("1024", "16", "8", "512", "auto", "1", "8000", "127.0.0.1", "600.0",
+        for default in ("1024", "16", "32", "512", "auto", "1", "8000", "127.0.0.1", "600.0",
                         "False"):  # fmt: skip
             assert f"(default: {default})" in text, default
         for flag in ("MODEL_DIR", "-tp", "--max-num-seqs", "--max-concurrency", "--dtype",
