@@ -108,3 +108,17 @@ def test_explain_names_the_winner_and_the_requests_best_candidate(capsys):
             mine = row["best_with_request"]
             if mine is not None:
                 assert mine["score"] <= row["winner"]["score"] or row["winner"]["t_ms"] == 0
+
+
+def test_bench_concurrency_starts_a_server_per_slot_count_and_prints_json_last():
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_concurrency.py", "--slots", "2", "--rates", "20",
+         "--num-requests", "4", "--output-len", "4"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    data = json.loads(lines[-1])
+    (row,) = data["results"]
+    assert (row["slots"], row["rate"], row["completed"]) == (2, 20, 4)
+    assert row["request_throughput"] > 0 and row["median_tpot_ms"] > 0
+    assert lines[0].split()[:2] == ["slots", "rate"]
