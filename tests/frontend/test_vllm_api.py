@@ -96,17 +96,20 @@ NO_OPS = [
 ]
 
 
+def route(chat: bool) -> tuple[str, dict]:
+    """The completions or chat route and a minimal body for it."""
+    if chat:
+        return "/v1/chat/completions", {"messages": USER}
+    return "/v1/completions", {"prompt": "x"}
+
+
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize(("fields", "param"), UNSUPPORTED)
 def test_fields_the_runtime_does_not_implement_are_a_400_naming_them(
     tokenizer, chat, fields, param
 ):
     client = ok_client(tokenizer)
-    path, body = (
-        ("/v1/chat/completions", {"messages": USER})
-        if chat
-        else ("/v1/completions", {"prompt": "x"})
-    )
+    path, body = route(chat)
     with serve(client, tokenizer) as http:
         r = http.post(path, json={**body, **fields})
     assert r.status_code == 400, r.text
@@ -120,11 +123,7 @@ def test_fields_the_runtime_does_not_implement_are_a_400_naming_them(
 @pytest.mark.parametrize("fields", NO_OPS)
 def test_their_no_op_forms_are_accepted(tokenizer, chat, fields):
     client = ok_client(tokenizer)
-    path, body = (
-        ("/v1/chat/completions", {"messages": USER})
-        if chat
-        else ("/v1/completions", {"prompt": "x"})
-    )
+    path, body = route(chat)
     with serve(client, tokenizer) as http:
         r = http.post(path, json={**body, **fields})
     assert r.status_code == 200, r.text
