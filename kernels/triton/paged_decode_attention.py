@@ -30,6 +30,14 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
 
 
+def _check_index(name: str, tensor: Tensor, device: torch.device) -> None:
+    """An index tensor's dtype and device, the error naming ``name``."""
+    if tensor.dtype not in _INTS:
+        raise ValueError(f"{name}: dtype {tensor.dtype} is not int32/int64")
+    if tensor.device != device:
+        raise ValueError(f"{name}: on {tensor.device}, q on {device}")
+
+
 @triton.jit
 def _paged_decode_split_kernel(
     q_ptr,
@@ -145,18 +153,12 @@ def _check(
         raise ValueError(
             f"page_tables: expected ({lanes}, P), got shape {tuple(page_tables.shape)}"
         )
-    if page_tables.dtype not in _INTS:
-        raise ValueError(f"page_tables: dtype {page_tables.dtype} is not int32/int64")
-    if page_tables.device != q.device:
-        raise ValueError(f"page_tables: on {page_tables.device}, q on {q.device}")
+    _check_index("page_tables", page_tables, q.device)
     if context_lens.shape != (lanes,):
         raise ValueError(
             f"context_lens: expected ({lanes},), got shape {tuple(context_lens.shape)}"
         )
-    if context_lens.dtype not in _INTS:
-        raise ValueError(f"context_lens: dtype {context_lens.dtype} is not int32/int64")
-    if context_lens.device != q.device:
-        raise ValueError(f"context_lens: on {context_lens.device}, q on {q.device}")
+    _check_index("context_lens", context_lens, q.device)
     if q.device.type != "cuda" and not _interpreted():
         raise ValueError(f"q: on {q.device}; the kernel needs CUDA (or TRITON_INTERPRET=1)")
 
