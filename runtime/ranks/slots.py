@@ -1,151 +1,222 @@
-"""Per-slot request state kept on every rank.
+"""Per-slot request state kept on every rank, as columns.
 
-Decode frames carry no tokens: each rank keeps every slot's pending token (the
-last one it sampled), the next KV position and the sampling step, so a second
-decode frame can be queued before the first completes and still read the token
-the first produces.  All ranks apply the same frames in the same order and
-sample identically, so their slot tables stay identical.
+Decode frames carry no tokens: each slot's pending token (the last one it
+sampled) stays on the device (:class:`~runtime.ranks.arena.SlotArena`), and
+this table keeps, per slot, what the host needs to check and pack the next
+frame: the generation it holds, the next KV position, the sampling step,
+whether a token is pending, how many pages its table holds, and whether its
+settings need the full sampler or log probabilities.  All ranks apply the
+same frames in the same order and sample identically, so their tables stay
+identical.
 
-A frame is checked in full against the table before anything changes
-(:meth:`SlotTable.prepare`); :meth:`SlotTable.commit` then applies the sampled
-tokens.
-
-Each slot's penalty state (output-token counts, prompt-token mask) lives on the
-device beside the programs (:class:`~runtime.ranks.sampling.PenaltyState`) and
-the programs update it; a lane tells them whether it consumes prompt tokens
-(``LaneInput.prefill``) and whether it starts a new generation
-(``LaneInput.starts``: the slot's state is reset first).
+The table is a handful of numpy columns indexed by slot, so a frame is
+checked in full with whole-column operations (:meth:`SlotTable.check`,
+nothing changes) and then applied the same way (:meth:`SlotTable.apply`),
+when the frame is launched: positions, steps and page counts are known before
+its tokens are, which is what lets a rank check and pack the next frame while
+this one runs.  Page tables arrive as appended pages: a lane whose (slot,
+generation) is new starts an empty table.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.transport.schema import Frame, FrameLane, SamplingParams
+import numpy as np
+
+from runtime.transport.schema import Frame, SamplingParams
 
 
 class FrameError(ValueError):
     """A frame does not fit the rank's slot state; nothing changed."""
 
 
-@dataclass
-class SlotState:
-    generation: int
-    next_position: int  # KV position of the next token this slot writes
-    pending_token: int | None  # the last sampled token, input of the next decode
-    step: int  # tokens sampled so far: the sampling noise counter
-    sampling: SamplingParams
-    page_table: tuple[int, ...] = ()  # from the slot's prefill lanes
+def column(values) -> np.ndarray:
+    """A frame column (``array('q')``, bytes-like or sequence) as int64 numpy, no copy
+    when it already is a buffer."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.int64, copy=False)
+    try:
+        return np.frombuffer(values, dtype=np.int64)
+    except TypeError:
+        return np.asarray(values, dtype=np.int64)
 
 
 @dataclass(frozen=True)
-class LaneInput:
-    """What one lane feeds the program."""
+class CheckedFrame:
+    """A frame's lanes as int64 columns, checked against the table (R lanes)."""
 
-    slot: int
-    generation: int
-    tokens: tuple[int, ...]  # new tokens this step (prompt chunk, or the pending token)
-    start_position: int  # position of tokens[0]
-    page_table: tuple[int, ...]
-    samples: bool  # the lane commits a sampled token
-    sampling: SamplingParams
-    step: int  # sampling noise counter for this lane's token
-    prefill: bool = False  # the tokens are prompt tokens (marked in the prompt mask)
-    starts: bool = False  # the first chunk of a new generation: its penalty state resets
+    frame: Frame
+    slot: np.ndarray  # (R,)
+    generation: np.ndarray  # (R,)
+    prefill: np.ndarray  # (R,) bool
+    position: np.ndarray  # (R,) KV position of the lane's first new token
+    query_len: np.ndarray  # (R,)
+    commits: np.ndarray  # (R,) 0 or 1
+    starts: np.ndarray  # (R,) bool: a new generation (its state starts empty)
+    step: np.ndarray  # (R,) the sampling step of the lane's token
+    page_base: np.ndarray  # (R,) pages the slot held before this lane's appends
+    page_count: np.ndarray  # (R,) pages this lane appends
+    pages: np.ndarray  # (sum page_count,) flat
+    prompt_tokens: np.ndarray  # flat, the prefill lanes' chunks in lane order
+    sampling: dict[int, SamplingParams]  # lane -> params (prefill lanes)
+    full: bool  # some lane needs the full sampler (non-greedy, bias, penalties, min_tokens)
+    logprobs: int  # the most log probabilities a lane asks for; -1: none
+
+    @property
+    def lanes(self) -> int:
+        return int(self.slot.shape[0])
+
+    @property
+    def context(self) -> np.ndarray:
+        """(R,) each lane's context after the frame."""
+        return self.position + self.query_len
 
 
 class SlotTable:
-    def __init__(self, num_slots: int = 64) -> None:
+    """Columns indexed by slot (``num_slots`` rows)."""
+
+    def __init__(
+        self, num_slots: int, *, page_size: int, max_pages: int, num_pages: int, max_context: int
+    ) -> None:
         self.num_slots = num_slots
-        self._slots: dict[int, SlotState] = {}
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.num_pages = num_pages
+        self.max_context = max_context
+        self.generation = np.zeros(num_slots, np.int64)  # 0: empty
+        self.next_position = np.zeros(num_slots, np.int64)
+        self.step = np.zeros(num_slots, np.int64)
+        self.pending = np.zeros(num_slots, bool)
+        self.page_count = np.zeros(num_slots, np.int64)
+        self.full = np.zeros(num_slots, bool)  # settings need the full sampler
+        self.logprobs = np.full(num_slots, -1, np.int64)
+        self.settings: list[SamplingParams | None] = [None] * num_slots
 
-    def state(self, slot: int) -> SlotState | None:
-        return self._slots.get(slot)
+    def holds(self, slot: int) -> bool:
+        return bool(self.generation[slot])
 
-    def prepare(self, frame: Frame) -> list[LaneInput]:
-        """Validate ``frame`` against the table; return each lane's inputs."""
-        released = set(frame.release_slots)
-        out = []
-        for i, lane in enumerate(frame.lanes):
-            if not 0 <= lane.slot < self.num_slots:
-                raise FrameError(f"lane {i}: slot {lane.slot} out of range")
-            state = None if lane.slot in released else self._slots.get(lane.slot)
-            if lane.phase == "prefill":
-                out.append(self._prefill_input(i, lane, state))
-            else:
-                out.append(self._decode_input(i, lane, state))
-        return out
+    def check(self, frame: Frame, vocab: int) -> CheckedFrame:
+        """Check ``frame`` against the table with column operations; nothing changes.
 
-    @staticmethod
-    def _prefill_input(i: int, lane: FrameLane, state: SlotState | None) -> LaneInput:
-        if state is not None and state.generation == lane.generation:
-            if lane.position != state.next_position:
+        Raises :class:`FrameError` naming the first offending lane.
+        """
+        slot = column(frame.slot)
+        if slot.size and (slot.min() < 0 or slot.max() >= self.num_slots):
+            raise FrameError(f"fence {frame.fence}: a slot outside [0, {self.num_slots})")
+        generation = column(frame.generation)
+        prefill = column(frame.phase) == 1
+        position = column(frame.position)
+        query_len = column(frame.query_len)
+        prompt_start = column(frame.prompt_start)
+        released = np.zeros(self.num_slots, bool)
+        released[list(frame.release_slots)] = True
+        known = (self.generation[slot] == generation) & ~released[slot]
+        expected = self.next_position[slot]
+        # A known slot continues where it stopped; a new generation starts at 0
+        # with a prefill lane; a decode lane needs a pending token.
+        bad_position = known & (position != expected)
+        bad_start = ~known & (~prefill | (position != 0) | (prompt_start != 0))
+        no_pending = known & ~prefill & ~self.pending[slot]
+        bad = bad_position | bad_start | no_pending
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise FrameError(self._lane_error(frame, i, known, prefill, bad_position, no_pending))
+        page_count = column(frame.page_count)
+        pages = column(frame.pages)
+        base = np.where(known, self.page_count[slot], 0)
+        held = base + page_count
+        context = position + query_len
+        if pages.size and pages.max() >= self.num_pages:
+            raise FrameError(
+                f"fence {frame.fence}: page {int(pages.max())} is outside the "
+                f"rank's {self.num_pages} pages"
+            )
+        bad = (context > held * self.page_size) | (held > self.max_pages)
+        bad |= context > self.max_context
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise FrameError(
+                f"fence {frame.fence}: lane {i}: slot {int(slot[i])} needs a context of "
+                f"{int(context[i])} tokens; it holds {int(held[i])} pages of "
+                f"{self.page_size} (at most {self.max_pages}), the context at most "
+                f"{self.max_context}"
+            )
+        sampling = dict(frame.sampling)
+        full = bool(self.full[slot[known]].any())
+        logprobs = int(self.logprobs[slot[known]].max(initial=-1))
+        for i, params in sampling.items():
+            outside = [token for token, _ in params.logit_bias if token >= vocab]
+            if outside:
                 raise FrameError(
-                    f"lane {i}: prefill at position {lane.position}, "
-                    f"slot {lane.slot} is at {state.next_position}"
+                    f"fence {frame.fence}: lane {i}: logit_bias token id {outside[0]} is "
+                    f"outside the vocabulary [0, {vocab})"
                 )
-            step = state.step
-            starts = False
-        else:  # a new tenant: its first chunk starts the request
-            if lane.position != 0 or lane.prompt_start != 0:
-                raise FrameError(
-                    f"lane {i}: slot {lane.slot} generation {lane.generation} is new, "
-                    f"so its first prefill must start at 0"
-                )
-            step = 0
-            starts = True
-        return LaneInput(
-            lane.slot,
-            lane.generation,
-            tuple(lane.prompt_tokens),
-            lane.position,
-            tuple(lane.page_table),
-            lane.max_tokens > 0,
-            lane.sampling,
-            step,
-            prefill=True,
-            starts=starts,
+            if not known[i]:  # a new generation brings its settings
+                full |= needs_full(params)
+                logprobs = max(logprobs, params.logprobs)
+        return CheckedFrame(
+            frame=frame,
+            slot=slot,
+            generation=generation,
+            prefill=prefill,
+            position=position,
+            query_len=query_len,
+            commits=column(frame.commits),
+            starts=~known,
+            step=np.where(known, self.step[slot], 0),
+            page_base=base,
+            page_count=page_count,
+            pages=pages,
+            prompt_tokens=column(frame.prompt_tokens),
+            sampling=sampling,
+            full=full,
+            logprobs=logprobs,
         )
 
-    @staticmethod
-    def _decode_input(i: int, lane: FrameLane, state: SlotState | None) -> LaneInput:
-        if state is None or state.generation != lane.generation:
-            raise FrameError(
-                f"lane {i}: decode for slot {lane.slot} generation {lane.generation}, "
-                "which has no state on this rank"
+    def _lane_error(self, frame, i, known, prefill, bad_position, no_pending) -> str:
+        slot, gen = int(column(frame.slot)[i]), int(column(frame.generation)[i])
+        head = f"fence {frame.fence}: lane {i}"
+        position = int(column(frame.position)[i])
+        if bad_position[i]:
+            phase = "prefill" if prefill[i] else "decode"
+            return (
+                f"{head}: {phase} at position {position}, slot {slot} is at "
+                f"{int(self.next_position[slot])}"
             )
-        if state.pending_token is None:
-            raise FrameError(f"lane {i}: slot {lane.slot} has no pending token")
-        if lane.position != state.next_position:
-            raise FrameError(
-                f"lane {i}: decode at position {lane.position}, "
-                f"slot {lane.slot} is at {state.next_position}"
+        if no_pending[i]:
+            return f"{head}: slot {slot} has no pending token"
+        if not prefill[i]:
+            return (
+                f"{head}: decode for slot {slot} generation {gen}, which has no state on this rank"
             )
-        return LaneInput(
-            lane.slot,
-            lane.generation,
-            (state.pending_token,),
-            state.next_position,
-            tuple(lane.page_table) or state.page_table,
-            True,
-            state.sampling,
-            state.step,
-        )
+        return f"{head}: slot {slot} generation {gen} is new, so its first prefill must start at 0"
 
-    def commit(self, frame: Frame, inputs: list[LaneInput], sampled: list[int]) -> None:
-        """Apply one executed frame: positions advance, sampled tokens become pending."""
+    def apply(self, checked: CheckedFrame) -> None:
+        """Apply a checked frame at launch: releases, positions, steps, pages, settings."""
+        frame = checked.frame
         for slot in frame.release_slots:
-            self._slots.pop(slot, None)
-        for lane, inp, token in zip(frame.lanes, inputs, sampled):
-            state = self._slots.get(inp.slot)
-            if state is None or state.generation != inp.generation:
-                state = SlotState(inp.generation, 0, None, 0, lane.sampling)
-                self._slots[inp.slot] = state
-            state.next_position = inp.start_position + len(inp.tokens)
-            state.page_table = inp.page_table
-            if inp.samples:
-                state.pending_token = token
-                state.step += 1
+            self.generation[slot] = 0
+            self.settings[slot] = None
+        slot = checked.slot
+        self.generation[slot] = checked.generation
+        self.next_position[slot] = checked.context
+        self.page_count[slot] = checked.page_base + checked.page_count
+        commits = checked.commits > 0
+        self.step[slot] = checked.step + checked.commits
+        self.pending[slot] = np.where(checked.starts, False, self.pending[slot]) | commits
+        for i, params in checked.sampling.items():
+            if checked.starts[i]:
+                s = int(slot[i])
+                self.settings[s] = params
+                self.full[s] = needs_full(params)
+                self.logprobs[s] = params.logprobs
 
     def release(self, slot: int) -> None:
-        self._slots.pop(slot, None)
+        self.generation[slot] = 0
+        self.settings[slot] = None
+
+
+def needs_full(params: SamplingParams) -> bool:
+    """Whether a lane with ``params`` needs more than an argmax of the raw logits."""
+    return not params.greedy or params.adjusts_logits or params.min_tokens > 0

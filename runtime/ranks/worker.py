@@ -1,23 +1,30 @@
-"""The rank worker: receive a frame, run its prepared program, publish a completion.
+"""The rank worker: receive a frame, check it, pack it, launch it, publish a completion.
 
 Every rank of the tensor-parallel group runs the same program on the same frame
 (the collectives inside the model keep them in step).  Rank 0's sampled tokens
 are the ones reported; sampling is a pure function of the logits and the
-request's (seed, step), so every rank's slot table holds the same pending tokens.
-Every rank reports its own device interval; the coordinator takes the maximum.
+request's (seed, step), so every rank's pending tokens (on the device, see
+:class:`~runtime.ranks.arena.SlotArena`) are the same.  Every rank reports its
+own device interval; the coordinator takes the maximum.
 
-When a lane of the frame asks for log probabilities (``sampling.logprobs >= 0``),
-rank 0 adds the ``logprobs`` and ``logprob_token_ids`` sidecars (see
-:class:`~runtime.transport.schema.Completion`); otherwise nothing extra is read
-back from the device.
+A frame goes through host stages, timed per frame (:attr:`RankWorker.stages`,
+the names the debugging tools report): ``receive`` (socket, decode, schema
+validation), ``validate`` (against the slot table), ``pack`` (the lane columns
+into the host arena), ``launch`` (copies and the replay), ``wait`` (until the
+device finishes) and ``publish`` (the completion built and sent).  The slot
+table is updated at launch, so on CUDA the loop checks and packs frame N+1
+while frame N runs (the spec's two-slot queue, seen from the rank) and polls
+events instead of blocking, watching each frame's deadline (``multiple`` x
+its expected duration + a margin); a missed deadline is reported as an error
+completion naming the fence and the rank, and the rank exits.  On CPU frames
+run synchronously; a watchdog thread with its own socket does the same.
 
-A mixed frame (one prompt row, ``Frame.prompt_row``, and decode rows) runs like
-any other: its prompt row commits its whole chunk and, when the chunk ends the
-prompt, one first token; each decode row commits one token.
-
-Logit bias and penalties (``SamplingParams``) are applied inside the programs,
-over per-slot state the programs keep on the device (``PreparedProgram``); a
-lane whose ``logit_bias`` names a token outside the vocabulary is refused.
+When a lane of the frame asks for log probabilities, rank 0 adds the
+``logprobs`` and ``logprob_token_ids`` sidecars (see
+:class:`~runtime.transport.schema.Completion`); otherwise only the sampled
+tokens are read back.  Logit bias and penalties are applied inside the
+programs; a lane whose ``logit_bias`` names a token outside the vocabulary is
+refused.
 """
 
 from __future__ import annotations
@@ -25,24 +32,51 @@ from __future__ import annotations
 import logging
 import os
 import time
+from array import array
+from collections import deque
 from collections.abc import Callable, Iterable
 
+import numpy as np
+import torch
+
 from runtime.catalog import GraphDescriptor
+from runtime.ranks.arena import HostStaging, SlotArena
 from runtime.ranks.capacity import CapacityConfig, build_catalog
 from runtime.ranks.model.llama import LlamaForCausalLM
-from runtime.ranks.programs import PreparedProgram, ProgramError, prepare_programs
-from runtime.ranks.slots import FrameError, SlotTable
+from runtime.ranks.programs import (
+    HostOutputs,
+    Launch,
+    PreparedProgram,
+    ProgramError,
+    prepare_programs,
+    variant_of,
+)
+from runtime.ranks.slots import CheckedFrame, FrameError, SlotTable
+from runtime.ranks.watchdog import HANG_EXIT_CODE, Watchdog, frame_deadline_ns, hang_message
 from runtime.transport.schema import (
+    MAX_SLOTS,
     CatalogReport,
     Completion,
     Control,
     Frame,
-    LaneResult,
     Tensor,
     tensor_from_torch,
 )
 
 log = logging.getLogger("runtime.ranks")
+
+STAGES = ("receive", "validate", "pack", "launch", "wait", "publish")
+STAGE_HISTORY = 4096  # frames whose stage times are kept
+
+
+class RankHang(RuntimeError):
+    """A frame missed its deadline; the rank reported it and must exit."""
+
+
+def _ints(values: np.ndarray) -> array:
+    out = array("q")
+    out.frombytes(np.ascontiguousarray(values, dtype="<i8").tobytes())
+    return out
 
 
 class RankWorker:
@@ -59,102 +93,178 @@ class RankWorker:
         capture: bool = True,
         progress: Callable[[Iterable], Iterable] | None = None,
         max_model_len: int | None = None,
+        frame_timeout_multiple: float = 20.0,
+        frame_timeout_margin_s: float = 60.0,
     ) -> None:
+        if frame_timeout_multiple <= 0 or frame_timeout_margin_s <= 0:
+            raise ValueError("frame_timeout_multiple and frame_timeout_margin_s must be > 0")
         self.model = model
         self.rank = rank
         self.world_size = world_size
         self.page_size = page_size
         self.num_pages = num_pages
         self.model_name = model_name
+        self.frame_timeout_multiple = frame_timeout_multiple
+        self.frame_timeout_margin_s = frame_timeout_margin_s
         config = model.config
-        # Captured programs attend over the whole context width: cap it.
         self.max_context = min(config.max_position_embeddings, max_model_len or 1 << 62)
-        self.eos_ids = frozenset(config.eos_token_ids)
+        self.vocab = config.vocab_size
+        self.eos = np.array(sorted(set(config.eos_token_ids)), dtype=np.int64)
         self.catalog: list[GraphDescriptor] = build_catalog(capacity, self.max_context)
         model.allocate_kv_cache(num_pages, page_size)
-        self.programs: dict[tuple, PreparedProgram] = prepare_programs(
-            self.catalog, model, page_size, self.max_context, capture=capture, progress=progress
+        self.device = model.model.embed_tokens.weight.device
+        max_pages = -(-self.max_context // page_size)
+        self.arena = SlotArena(MAX_SLOTS, max_pages, self.device)
+        self.programs: dict[tuple, PreparedProgram]
+        self.programs, self.outputs = prepare_programs(
+            self.catalog, model, self.arena, page_size, capture=capture, progress=progress
         )
         # Slots are cheap on a rank: hold the protocol bound, so any coordinator
-        # concurrency up to 64 fits whatever decode buckets were captured.
-        self.slots = SlotTable(64)
+        # concurrency fits whatever decode buckets were captured.
+        self.slots = SlotTable(
+            MAX_SLOTS,
+            page_size=page_size,
+            max_pages=max_pages,
+            num_pages=num_pages,
+            max_context=self.max_context,
+        )
+        self.staging = HostStaging(max(p.int_size for p in self.programs.values()), self.device)
+        lanes = self.outputs.tokens.shape[0]
+        self._host = [HostOutputs(lanes, self.outputs.max_logprobs, self.device) for _ in "ab"]
+        self._next_host = 0
         self.frames = 0
+        self.stages: deque[dict[str, int]] = deque(maxlen=STAGE_HISTORY)
         # FLARE_DEBUG_DELAY_NS_RANK<r>: this rank sleeps that long in every frame
         # and reports it as device time (a slow-rank drill).
         self.debug_delay_ns = int(os.environ.get(f"FLARE_DEBUG_DELAY_NS_RANK{rank}", "0"))
+        # FLARE_DEBUG_HANG_FENCE_RANK<r>: this rank's program hangs at that fence
+        # (a hang drill: CPU sleeps in the call, CUDA spins on the device).
+        self.debug_hang_fence = int(os.environ.get(f"FLARE_DEBUG_HANG_FENCE_RANK{rank}", "-1"))
 
     def report(self) -> CatalogReport:
         return CatalogReport(
             rank=self.rank,
             world_size=self.world_size,
             descriptors=tuple(self.catalog),
-            vocab_size=self.model.config.vocab_size,
+            vocab_size=self.vocab,
             max_context=self.max_context,
             page_size=self.page_size,
             num_pages=self.num_pages,
             model_name=self.model_name,
         )
 
-    def execute(self, frame: Frame) -> Completion:
-        """Run one frame; raises FrameError / ProgramError with nothing changed."""
+    def deadline_ns(self, frame: Frame) -> int:
+        return frame_deadline_ns(
+            frame.expected_ns, self.frame_timeout_multiple, self.frame_timeout_margin_s
+        )
+
+    # -- stages ------------------------------------------------------------------
+    def check(self, frame: Frame) -> tuple[PreparedProgram, CheckedFrame]:
+        """Validate ``frame`` against the programs and the slot table; nothing changes."""
         program = self.programs.get(frame.program.key)
         if program is None:
             raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
-        inputs = self.slots.prepare(frame)
-        vocab = self.model.config.vocab_size
-        for i, (inp, lane) in enumerate(zip(inputs, frame.lanes)):
-            if inp.start_position + len(inp.tokens) > self.max_context:
-                raise FrameError(f"fence {frame.fence}: slot {inp.slot} exceeds the context")
-            # Bias ids index the logits: one outside the vocabulary is refused here
-            # (decode lanes reuse the settings their prefill brought, checked then).
-            outside = [token for token, _ in inp.sampling.logit_bias if token >= vocab]
-            if outside:
-                raise FrameError(
-                    f"fence {frame.fence}: lane {i}: logit_bias token id {outside[0]} is "
-                    f"outside the vocabulary [0, {vocab})"
-                )
-            # Page ids are non-negative by schema; a decode lane without a table
-            # reuses the one its prefill brought (checked then).
-            if lane.page_table and max(lane.page_table) >= self.num_pages:
-                raise FrameError(f"fence {frame.fence}: slot {inp.slot} names a page out of range")
-        if not inputs:  # an empty frame: releases only, no program runs
-            self.slots.commit(frame, inputs, [])
+        return program, self.slots.check(frame, self.vocab)
+
+    def start(self, frame: Frame, received_ns: int = 0) -> Launch | Completion:
+        """Check, pack and launch ``frame``; an empty frame answers at once.
+
+        Raises FrameError / ProgramError with nothing changed.  The slot table
+        and the device rows are updated here, before the frame finishes.
+        """
+        t0 = time.perf_counter_ns()
+        program, checked = self.check(frame)
+        t1 = time.perf_counter_ns()
+        if not checked.lanes:  # an empty frame: releases only, no program runs
+            self.slots.apply(checked)
             return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
-        # The most log probabilities a lane asks for; -1: none (no readback).
-        top = max(inp.sampling.logprobs for inp in inputs) if self.rank == 0 else -1
-        tokens, device_ns = program.run(inputs, logprobs=top >= 0, prompt_row=frame.prompt_row)
+        tensor, array_ = self.staging.take()
+        used, width = program.pack(checked, array_)  # may refuse: nothing changed yet
+        t2 = time.perf_counter_ns()
+        self._update_rows(checked)
+        host = self._host[self._next_host]
+        self._next_host ^= 1
+        variant = variant_of(checked)
+        if self.debug_hang_fence == frame.fence:
+            self._hang()
+        launch = program.launch(checked, tensor, used, width, host, variant)
+        self.slots.apply(checked)
+        t3 = time.perf_counter_ns()
+        # On CPU the program ran inside launch(): that time is the device's ("wait").
+        host_launch = t3 - t2 - launch.device_ns
+        launch.stages.update(
+            receive=received_ns, validate=t1 - t0, pack=t2 - t1, launch=host_launch
+        )
+        return launch
+
+    def _update_rows(self, checked: CheckedFrame) -> None:
+        """Appended pages and new generations' settings into the device rows."""
+        self.arena.append_pages(checked.slot, checked.page_base, checked.page_count, checked.pages)
+        for i, params in checked.sampling.items():
+            if checked.starts[i]:
+                self.arena.set_sampling(int(checked.slot[i]), params)
+
+    def _hang(self) -> None:
+        log.warning("rank %d: FLARE_DEBUG_HANG_FENCE: hanging", self.rank)
+        if self.device.type == "cuda":
+            torch.cuda._sleep(1 << 62)  # a device spin: the frame's event never completes
+            return
+        while True:  # the hung call does not return; the watchdog ends the process
+            time.sleep(3600)
+
+    def finish(self, launch: Launch) -> Completion:
+        """The completion of a finished launch (waits for it if needed)."""
+        t0 = time.perf_counter_ns()
+        launch.wait()
+        t1 = time.perf_counter_ns()
+        checked = launch.checked
+        device_ns = launch.elapsed_ns()
         if self.debug_delay_ns:  # a deliberately slow rank, for debugging and tests
             time.sleep(self.debug_delay_ns / 1e9)
             device_ns += self.debug_delay_ns
-        self.slots.commit(frame, inputs, tokens)
         self.frames += 1
-        lanes: tuple[LaneResult, ...] = ()
+        columns: dict[str, array] = {}
         sidecars: dict[str, Tensor] = {}
-        if top >= 0:
-            k = min(top, program.outputs.max_logprobs)
-            values, ids = program.logprobs(len(inputs), k)
-            sidecars["logprobs"] = tensor_from_torch(values)  # (R, 1 + k) float32
-            sidecars["logprob_token_ids"] = tensor_from_torch(ids)  # (R, k) int32
         if self.rank == 0:
-            lanes = tuple(
-                LaneResult(
-                    inp.slot,
-                    inp.generation,
-                    (tok,) if inp.samples else (),
-                    "stop" if inp.samples and tok in self.eos_ids else None,
-                )
-                for inp, tok in zip(inputs, tokens)
-            )
-        return Completion(
-            fence=frame.fence,
+            tokens = launch.tokens()
+            commits = checked.commits
+            committed = commits > 0
+            columns = {
+                "slot": _ints(checked.slot),
+                "generation": _ints(checked.generation),
+                "token_count": _ints(commits),
+                "tokens": _ints(tokens[committed]),
+                "finished": _ints(committed & np.isin(tokens, self.eos)),
+            }
+            if checked.logprobs >= 0:
+                k = min(checked.logprobs, self.outputs.max_logprobs)
+                values, ids = launch.logprobs(k)
+                sidecars["logprobs"] = tensor_from_torch(values)  # (R, 1 + k) float32
+                sidecars["logprob_token_ids"] = tensor_from_torch(ids)  # (R, k) int32
+        completion = Completion(
+            fence=checked.frame.fence,
             rank=self.rank,
             world_size=self.world_size,
             device_ns=device_ns,
             readiness_delay_ns=0,
-            lanes=lanes,
             sidecars=sidecars,
+            **columns,
         )
+        launch.stages["wait"] = t1 - t0 + launch.device_ns
+        launch.stages["publish"] = time.perf_counter_ns() - t1
+        return completion
 
+    def execute(self, frame: Frame) -> Completion:
+        """Run one frame to its completion; raises FrameError / ProgramError with
+        nothing changed."""
+        started = self.start(frame)
+        if isinstance(started, Completion):
+            return started
+        completion = self.finish(started)
+        self.stages.append(dict(started.stages))
+        return completion
+
+    # -- the loop ------------------------------------------------------------------
     def serve(self, channel, spin_us: int = 0) -> None:
         """Answer frames until a shutdown control arrives.
 
@@ -163,34 +273,81 @@ class RankWorker:
         trip, and waking a blocked process costs more than the spin).
         """
         channel.send(self.report())
+        watchdog = None
+        if self.device.type != "cuda":
+            watchdog = Watchdog(channel.endpoints.completions, self.rank, self.world_size)
+        try:
+            self._loop(channel, spin_us, watchdog)
+        finally:
+            if watchdog is not None:
+                watchdog.close()
+
+    def _loop(self, channel, spin_us: int, watchdog: Watchdog | None) -> None:
+        queue: deque[tuple[Frame, Launch | Completion, int]] = deque()  # in fence order
+        head_since = 0  # when the head of the queue became the head
         spin = 0
         while True:
-            message = channel.recv(timeout_ms=1000, spin_us=spin)
-            spin = 0
+            while queue:  # publish what finished, in order
+                frame, item, _ = queue[0]
+                if isinstance(item, Launch) and not item.finished():
+                    waited = time.monotonic_ns() - head_since
+                    limit = self.deadline_ns(frame)
+                    if waited > limit:
+                        reason = hang_message(frame.fence, self.rank, limit, frame.expected_ns)
+                        log.error("%s; this rank exits", reason)
+                        channel.send(self._error(frame.fence, reason))
+                        raise RankHang(reason)
+                    break
+                queue.popleft()
+                head_since = time.monotonic_ns()
+                self._publish(channel, item)
+                spin = spin_us
+            t0 = time.perf_counter_ns()
+            message = channel.recv(timeout_ms=0 if queue else 1000, spin_us=0 if queue else spin)
+            received = time.perf_counter_ns() - t0
             if message is None:
                 continue
+            spin = 0
             if isinstance(message, Control):
                 if message.command == "shutdown":
+                    for _, item, _ in queue:
+                        if isinstance(item, Launch):
+                            item.wait()
                     return
                 continue
             if not isinstance(message, Frame):
                 log.warning("rank %d: ignoring %s", self.rank, type(message).__name__)
                 continue
+            if watchdog is not None:
+                watchdog.arm(message.fence, self.deadline_ns(message), message.expected_ns)
             try:
-                completion = self.execute(message)
+                item = self.start(message, received)
             except (FrameError, ProgramError) as exc:
                 # A frame this rank cannot run is a coordinator bug: say so at once
                 # (the slot state is unchanged) so the coordinator fails fast.
                 log.error("rank %d: rejected frame %d: %s", self.rank, message.fence, exc)
-                channel.send(self._error(message.fence, f"rejected: {exc}"))
-                continue
+                item = self._error(message.fence, f"rejected: {exc}")
             except Exception as exc:
                 # Out of memory, a failed collective: report, then stop this rank.
                 log.exception("rank %d: frame %d failed", self.rank, message.fence)
                 channel.send(self._error(message.fence, f"{type(exc).__name__}: {exc}"))
                 raise
-            channel.send(completion)
-            spin = spin_us
+            finally:
+                if watchdog is not None:
+                    watchdog.disarm()
+            if not queue:
+                head_since = time.monotonic_ns()
+            queue.append((message, item, received))
+
+    def _publish(self, channel, item: Launch | Completion) -> None:
+        if isinstance(item, Completion):
+            channel.send(item)
+            return
+        completion = self.finish(item)
+        t0 = time.perf_counter_ns()
+        channel.send(completion)
+        item.stages["publish"] += time.perf_counter_ns() - t0
+        self.stages.append(dict(item.stages))
 
     def _error(self, fence: int, reason: str) -> Completion:
         return Completion(
@@ -200,3 +357,6 @@ class RankWorker:
             device_ns=0,
             error=reason[:4096],
         )
+
+
+__all__ = ["HANG_EXIT_CODE", "STAGES", "RankHang", "RankWorker"]

@@ -1,0 +1,155 @@
+"""Device-resident state for the rank's lifetime: per-slot rows and per-frame inputs.
+
+:class:`SlotArena` holds, per slot (row ``slots`` is scratch), everything a
+frame needs that does not change from frame to frame: the page table, the
+pending token (written by the program that samples it, read by the next
+decode frame), and the sampling settings (temperature, top-p, top-k, seed,
+``min_tokens``, penalties, logit bias).  Rows are written by difference: a
+page-table row when pages are appended, the settings when a new generation
+arrives.  Programs gather the rows of their lanes by slot inside the body.
+
+:class:`FrameInputs` is one frame's per-lane and per-token integers: one int64
+host tensor (pinned on CUDA, double-buffered so the host can pack frame N+1
+while frame N's copy may still be in flight) packed with numpy slice
+assignments, then moved to the device with one copy of the used slice.
+
+Layout of the integer arena for L lanes and N tokens::
+
+    state_row[L] query_lens[L] start_pos[L] step[L] count_row[L] from_pending[L]
+    prefill_row reset_row prompt_lane  input_ids[N]
+
+``state_row``: the lane's slot (padding: scratch); ``count_row``: where its
+sampled token is committed (its slot when it commits one, else scratch);
+``from_pending``: 1 for a decode lane, whose token is the slot's pending one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.ranks.sampling import bias_table
+from runtime.transport.schema import MAX_LOGIT_BIAS, SamplingParams
+
+LANE_FIELDS = ("state_row", "query_lens", "start_pos", "step", "count_row", "from_pending")
+SCALARS = ("prefill_row", "reset_row", "prompt_lane")
+SLOT_FLOATS = (
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+SLOT_INTS = ("top_k", "seed", "min_tokens")
+_FLOAT_DEFAULTS = (0.0, 1.0, 0.0, 0.0, 1.0)
+_INT_DEFAULTS = (-1, 0, 0)
+
+
+class SlotArena:
+    """Per-slot device rows (``slots + 1`` rows; the last is scratch)."""
+
+    def __init__(
+        self, slots: int, max_pages: int, device: torch.device, bias_width: int = MAX_LOGIT_BIAS
+    ) -> None:
+        self.slots = slots
+        self.scratch = slots
+        self.max_pages = max_pages
+        self.device = device
+        rows = slots + 1
+        self.page_tables = torch.full((rows, max_pages), -1, dtype=torch.int64, device=device)
+        self.pending = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.floats = torch.tensor([_FLOAT_DEFAULTS] * rows, dtype=torch.float32).to(device)
+        self.ints = torch.tensor([_INT_DEFAULTS] * rows, dtype=torch.int64).to(device)
+        ids, values = bias_table((), rows, bias_width)
+        self.bias_ids, self.bias_values = ids.to(device), values.to(device)
+        self.bias_width = bias_width
+        self._biased: set[int] = set()  # rows holding bias entries
+
+    def append_pages(self, slot: np.ndarray, base: np.ndarray, counts: np.ndarray, pages) -> None:
+        """Append ``pages`` (flat, in lane order) to each lane's slot row at ``base``."""
+        if not pages.size:
+            return
+        lanes = np.nonzero(counts)[0]
+        rows = np.repeat(slot[lanes], counts[lanes])
+        # Column of each appended page: its lane's base plus its index in the lane's run.
+        first = np.repeat(np.cumsum(counts[lanes]) - counts[lanes], counts[lanes])
+        cols = np.repeat(base[lanes], counts[lanes]) + np.arange(pages.size) - first
+        index = torch.from_numpy(rows * self.max_pages + cols)
+        values = torch.from_numpy(np.ascontiguousarray(pages))
+        if self.device.type != "cpu":
+            index, values = index.to(self.device), values.to(self.device)
+        self.page_tables.view(-1).index_copy_(0, index, values)
+
+    def set_sampling(self, slot: int, params: SamplingParams) -> None:
+        """A new generation's settings into the slot's rows."""
+        floats = torch.tensor(
+            [[getattr(params, name) for name in SLOT_FLOATS]], dtype=torch.float32
+        )
+        ints = torch.tensor([[getattr(params, name) for name in SLOT_INTS]], dtype=torch.int64)
+        self.floats[slot : slot + 1].copy_(floats)
+        self.ints[slot : slot + 1].copy_(ints)
+        if params.logit_bias or slot in self._biased:
+            ids, values = bias_table((params,), 1, self.bias_width)
+            self.bias_ids[slot : slot + 1].copy_(ids)
+            self.bias_values[slot : slot + 1].copy_(values)
+            if params.logit_bias:
+                self._biased.add(slot)
+            else:
+                self._biased.discard(slot)
+
+    def settings(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each lane's settings gathered by slot (``rows`` (L,) int64): name -> (L,)
+        tensor, and ``bias_ids``/``bias_values`` (L, B)."""
+        floats = self.floats.index_select(0, rows)  # (L, 5)
+        ints = self.ints.index_select(0, rows)  # (L, 3)
+        out = {name: floats[:, i] for i, name in enumerate(SLOT_FLOATS)}
+        out.update({name: ints[:, i] for i, name in enumerate(SLOT_INTS)})
+        out["bias_ids"] = self.bias_ids.index_select(0, rows)
+        out["bias_values"] = self.bias_values.index_select(0, rows)
+        return out
+
+
+def int_size(tokens: int, lanes: int) -> int:
+    return len(LANE_FIELDS) * lanes + len(SCALARS) + tokens
+
+
+@dataclass(frozen=True)
+class FrameInputs:
+    """Views of one program's integer arena (see the module docstring)."""
+
+    state_row: torch.Tensor  # (L,)
+    query_lens: torch.Tensor  # (L,)
+    start_pos: torch.Tensor  # (L,)
+    step: torch.Tensor  # (L,)
+    count_row: torch.Tensor  # (L,)
+    from_pending: torch.Tensor  # (L,)
+    prefill_row: torch.Tensor  # (1,)
+    reset_row: torch.Tensor  # (1,)
+    prompt_lane: torch.Tensor  # (1,)
+    input_ids: torch.Tensor  # (N,)
+
+    @classmethod
+    def over(cls, ints: torch.Tensor, tokens: int, lanes: int) -> FrameInputs:
+        sizes = [lanes] * len(LANE_FIELDS) + [1] * len(SCALARS) + [tokens]
+        parts = ints[: sum(sizes)].split_with_sizes(sizes)
+        return cls(**dict(zip(LANE_FIELDS + SCALARS + ("input_ids",), parts)))
+
+
+class HostStaging:
+    """Host int64 buffers for packing frames: pinned on CUDA, two of them, used in
+    turn, so packing frame N+1 never overwrites memory frame N's copy still reads."""
+
+    def __init__(self, size: int, device: torch.device, buffers: int = 2) -> None:
+        pin = device.type == "cuda"
+        self.tensors = [
+            torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(buffers)
+        ]
+        self.arrays = [t.numpy() for t in self.tensors]
+        self._next = 0
+
+    def take(self) -> tuple[torch.Tensor, np.ndarray]:
+        i = self._next
+        self._next = (i + 1) % len(self.tensors)
+        return self.tensors[i], self.arrays[i]
