@@ -1,8 +1,9 @@
 """Coordinator <-> rank transport: ZeroMQ with versioned msgpack schemas.
 
-``schema``: one frozen, validated dataclass per message.  ``codec``: the
-versioned msgpack envelope.  ``channels``: the coordinator's and the ranks'
-ZeroMQ ends, with the start-up handshake.
+``schema``: one frozen, validated dataclass per message (``frame``: the
+columnar Frame; ``columns``: int64 column helpers; ``sampling``:
+SamplingParams).  ``codec``: the versioned msgpack envelope.  ``channels``:
+the coordinator's and the ranks' ZeroMQ ends, with the start-up handshake.
 """
 
 from runtime.transport.channels import (

@@ -26,7 +26,7 @@ MESSAGE_TYPES: dict[str, type] = {**RANK_MESSAGE_TYPES, **API_MESSAGE_TYPES}
 
 logger = logging.getLogger("runtime.transport")
 
-MAX_MESSAGE_BYTES = 64 << 20  # a frame of a long prompt is ~5 bytes per token
+MAX_MESSAGE_BYTES = 64 << 20  # a frame of a long prompt is 8 bytes per token (int64 columns)
 MAX_STR_LEN = 1 << 16
 MAX_BIN_LEN = MAX_MESSAGE_BYTES
 MAX_ARRAY_LEN = 1 << 20

@@ -7,9 +7,13 @@ receiver.  ``to_wire()`` gives plain msgpack-able maps; ``from_wire()`` checks
 the map's keys exactly (every field is required, no unknown field is allowed),
 converts nested messages and constructs, which validates.
 
-Sequences are stored as tuples; sidecar tensors travel as raw little-endian
-bytes with dtype and shape.  Integers on the wire are bounded so that a rank can
-copy them into int32/int64 device buffers without overflow.
+Protocol version 2: the per-lane data of :class:`Frame` (``frame.py``) and of
+:class:`Completion` travel as int64 columns (``columns.py``: ``array('q')``
+here, little-endian msgpack ``bin`` on the wire).  :class:`FrameLane` and
+:class:`LaneResult` are per-lane views of them for tests and consumers; they
+are not messages.  Sequences are stored as tuples; sidecar tensors travel as
+raw little-endian bytes with dtype and shape.  Integers on the wire are bounded
+so that a rank can copy them into int32/int64 device buffers without overflow.
 
 This module imports no torch: the torch conversions at the bottom import it
 only when called.
@@ -20,333 +24,99 @@ from __future__ import annotations
 import math
 import struct
 import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from runtime.catalog import (
-    MAX_BATCH_CAPACITY,
-    CatalogError,
-    GraphDescriptor,
-    GraphKind,
-    validate_catalog,
+from runtime.catalog import MAX_BATCH_CAPACITY, CatalogError, GraphDescriptor, validate_catalog
+from runtime.transport.columns import (
+    as_column,
+    check_distinct,
+    check_range,
+    column,
+    column_from_wire,
+    column_to_wire,
+    offsets,
 )
 from runtime.transport.fields import (
     INT32_MAX,
+    INT64_MAX,
     ProtocolError,
     check_choice,
     check_fields,
-    check_float,
     check_instances,
     check_int,
     check_ints,
     check_seq,
     check_str,
-    check_unique,
     parse_nested,
     set_field,
+)
+from runtime.transport.frame import (
+    FRAME_COLUMNS,
+    LANE_COLUMNS,
+    MAX_SLOTS,
+    PHASE_DECODE,
+    PHASE_NAMES,
+    PHASE_PREFILL,
+    Frame,
+    FrameLane,
+)
+from runtime.transport.sampling import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    PENALTY_LIMIT,
+    SamplingParams,
 )
 
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
-MAX_SLOTS = MAX_BATCH_CAPACITY  # slots are 0..63
 MAX_WORLD_SIZE = 4096
 MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
 MAX_DESCRIPTORS = 1 << 12
 MAX_SIDECARS = 16
 MAX_TENSOR_NDIM = 8
-MAX_LOGPROBS = 20  # top log probabilities a lane may ask for (SamplingParams.logprobs)
 
-PHASES = ("prefill", "decode")
 FINISH_REASONS = ("stop",)
 CONTROL_COMMANDS = ("shutdown", "ping", "ready")
 COORDINATOR_RANK = -1
 
-
-# ------------------------------------------------------------------ requests
-
-
-MAX_LOGIT_BIAS = 300  # token entries of SamplingParams.logit_bias (OpenAI's bound)
-LOGIT_BIAS_LIMIT = 100.0  # |bias| bound, as OpenAI and vLLM take it
-PENALTY_LIMIT = 2.0  # |presence_penalty|, |frequency_penalty| bound (OpenAI's range)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-lane sampling.  ``temperature`` 0 is greedy; ``top_k`` -1 is unlimited.
-
-    ``min_tokens``: the model's EOS ids cannot be sampled until the request has
-    produced this many tokens (vLLM's ``min_tokens``).  ``logprobs``: -1 for
-    none, else 0..:data:`MAX_LOGPROBS`: rank 0 returns the sampled token's log
-    probability and this many top tokens with theirs (``Completion.sidecars``),
-    from ``log_softmax`` of the raw logits (before logit bias, penalties,
-    temperature, top-k, top-p).
-
-    Logit adjustments, with vLLM's semantics and in vLLM's order (bias, then
-    repetition, then frequency and presence), applied before temperature (so
-    a greedy request takes the argmax of the adjusted logits; the log
-    probabilities stay those of the raw logits): ``logit_bias``
-    ((token id, bias) pairs, bias in [-100, 100], at most
-    :data:`MAX_LOGIT_BIAS`, ids distinct) is added; ``presence_penalty`` and
-    ``frequency_penalty`` (in [-2, 2]) subtract ``presence * [count > 0] +
-    frequency * count`` over the tokens the request has generated;
-    ``repetition_penalty`` (> 0, 1 = off) divides positive and multiplies
-    negative logits of every token seen in the prompt or the output.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int = 0
-    min_tokens: int = 0
-    logprobs: int = -1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-
-    def __post_init__(self) -> None:
-        temperature = check_float("temperature", self.temperature)
-        if temperature < 0:
-            raise ProtocolError("temperature", f"must be >= 0, got {temperature}")
-        top_p = check_float("top_p", self.top_p)
-        if not 0 < top_p <= 1:
-            raise ProtocolError("top_p", f"must lie in (0, 1], got {top_p}")
-        top_k = check_int("top_k", self.top_k, -1, INT32_MAX)
-        if top_k == 0:
-            raise ProtocolError("top_k", "must be -1 (unlimited) or >= 1, got 0")
-        check_int("seed", self.seed)
-        check_int("min_tokens", self.min_tokens, 0, INT32_MAX)
-        check_int("logprobs", self.logprobs, -1, MAX_LOGPROBS)
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = check_float(name, getattr(self, name))
-            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
-                raise ProtocolError(name, f"must lie in [-2, 2], got {value}")
-            set_field(self, name, value)
-        repetition = check_float("repetition_penalty", self.repetition_penalty)
-        if repetition <= 0:
-            raise ProtocolError("repetition_penalty", f"must be > 0, got {repetition}")
-        set_field(self, "repetition_penalty", repetition)
-        set_field(self, "logit_bias", _logit_bias(self.logit_bias))
-        set_field(self, "temperature", temperature)
-        set_field(self, "top_p", top_p)
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether any logit adjustment (bias or penalty) is on."""
-        return bool(
-            self.logit_bias
-            or self.presence_penalty
-            or self.frequency_penalty
-            or self.repetition_penalty != 1.0
-        )
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "min_tokens": self.min_tokens,
-            "logprobs": self.logprobs,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "logit_bias": [[token, bias] for token, bias in self.logit_bias],
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any) -> SamplingParams:
-        return cls(**check_fields(cls, data))
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """Validated (token id, bias) pairs, ids distinct, in the order given."""
-    pairs = check_seq("logit_bias", value, MAX_LOGIT_BIAS)
-    out: list[tuple[int, float]] = []
-    for i, pair in enumerate(pairs):
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-            raise ProtocolError(f"logit_bias[{i}]", "must be a (token id, bias) pair")
-        token = check_int(f"logit_bias[{i}][0]", pair[0], 0, INT32_MAX)
-        bias = check_float(f"logit_bias[{i}][1]", pair[1])
-        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-            raise ProtocolError(f"logit_bias[{i}][1]", f"must lie in [-100, 100], got {bias}")
-        out.append((token, bias))
-    check_unique("logit_bias", [token for token, _ in out])
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class FrameLane:
-    """One request's row of a frame.
-
-    ``generation``: the slot's request epoch; a new generation replaces the
-    slot's rank-side state.  ``prompt_start``/``prompt_tokens``: the prompt
-    extent a prefill row consumes (decode rows carry no tokens: the ranks keep
-    each slot's pending token).  ``position``: KV position of the first token
-    the lane writes.  ``page_table``: the slot's KV pages, distinct; required
-    on prefill lanes, and may be empty on decode lanes, where the ranks use the
-    table the slot's prefill gave them (so steady decode frames stay small).
-    ``max_tokens``: tokens the lane commits, 0 for a prefill chunk short of the
-    prompt end, else 1 (always 1 for decode).  ``sampling``: required on
-    prefill lanes; None on decode lanes means the slot's settings.
-    """
-
-    slot: int
-    generation: int
-    phase: str
-    prompt_start: int
-    prompt_tokens: tuple[int, ...]
-    position: int
-    page_table: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams | None = field(default_factory=SamplingParams)
-
-    def __post_init__(self) -> None:
-        check_int("slot", self.slot, 0, MAX_SLOTS - 1)
-        check_int("generation", self.generation, 1)
-        phase = check_choice("phase", self.phase, PHASES)
-        check_int("prompt_start", self.prompt_start, 0, INT32_MAX)
-        tokens = check_ints("prompt_tokens", self.prompt_tokens, 0, INT32_MAX)
-        check_int("position", self.position, 0, INT32_MAX)
-        pages = check_ints("page_table", self.page_table, 0, INT32_MAX)
-        max_tokens = check_int("max_tokens", self.max_tokens, 0, 1)
-        if self.sampling is None:
-            if phase == "prefill":
-                raise ProtocolError("sampling", "a prefill lane needs its SamplingParams")
-        elif not isinstance(self.sampling, SamplingParams):
-            raise ProtocolError("sampling", "must be a SamplingParams or None")
-        if phase == "prefill" and not tokens:
-            raise ProtocolError("prompt_tokens", "a prefill lane needs at least one token")
-        if phase == "decode" and tokens:
-            raise ProtocolError("prompt_tokens", f"a decode lane carries none, got {len(tokens)}")
-        if phase == "decode" and max_tokens != 1:
-            raise ProtocolError("max_tokens", "a decode lane commits exactly 1 token")
-        if phase == "prefill" and not pages:
-            raise ProtocolError("page_table", "a prefill lane needs at least one page")
-        check_unique("page_table", pages)
-        set_field(self, "phase", phase)
-        set_field(self, "prompt_tokens", tokens)
-        set_field(self, "page_table", pages)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "slot": self.slot,
-            "generation": self.generation,
-            "phase": self.phase,
-            "prompt_start": self.prompt_start,
-            "prompt_tokens": list(self.prompt_tokens),
-            "position": self.position,
-            "page_table": list(self.page_table),
-            "max_tokens": self.max_tokens,
-            "sampling": None if self.sampling is None else self.sampling.to_wire(),
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any) -> FrameLane:
-        fields = dict(check_fields(cls, data))
-        if fields["sampling"] is not None:
-            fields["sampling"] = parse_nested(
-                "sampling", SamplingParams.from_wire, fields["sampling"]
-            )
-        return cls(**fields)
-
-
-def _program(data: Any) -> GraphDescriptor:
-    try:
-        return GraphDescriptor.from_wire(data)
-    except (CatalogError, TypeError, ValueError) as exc:
-        raise ProtocolError("program", str(exc)) from None
-
-
-@dataclass(frozen=True)
-class Frame:
-    """Coordinator -> ranks: run ``program`` on ``lanes``.
-
-    ``lanes``: up to ``program.batch_capacity`` rows with distinct slots; their
-    prompt tokens fit ``program.prompt_capacity`` (so decode-only programs take
-    no prefill lanes).  A frame with no lanes is an *empty frame*: the ranks
-    check it, apply its releases and answer without running the program (the
-    coordinator measures its round trip with one).  ``prompt_row``: index of
-    the prompt (prefill) lane of a mixed program, -1 for none.  A mixed frame
-    has at most one prefill lane and ``prompt_row`` names exactly it (-1 when
-    there is none); its other lanes are decode lanes, which carry no tokens,
-    and the prompt row's tokens fit ``prompt_capacity``.  Every other program
-    takes ``prompt_row`` -1.  ``release_slots``: slots whose rank-side state
-    may be dropped, distinct and disjoint from the lanes' slots.
-    """
-
-    fence: int
-    program: GraphDescriptor
-    lanes: tuple[FrameLane, ...]
-    prompt_row: int = -1
-    release_slots: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        check_int("fence", self.fence)
-        if not isinstance(self.program, GraphDescriptor):
-            raise ProtocolError("program", "must be a GraphDescriptor")
-        capacity = self.program.batch_capacity
-        lanes = check_instances("lanes", self.lanes, FrameLane, capacity)
-        slots = [lane.slot for lane in lanes]
-        check_unique("lanes.slot", slots)
-        prompt_tokens = sum(len(lane.prompt_tokens) for lane in lanes)
-        if prompt_tokens > self.program.prompt_capacity:
-            raise ProtocolError(
-                "lanes",
-                f"{prompt_tokens} prompt tokens exceed the program's prompt_capacity "
-                f"{self.program.prompt_capacity}",
-            )
-        row = check_int("prompt_row", self.prompt_row, -1, len(lanes) - 1)
-        if row >= 0 and lanes[row].phase != "prefill":
-            raise ProtocolError("prompt_row", f"lane {row} is not a prefill lane")
-        if self.program.kind is GraphKind.MIXED:
-            prefill = [i for i, lane in enumerate(lanes) if lane.phase == "prefill"]
-            if len(prefill) > 1:
-                raise ProtocolError(
-                    "lanes", f"a mixed frame has at most one prefill lane, got lanes {prefill}"
-                )
-            if row != (prefill[0] if prefill else -1):
-                raise ProtocolError(
-                    "prompt_row",
-                    f"must name the prefill lane ({prefill[0] if prefill else -1}), got {row}",
-                )
-        elif row != -1:
-            kind = self.program.kind.value
-            raise ProtocolError("prompt_row", f"only mixed programs have one, not {kind}")
-        released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
-        check_unique("release_slots", released)
-        overlap = set(released) & set(slots)
-        if overlap:
-            raise ProtocolError("release_slots", f"slot(s) {sorted(overlap)} also run in lanes")
-        set_field(self, "lanes", lanes)
-        set_field(self, "release_slots", released)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "fence": self.fence,
-            "program": self.program.to_wire(),
-            "lanes": [lane.to_wire() for lane in self.lanes],
-            "prompt_row": self.prompt_row,
-            "release_slots": list(self.release_slots),
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any) -> Frame:
-        fields = dict(check_fields(cls, data))
-        fields["program"] = _program(fields["program"])
-        lanes = check_seq("lanes", fields["lanes"], MAX_BATCH_CAPACITY)
-        fields["lanes"] = tuple(
-            parse_nested(f"lanes[{i}]", FrameLane.from_wire, lane) for i, lane in enumerate(lanes)
-        )
-        return cls(**fields)
+# Re-exported: the frame and sampling modules were split out of this one.
+__all__ = [
+    "COORDINATOR_RANK",
+    "FRAME_COLUMNS",
+    "LANE_COLUMNS",
+    "LOGIT_BIAS_LIMIT",
+    "MAX_LANE_TOKENS",
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_SLOTS",
+    "MAX_WORLD_SIZE",
+    "MESSAGE_TYPES",
+    "PENALTY_LIMIT",
+    "PHASE_DECODE",
+    "PHASE_NAMES",
+    "PHASE_PREFILL",
+    "PROTOCOL_VERSION",
+    "RESULT_COLUMNS",
+    "CatalogReport",
+    "Completion",
+    "Control",
+    "Frame",
+    "FrameLane",
+    "LaneResult",
+    "Message",
+    "ProtocolError",
+    "SamplingParams",
+    "Tensor",
+    "tensor_from_torch",
+    "tensor_to_torch",
+]
 
 
 # ------------------------------------------------------------------ tensors
@@ -438,7 +208,7 @@ class Tensor:
 
 @dataclass(frozen=True)
 class LaneResult:
-    """One lane's committed tokens; mirrors ``CompletionRecord``."""
+    """One lane's committed tokens (a view of a :class:`Completion`), as ``CompletionRecord``."""
 
     slot: int
     generation: int
@@ -456,20 +226,14 @@ class LaneResult:
             set_field(self, "finish_reason", reason)
         set_field(self, "tokens", tokens)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "slot": self.slot,
-            "generation": self.generation,
-            "tokens": list(self.tokens),
-            "finish_reason": self.finish_reason,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any) -> LaneResult:
-        return cls(**check_fields(cls, data))
-
 
 MAX_ERROR_CHARS = 4096  # an error completion's reason
+
+RESULT_COLUMNS = ("slot", "generation", "token_count", "tokens", "finished")
+
+
+def _empty() -> array:
+    return column()
 
 
 @dataclass(frozen=True)
@@ -477,9 +241,16 @@ class Completion:
     """Rank -> coordinator: one rank finished frame ``fence``.
 
     ``device_ns``: the rank's replay interval; ``readiness_delay_ns``: exposed
-    input-readiness stall within it.  Only rank 0 sends ``lanes`` (in the
-    frame's lane order, distinct slots) and ``sidecars`` (e.g. "confidence",
-    "survival"); the other ranks send neither.
+    input-readiness stall within it.  Only rank 0 sends lane results and
+    ``sidecars`` (e.g. "confidence", "survival"); the other ranks send neither.
+
+    Lane results are int64 columns (``array('q')``; lists of ints are
+    converted), one entry per lane of the frame in its lane order: ``slot``
+    (distinct), ``generation``, ``token_count`` (tokens the lane committed, 0
+    or more), ``finished`` (1: "stop", the lane sampled an EOS, which needs a
+    token; else 0), and the flat ``tokens`` (every lane's committed tokens in
+    lane order, ``sum(token_count)`` of them).  :meth:`lane_results` gives
+    per-lane views, :meth:`from_results` builds from them.
 
     Log probabilities: when at least one lane of the frame has
     ``sampling.logprobs >= 0``, rank 0 adds, with ``R`` = the frame's lane count
@@ -502,7 +273,11 @@ class Completion:
     world_size: int
     device_ns: int
     readiness_delay_ns: int = 0
-    lanes: tuple[LaneResult, ...] = ()
+    slot: array = field(default_factory=_empty)
+    generation: array = field(default_factory=_empty)
+    token_count: array = field(default_factory=_empty)
+    tokens: array = field(default_factory=_empty)
+    finished: array = field(default_factory=_empty)
     sidecars: Mapping[str, Tensor] = field(default_factory=dict)
     error: str | None = None
 
@@ -512,8 +287,11 @@ class Completion:
         rank = check_int("rank", self.rank, 0, world_size - 1)
         check_int("device_ns", self.device_ns)
         check_int("readiness_delay_ns", self.readiness_delay_ns)
-        lanes = check_instances("lanes", self.lanes, LaneResult, MAX_BATCH_CAPACITY)
-        check_unique("lanes.slot", [lane.slot for lane in lanes])
+        for name in RESULT_COLUMNS:
+            value = getattr(self, name)
+            if type(value) is not array or value.typecode != "q":
+                set_field(self, name, as_column(name, value))
+        lanes = self._check_lanes()
         if not isinstance(self.sidecars, Mapping):
             raise ProtocolError("sidecars", "must be a map of name to Tensor")
         if len(self.sidecars) > MAX_SIDECARS:
@@ -523,15 +301,88 @@ class Completion:
             if not isinstance(tensor, Tensor):
                 raise ProtocolError(f"sidecars[{name}]", "must be a Tensor")
         if rank != 0 and lanes:
-            raise ProtocolError("lanes", f"only rank 0 reports lanes, rank {rank} sent some")
+            raise ProtocolError("slot", f"only rank 0 reports lanes, rank {rank} sent {lanes}")
         if rank != 0 and self.sidecars:
             raise ProtocolError("sidecars", f"only rank 0 reports sidecars, rank {rank} sent some")
         if self.error is not None:
             check_str("error", self.error, MAX_ERROR_CHARS)
             if lanes or self.sidecars:
                 raise ProtocolError("error", "an error completion carries no lanes or sidecars")
-        set_field(self, "lanes", lanes)
         set_field(self, "sidecars", dict(self.sidecars))
+
+    def _check_lanes(self) -> int:
+        """The result columns' lengths and ranges; the number of lanes."""
+        lanes = len(self.slot)
+        if lanes > MAX_BATCH_CAPACITY:
+            raise ProtocolError("slot", f"at most {MAX_BATCH_CAPACITY} lanes, got {lanes}")
+        for name in ("generation", "token_count", "finished"):
+            if len(getattr(self, name)) != lanes:
+                raise ProtocolError(
+                    name, f"has {len(getattr(self, name))} entries for {lanes} lanes"
+                )
+        if lanes:
+            check_range("slot", self.slot, 0, MAX_SLOTS - 1)
+            check_distinct("slot", self.slot)
+            check_range("generation", self.generation, 1, INT64_MAX)
+            check_range("token_count", self.token_count, 0, MAX_LANE_TOKENS)
+            check_range("finished", self.finished, 0, 1)
+            if self.finished.count(1):
+                for i, (done, count) in enumerate(zip(self.finished, self.token_count)):
+                    if done and not count:
+                        raise ProtocolError(f"finished[{i}]", "'stop' needs at least one token")
+        total = sum(self.token_count)
+        if len(self.tokens) != total:
+            raise ProtocolError(
+                "tokens", f"has {len(self.tokens)} tokens, token_count sums to {total}"
+            )
+        check_range("tokens", self.tokens, 0, INT32_MAX)
+        return lanes
+
+    @property
+    def num_lanes(self) -> int:
+        return len(self.slot)
+
+    def lane_results(self) -> tuple[LaneResult, ...]:
+        """Every lane as a :class:`LaneResult`, in lane order."""
+        bounds = offsets(self.token_count)
+        return tuple(
+            LaneResult(
+                self.slot[i],
+                self.generation[i],
+                tuple(self.tokens[bounds[i] : bounds[i + 1]]),
+                "stop" if self.finished[i] else None,
+            )
+            for i in range(len(self.slot))
+        )
+
+    @classmethod
+    def from_results(
+        cls,
+        fence: int,
+        rank: int,
+        world_size: int,
+        device_ns: int,
+        readiness_delay_ns: int = 0,
+        lanes: Sequence[LaneResult] = (),
+        sidecars: Mapping[str, Tensor] | None = None,
+        error: str | None = None,
+    ) -> Completion:
+        """The completion of per-lane views (tests and simple ranks)."""
+        lanes = check_instances("lanes", lanes, LaneResult, MAX_BATCH_CAPACITY)
+        return cls(
+            fence,
+            rank,
+            world_size,
+            device_ns,
+            readiness_delay_ns,
+            slot=column(lane.slot for lane in lanes),
+            generation=column(lane.generation for lane in lanes),
+            token_count=column(len(lane.tokens) for lane in lanes),
+            tokens=column(t for lane in lanes for t in lane.tokens),
+            finished=column(lane.finish_reason is not None for lane in lanes),
+            sidecars={} if sidecars is None else sidecars,
+            error=error,
+        )
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -540,7 +391,11 @@ class Completion:
             "world_size": self.world_size,
             "device_ns": self.device_ns,
             "readiness_delay_ns": self.readiness_delay_ns,
-            "lanes": [lane.to_wire() for lane in self.lanes],
+            "slot": column_to_wire(self.slot),
+            "generation": column_to_wire(self.generation),
+            "token_count": column_to_wire(self.token_count),
+            "tokens": column_to_wire(self.tokens),
+            "finished": column_to_wire(self.finished),
             "sidecars": {name: t.to_wire() for name, t in self.sidecars.items()},
             "error": self.error,
         }
@@ -548,10 +403,8 @@ class Completion:
     @classmethod
     def from_wire(cls, data: Any) -> Completion:
         fields = dict(check_fields(cls, data))
-        lanes = check_seq("lanes", fields["lanes"], MAX_BATCH_CAPACITY)
-        fields["lanes"] = tuple(
-            parse_nested(f"lanes[{i}]", LaneResult.from_wire, lane) for i, lane in enumerate(lanes)
-        )
+        for name in RESULT_COLUMNS:
+            fields[name] = column_from_wire(name, fields[name])
         sidecars = fields["sidecars"]
         if not isinstance(sidecars, dict):
             raise ProtocolError("sidecars", "must be a map of name to Tensor")
@@ -655,21 +508,9 @@ class Control:
         return cls(**check_fields(cls, data))
 
 
-Message = (
-    SamplingParams | FrameLane | Frame | Tensor | LaneResult | Completion | CatalogReport | Control
-)
+Message = SamplingParams | Frame | Tensor | Completion | CatalogReport | Control
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.__name__: cls
-    for cls in (
-        SamplingParams,
-        FrameLane,
-        Frame,
-        Tensor,
-        LaneResult,
-        Completion,
-        CatalogReport,
-        Control,
-    )
+    cls.__name__: cls for cls in (SamplingParams, Frame, Tensor, Completion, CatalogReport, Control)
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.transport.columns import column
 from runtime.transport.schema import (
     CatalogReport,
     Completion,
@@ -32,13 +33,14 @@ def prefill_lane(slot: int = 3) -> FrameLane:
         prompt_start=0,
         prompt_tokens=(1, 2, 3, 151_643),
         position=0,
-        page_table=(5, 6),
-        max_tokens=1,
+        pages=(5, 6),
+        commits=1,
         sampling=sampling(),
     )
 
 
 def decode_lane(slot: int = 4) -> FrameLane:
+    """A decode lane that appends two pages (a table growing while it decodes)."""
     return FrameLane(
         slot=slot,
         generation=1,
@@ -46,18 +48,38 @@ def decode_lane(slot: int = 4) -> FrameLane:
         prompt_start=7,
         prompt_tokens=(),
         position=17,
-        page_table=(7, 0),
-        max_tokens=1,
+        pages=(7, 0),
+        commits=1,
     )
 
 
 def frame() -> Frame:
-    return Frame(
+    """Mixed B=4, C=64: lane 0 prefills slot 3 (4 tokens, pages 5 6), lane 1 decodes slot 4."""
+    return Frame.from_lanes(
         fence=9,
         program=MIXED,
         lanes=(prefill_lane(), decode_lane()),
         prompt_row=0,
         release_slots=(1, 2),
+        expected_ns=5_000_000,
+    )
+
+
+def decode_frame(lanes: int = 64) -> Frame:
+    """A decode frame of ``lanes`` lanes (slots 0..lanes-1) with no pages: the hot path."""
+    program = GraphDescriptor(GraphKind.DECODE, batch_capacity=64)
+    return Frame(
+        fence=11,
+        program=program,
+        slot=column(range(lanes)),
+        generation=column([3] * lanes),
+        phase=column([0] * lanes),
+        position=column(range(100, 100 + lanes)),
+        query_len=column([1] * lanes),
+        commits=column([1] * lanes),
+        prompt_start=column([20] * lanes),
+        page_count=column([0] * lanes),
+        expected_ns=1_500_000,
     )
 
 
@@ -71,7 +93,7 @@ def lane_result() -> LaneResult:
 
 
 def completion() -> Completion:
-    return Completion(
+    return Completion.from_results(
         fence=9,
         rank=0,
         world_size=2,
@@ -101,10 +123,8 @@ def control() -> Control:
 
 ALL = {
     "SamplingParams": sampling,
-    "FrameLane": prefill_lane,
     "Frame": frame,
     "Tensor": confidence,
-    "LaneResult": lane_result,
     "Completion": completion,
     "CatalogReport": catalog_report,
     "Control": control,

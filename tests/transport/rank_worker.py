@@ -32,7 +32,7 @@ def completion_for(frame: Frame, rank: int, world_size: int) -> Completion:
         LaneResult(lane.slot, lane.generation, (token_for(frame.fence, lane.slot),))
         for lane in frame.lanes
     )
-    return Completion(
+    return Completion.from_results(
         frame.fence,
         rank,
         world_size,

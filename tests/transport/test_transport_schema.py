@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import struct
 import subprocess
 import sys
+from array import array
 from typing import Any
 
 import msgpack
@@ -15,14 +17,26 @@ import pytest
 from runtime.transport.codec import decode, encode
 from runtime.transport.schema import (
     MESSAGE_TYPES,
+    PROTOCOL_VERSION,
     Completion,
     Control,
+    Frame,
     FrameLane,
     ProtocolError,
     SamplingParams,
     Tensor,
 )
 from tests.transport import examples
+
+
+def col(*values: int) -> array:
+    return array("q", values)
+
+
+def raw(*values: int) -> bytes:
+    """Values as a column on the wire: little-endian int64."""
+    return struct.pack(f"<{len(values)}q", *values)
+
 
 # ---------------------------------------------------------------- round trips
 
@@ -40,7 +54,7 @@ def test_round_trip_through_codec(name: str) -> None:
 def test_round_trip_through_msgpack_bytes(name: str) -> None:
     message = examples.ALL[name]()
     envelope = msgpack.unpackb(encode(message), raw=False, strict_map_key=True)
-    assert envelope == {"v": 1, "t": name, "b": message.to_wire()}
+    assert envelope == {"v": PROTOCOL_VERSION, "t": name, "b": message.to_wire()}
     wire = msgpack.unpackb(msgpack.packb(message.to_wire(), use_bin_type=True), raw=False)
     assert type(message).from_wire(wire) == message
 
@@ -49,13 +63,18 @@ def test_every_message_type_has_an_example() -> None:
     assert set(examples.ALL) == set(MESSAGE_TYPES)
 
 
-def test_sequences_are_tuples_and_wire_form_is_plain() -> None:
+def test_columns_are_int64_arrays_and_wire_form_is_little_endian_bytes() -> None:
     frame = examples.frame()
+    assert PROTOCOL_VERSION == 2
+    assert frame.prompt_tokens == col(1, 2, 3, 151_643)
     assert isinstance(frame.lanes, tuple)
-    assert isinstance(frame.lanes[0].prompt_tokens, tuple)
+    assert frame.lanes[0].prompt_tokens == (1, 2, 3, 151_643)
     wire = frame.to_wire()
-    assert wire["lanes"][0]["prompt_tokens"] == [1, 2, 3, 151_643]
+    assert wire["prompt_tokens"] == struct.pack("<4q", 1, 2, 3, 151_643)
+    assert wire["slot"] == struct.pack("<2q", 3, 4)
+    assert wire["sampling"] == [[0, examples.sampling().to_wire()]]
     assert wire["program"] == examples.MIXED.to_wire()
+    assert list(wire) == [f.name for f in dataclasses.fields(Frame)]
 
 
 def test_integer_temperature_becomes_float_and_greedy() -> None:
@@ -77,7 +96,8 @@ def test_min_tokens_and_logprobs_defaults_bounds_and_round_trip() -> None:
         assert (wire["min_tokens"], wire["logprobs"]) == (min_tokens, logprobs)
         assert decode(encode(params)) == params
         lane = FrameLane(0, 1, "prefill", 0, (4,), 0, (1,), 1, params)
-        assert decode(encode(lane)).sampling == params
+        frame = Frame.from_lanes(1, examples.MIXED, [lane], prompt_row=0)
+        assert decode(encode(frame)).lanes[0].sampling == params
     for bad in [-1, 2**31, True]:
         with pytest.raises(ProtocolError) as raised:
             SamplingParams(min_tokens=bad)
@@ -91,8 +111,8 @@ def test_min_tokens_and_logprobs_defaults_bounds_and_round_trip() -> None:
 def test_logprob_sidecars_round_trip_in_a_completion() -> None:
     values = Tensor.from_values("float32", (2, 4), [-0.5, -0.5, -1.25, -3.0] * 2)
     ids = Tensor.from_values("int32", (2, 3), [7, 1, 9, 2, 2, 0])
-    completion = Completion(
-        4, 0, 1, 10, lanes=examples.completion().lanes,
+    completion = Completion.from_results(
+        4, 0, 1, 10, lanes=examples.completion().lane_results(),
         sidecars={"logprobs": values, "logprob_token_ids": ids},
     )  # fmt: skip
     carried = decode(encode(completion))
@@ -106,6 +126,7 @@ def test_str_enum_phase_is_stored_as_plain_str() -> None:
 
     lane = FrameLane(0, 1, LanePhase.DECODE, 0, (), 5, (1,), 1)
     assert type(lane.phase) is str and lane.phase == "decode"
+    assert Frame.from_lanes(1, examples.DECODE, [lane]).phase == col(0)
 
 
 # ---------------------------------------------------------------- tensors
@@ -212,48 +233,66 @@ BAD = [
     _case("SamplingParams", "logprobs", 5.0, "logprobs"),
     _case("SamplingParams", "logprobs", "5", "logprobs"),
     _case("SamplingParams", "logprobs", None, "logprobs", drop=True),
-    _case("FrameLane", "sampling.logprobs", 21, "sampling.logprobs"),
+    _case("Frame", "sampling.0.1.logprobs", 21, "sampling[0].logprobs"),
     _case("SamplingParams", "min_p", 0.1, "min_p"),  # unknown field
     _case("SamplingParams", "seed", None, "seed", drop=True),  # missing field
-    # FrameLane (the prefill example)
-    _case("FrameLane", "slot", -1, "slot"),
-    _case("FrameLane", "slot", 64, "slot"),
-    _case("FrameLane", "generation", 0, "generation"),
-    _case("FrameLane", "phase", "verify", "phase"),
-    _case("FrameLane", "phase", "decode", "prompt_tokens"),  # decode lanes carry no tokens
-    _case("FrameLane", "prompt_start", -1, "prompt_start"),
-    _case("FrameLane", "prompt_tokens", [1, -2], "prompt_tokens[1]"),
-    _case("FrameLane", "prompt_tokens", [1, 2**31], "prompt_tokens[1]"),
-    _case("FrameLane", "prompt_tokens", [1, True], "prompt_tokens[1]"),
-    _case("FrameLane", "prompt_tokens", "abc", "prompt_tokens"),
-    _case("FrameLane", "prompt_tokens", [], "prompt_tokens"),  # prefill needs tokens
-    _case("FrameLane", "position", -1, "position"),
-    _case("FrameLane", "page_table", [], "page_table"),
-    _case("FrameLane", "page_table", [1, 1], "page_table"),
-    _case("FrameLane", "page_table", [1, -1], "page_table[1]"),
-    _case("FrameLane", "max_tokens", 2, "max_tokens"),
-    _case("FrameLane", "sampling", [0.0, 1.0], "sampling"),
-    _case("FrameLane", "sampling.top_p", 2.0, "sampling.top_p"),
-    # Frame (mixed B=4, prompt capacity 64, lanes: prefill slot 3, decode slot 4)
+    # Frame: mixed B=4, C=64; lane 0 prefills slot 3 (gen 2, 4 tokens at 0, pages 5 6),
+    # lane 1 decodes slot 4 (gen 1, position 17, appends pages 7 0); releases 1 2.
     _case("Frame", "fence", -1, "fence"),
     _case("Frame", "fence", BIG, "fence"),
     _case("Frame", "program.kind", "bogus", "program"),
     _case("Frame", "program.batch_capacity", 3, "program"),
     _case("Frame", "program", "decode", "program"),
-    _case("Frame", "lanes", {}, "lanes"),
-    _case("Frame", "lanes.1.slot", 3, "lanes.slot"),  # duplicate slot
-    _case("Frame", "lanes.0.prompt_tokens", list(range(65)), "lanes"),  # over prompt capacity
-    _case("Frame", "lanes.1.max_tokens", 0, "lanes[1].max_tokens"),
-    _case("Frame", "lanes.0", 7, "lanes[0]"),
+    _case("Frame", "lanes", [], "lanes"),  # a version-1 body
+    _case("Frame", "slot", [3, 4], "slot"),  # a list, not int64 bytes
+    _case("Frame", "slot", "abc", "slot"),
+    _case("Frame", "slot", b"\x00" * 15, "slot"),  # not whole int64 values
+    _case("Frame", "slot", raw(3, 3), "slot"),  # repeated
+    _case("Frame", "slot", raw(3, 64), "slot[1]"),
+    _case("Frame", "slot", raw(-1, 4), "slot[0]"),
+    _case("Frame", "slot", raw(3), "generation"),  # columns of unequal length
+    _case("Frame", "generation", raw(0, 1), "generation[0]"),
+    _case("Frame", "generation", raw(2, -5), "generation[1]"),
+    _case("Frame", "phase", raw(2, 0), "phase[0]"),
+    _case("Frame", "phase", raw(1, -1), "phase[1]"),
+    _case("Frame", "phase", raw(0, 0), "query_len[0]"),  # a decode lane feeding 4 tokens
+    _case("Frame", "phase", raw(1, 1, 0), "phase"),  # 3 entries for 2 lanes
+    _case("Frame", "position", raw(-1, 17), "position[0]"),
+    _case("Frame", "position", raw(0, 2**31), "position[1]"),
+    _case("Frame", "query_len", raw(0, 1), "query_len[0]"),
+    _case("Frame", "query_len", raw(4, 2), "query_len[1]"),  # decode feeds exactly 1
+    _case("Frame", "query_len", raw(5, 1), "prompt_tokens"),  # 4 tokens for a chunk of 5
+    _case("Frame", "commits", raw(2, 1), "commits[0]"),
+    _case("Frame", "commits", raw(1, 0), "commits[1]"),  # decode commits exactly 1
+    _case("Frame", "prompt_start", raw(-1, 7), "prompt_start[0]"),
+    _case("Frame", "prompt_start", raw(0, 2**31), "prompt_start[1]"),
+    _case("Frame", "prompt_tokens", raw(1, 2, 3), "prompt_tokens"),
+    _case("Frame", "prompt_tokens", raw(1, 2, 3, -1), "prompt_tokens[3]"),
+    _case("Frame", "prompt_tokens", raw(1, 2, 3, 2**31), "prompt_tokens[3]"),
+    _case("Frame", "prompt_tokens", [1, 2, 3, 4], "prompt_tokens"),
+    _case("Frame", "page_count", raw(0, 4), "page_count[0]"),  # a new prefill needs a page
+    _case("Frame", "page_count", raw(2, 1), "pages"),  # 4 pages for 3
+    _case("Frame", "page_count", raw(-1, 5), "page_count[0]"),
+    _case("Frame", "pages", raw(5, 5, 7, 0), "pages"),  # lane 0 appends page 5 twice
+    _case("Frame", "pages", raw(5, -6, 7, 0), "pages[1]"),
+    _case("Frame", "pages", raw(5, 6, 7), "pages"),
+    _case("Frame", "sampling", [], "sampling"),  # the prefill lane's is missing
+    _case("Frame", "sampling", "x", "sampling"),
+    _case("Frame", "sampling.0", [0], "sampling[0]"),
+    _case("Frame", "sampling.0.0", 1, "sampling"),  # names the decode lane
+    _case("Frame", "sampling.0.0", True, "sampling[0][0]"),
+    _case("Frame", "sampling.0.1", [0.0, 1.0], "sampling[0]"),
+    _case("Frame", "sampling.0.1.top_p", 2.0, "sampling[0].top_p"),
     _case("Frame", "prompt_row", 2, "prompt_row"),
     _case("Frame", "prompt_row", -2, "prompt_row"),
     _case("Frame", "prompt_row", 1, "prompt_row"),  # a decode lane
     _case("Frame", "prompt_row", -1, "prompt_row"),  # the mixed frame's prefill lane unnamed
-    _case("Frame", "lanes.1.prompt_tokens", [1], "lanes[1].prompt_tokens"),  # decode: none
-    _case("Frame", "lanes.1", examples.prefill_lane(slot=4).to_wire(), "lanes"),  # 2 prefills
     _case("Frame", "release_slots", [64], "release_slots[0]"),
     _case("Frame", "release_slots", [1, 1], "release_slots"),
     _case("Frame", "release_slots", [4], "release_slots"),  # also runs in lanes
+    _case("Frame", "expected_ns", -1, "expected_ns"),
+    _case("Frame", "expected_ns", 1.5, "expected_ns"),
+    _case("Frame", "expected_ns", None, "expected_ns", drop=True),
     # Tensor ([2, 3, 4] float32)
     _case("Tensor", "dtype", "float64", "dtype"),
     _case("Tensor", "shape", [2, -3, 4], "shape[1]"),
@@ -261,23 +300,29 @@ BAD = [
     _case("Tensor", "shape", [2, 3, 5], "data"),
     _case("Tensor", "data", b"\x00" * 95, "data"),
     _case("Tensor", "data", "x" * 96, "data"),
-    # LaneResult
-    _case("LaneResult", "slot", 64, "slot"),
-    _case("LaneResult", "generation", 0, "generation"),
-    _case("LaneResult", "tokens", [-1], "tokens[0]"),
-    _case("LaneResult", "tokens", [], "finish_reason"),  # "stop" needs a token
-    _case("LaneResult", "finish_reason", "length", "finish_reason"),
-    _case("LaneResult", "finish_reason", 1, "finish_reason"),
-    # Completion (rank 0 of 2)
+    # Completion (rank 0 of 2): slot 3 gen 2 commits 42 and stops; slot 4 gen 1 commits 7
     _case("Completion", "fence", -1, "fence"),
     _case("Completion", "rank", 2, "rank"),
-    _case("Completion", "rank", 1, "lanes"),  # only rank 0 reports lanes
+    _case("Completion", "rank", 1, "slot"),  # only rank 0 reports lanes
     _case("Completion", "world_size", 0, "world_size"),
     _case("Completion", "device_ns", -1, "device_ns"),
     _case("Completion", "device_ns", 1.5, "device_ns"),
     _case("Completion", "readiness_delay_ns", -1, "readiness_delay_ns"),
-    _case("Completion", "lanes.1.slot", 3, "lanes.slot"),
-    _case("Completion", "lanes.0.tokens", [1, -1], "lanes[0].tokens[1]"),
+    _case("Completion", "lanes", [], "lanes"),  # a version-1 body
+    _case("Completion", "slot", raw(3, 3), "slot"),
+    _case("Completion", "slot", raw(3, 64), "slot[1]"),
+    _case("Completion", "slot", [3, 4], "slot"),
+    _case("Completion", "generation", raw(0, 1), "generation[0]"),
+    _case("Completion", "generation", raw(2), "generation"),
+    _case("Completion", "token_count", raw(1, 2), "tokens"),
+    _case("Completion", "token_count", raw(-1, 3), "token_count[0]"),
+    _case("Completion", "token_count", raw(2**16 + 1, 0), "token_count[0]"),
+    _case("Completion", "tokens", raw(42, -1), "tokens[1]"),
+    _case("Completion", "tokens", raw(42), "tokens"),
+    _case("Completion", "tokens", raw(42, 2**31), "tokens[1]"),
+    _case("Completion", "finished", raw(2, 0), "finished[0]"),
+    _case("Completion", "finished", raw(1, 0, 0), "finished"),
+    _case("Completion", "token_count", raw(0, 2), "finished[0]"),  # "stop" needs a token
     _case("Completion", "sidecars", [], "sidecars"),
     _case("Completion", "sidecars.confidence.shape", [2, 3], "sidecars[confidence].data"),
     _case("Completion", "sidecars.confidence", b"raw", "sidecars[confidence]"),
@@ -327,7 +372,7 @@ def test_validation_names_the_field(name: str, path: str, value: Any, field: str
     assert raised.value.field == field
     assert str(raised.value).startswith(f"{field}: ")
     # The same body inside an envelope is refused by the codec, naming type and field.
-    packed = msgpack.packb({"v": 1, "t": name, "b": wire}, use_bin_type=True)
+    packed = msgpack.packb({"v": PROTOCOL_VERSION, "t": name, "b": wire}, use_bin_type=True)
     with pytest.raises(ProtocolError) as raised:
         decode(packed)
     assert raised.value.field == f"{name}.{field}"
@@ -339,9 +384,21 @@ def test_validation_names_the_field(name: str, path: str, value: Any, field: str
         (lambda: SamplingParams(temperature=-1.0), "temperature"),
         (lambda: Control("ping", rank=0, nonce=-5), "nonce"),
         (lambda: Completion(0, 1, 2, 5, sidecars={"c": examples.confidence()}), "sidecars"),
-        (lambda: Completion(0, 0, 1, 5, lanes=[examples.decode_lane()]), "lanes[0]"),
+        (lambda: Completion.from_results(0, 0, 1, 5, lanes=[examples.decode_lane()]), "lanes[0]"),
         (lambda: Completion(0, 0, 1, 5, sidecars={"": examples.confidence()}), "sidecars"),
+        (lambda: Completion(0, 0, 1, 5, slot=[1], generation=[1], token_count=[0]), "finished"),
+        (lambda: Completion(0, 0, 1, 5, slot=array("i", [1])), "slot"),  # int32, not int64
+        (lambda: Completion(0, 0, 1, 5, tokens=(True,)), "tokens[0]"),
         (lambda: Tensor("float32", (2,), bytearray(7)), "data"),
+        (lambda: Frame(0, examples.DECODE, slot=[0], generation=[1]), "phase"),
+        (lambda: Frame(0, examples.DECODE, slot=[0.5]), "slot[0]"),
+        (lambda: Frame(0, examples.DECODE, sampling=((0, None),)), "sampling[0][1]"),
+        (lambda: Frame.from_lanes(0, examples.DECODE, [examples.sampling()]), "lanes[0]"),
+        (lambda: FrameLane(0, 1, "verify", 0, (), 0, (), 1), "phase"),
+        (lambda: FrameLane(0, 1, "decode", 0, (5,), 9, (), 1), "prompt_tokens"),
+        (lambda: FrameLane(0, 1, "decode", 0, (), 9, (), 1, examples.sampling()), "sampling"),
+        (lambda: FrameLane(0, 1, "prefill", 0, (5,), 0, (1,), 1), "sampling"),
+        (lambda: FrameLane(0, 1, "prefill", 0, (5,), 0, (-1,), 1, examples.sampling()), "pages[0]"),
     ],
 )
 def test_construction_validates_too(build: Any, field: str) -> None:
@@ -351,44 +408,35 @@ def test_construction_validates_too(build: Any, field: str) -> None:
 
 
 def test_frame_lane_count_is_bounded_by_batch_capacity() -> None:
-    frame = examples.frame().to_wire()
-    frame["program"] = examples.DECODE.to_wire()  # B = 4, no prompt capacity
-    frame["prompt_row"] = -1
-    frame["lanes"] = [examples.decode_lane(slot).to_wire() for slot in range(5)]
-    frame["release_slots"] = []
+    lanes = [examples.decode_lane(slot) for slot in range(5)]
+    lanes = [dataclasses.replace(lane, pages=()) for lane in lanes]
     with pytest.raises(ProtocolError) as raised:
-        MESSAGE_TYPES["Frame"].from_wire(frame)
-    assert raised.value.field == "lanes"
-    frame["lanes"] = frame["lanes"][:4]
-    assert len(MESSAGE_TYPES["Frame"].from_wire(frame).lanes) == 4
+        Frame.from_lanes(1, examples.DECODE, lanes)  # B = 4
+    assert raised.value.field == "slot" and "batch_capacity 4" in raised.value.reason
+    assert Frame.from_lanes(1, examples.DECODE, lanes[:4]).num_lanes == 4
 
 
 def test_error_completion_round_trips_and_carries_no_lanes():
-    from runtime.transport.codec import decode, encode
-    from runtime.transport.schema import Completion, LaneResult, ProtocolError
-
     c = Completion(7, 1, 2, 0, error="rejected: program decode B=16 unknown")
-    assert decode(encode(c)) == c
+    assert decode(encode(c)) == c and c.num_lanes == 0 and c.lane_results() == ()
     with pytest.raises(ProtocolError, match="error"):
-        Completion(7, 0, 1, 0, lanes=(LaneResult(0, 1, (3,)),), error="boom")
+        Completion.from_results(7, 0, 1, 0, lanes=(examples.lane_result(),), error="boom")
     with pytest.raises(ProtocolError, match="error"):
         Completion(7, 0, 1, 0, error="x" * 5000)
 
 
-def test_decode_lanes_may_leave_sampling_to_the_slot_but_prefill_lanes_may_not():
-    from runtime.transport.schema import FrameLane, ProtocolError
-
-    lane = FrameLane(2, 1, "decode", 0, (), 9, (), 1, None)
-    assert FrameLane.from_wire(lane.to_wire()) == lane
-    with pytest.raises(ProtocolError, match="sampling"):
-        FrameLane(2, 1, "prefill", 0, (5,), 0, (1,), 1, None)
+def test_decode_lanes_leave_sampling_to_the_slot_and_prefill_lanes_carry_theirs():
+    frame = examples.frame()
+    assert frame.sampling == ((0, examples.sampling()),)
+    assert [lane.sampling for lane in frame.lanes] == [examples.sampling(), None]
+    assert Frame.from_lanes(1, examples.MIXED, frame.lanes, 0) == dataclasses.replace(
+        frame, fence=1, release_slots=(), expected_ns=0
+    )
 
 
 def test_empty_frame_carries_releases_but_no_prompt_row():
-    from runtime.transport.schema import Frame, ProtocolError
-
-    empty = Frame(9, examples.DECODE, (), release_slots=(1, 2))
-    assert decode(encode(empty)) == empty and empty.lanes == ()
+    empty = Frame(9, examples.DECODE, release_slots=(1, 2))
+    assert decode(encode(empty)) == empty and empty.lanes == () and empty.num_lanes == 0
     with pytest.raises(ProtocolError) as raised:
-        Frame(9, examples.DECODE, (), prompt_row=0)
+        Frame(9, examples.DECODE, prompt_row=0)
     assert raised.value.field == "prompt_row"

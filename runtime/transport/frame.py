@@ -1,0 +1,454 @@
+"""The coordinator -> ranks message: :class:`Frame`, in columns (protocol version 2).
+
+A frame runs one prepared program on ``R`` lanes.  Every per-lane field is one
+int64 column (:mod:`runtime.transport.columns`) of length ``R``; the prefill
+lanes' prompt chunks and every lane's appended pages are flat columns cut by
+``query_len`` and ``page_count``.  Decoding is one ``frombytes`` per column
+and validation a few whole-column operations, so a 64-lane decode frame is
+decoded and checked in tens of microseconds.  :class:`FrameLane` is a per-lane
+view for tests and debugging (:attr:`Frame.lanes`, :meth:`Frame.from_lanes`),
+never the hot path.
+
+Pages are *appended*: a lane whose (slot, generation) is new to a rank starts
+an empty page table for the slot and appends its ``pages``; a later lane of the
+same generation appends only pages the rank has not been sent yet (none, when
+the coordinator reserved the whole table at admission).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.catalog import MAX_BATCH_CAPACITY, CatalogError, GraphDescriptor, GraphKind
+from runtime.transport.columns import (
+    all_equal,
+    as_column,
+    check_distinct,
+    check_range,
+    column,
+    column_from_wire,
+    column_to_wire,
+    first_not,
+    offsets,
+)
+from runtime.transport.fields import (
+    INT32_MAX,
+    INT64_MAX,
+    MAX_SEQUENCE,
+    ProtocolError,
+    check_choice,
+    check_fields,
+    check_int,
+    check_ints,
+    check_seq,
+    parse_nested,
+    set_field,
+)
+from runtime.transport.sampling import SamplingParams
+
+MAX_SLOTS = MAX_BATCH_CAPACITY  # slots are 0..63
+
+PHASE_DECODE = 0
+PHASE_PREFILL = 1
+PHASE_NAMES = ("decode", "prefill")  # PHASE_NAMES[code]
+
+# The per-lane columns, in field order; each has one entry per lane.
+LANE_COLUMNS = (
+    "slot",
+    "generation",
+    "phase",
+    "position",
+    "query_len",
+    "commits",
+    "prompt_start",
+    "page_count",
+)
+# Every int64 column of a frame, in field order (the flat ones too).
+FRAME_COLUMNS = (*LANE_COLUMNS[:7], "prompt_tokens", "page_count", "pages")
+
+
+@dataclass(frozen=True)
+class FrameLane:
+    """One lane of a frame, as a view (tests, debugging, scripts; not the hot path).
+
+    ``phase``: "prefill" or "decode".  ``prompt_tokens``: a prefill lane's
+    chunk, written from ``position`` (``prompt_start`` is where it starts in the
+    prompt); a decode lane carries none (the ranks keep each slot's pending
+    token) and feeds 1 token.  ``pages``: the pages this lane appends to its
+    slot's rank-side table (see the module docstring).  ``commits``: tokens the
+    lane commits, 0 or 1 (always 1 for decode).  ``sampling``: a prefill lane's
+    settings, which the ranks keep for the slot; decode lanes carry None.
+    """
+
+    slot: int
+    generation: int
+    phase: str
+    prompt_start: int
+    prompt_tokens: tuple[int, ...]
+    position: int
+    pages: tuple[int, ...]
+    commits: int
+    sampling: SamplingParams | None = None
+
+    def __post_init__(self) -> None:
+        phase = check_choice("phase", self.phase, PHASE_NAMES)
+        tokens = check_ints("prompt_tokens", self.prompt_tokens, 0, INT32_MAX)
+        pages = check_ints("pages", self.pages, 0, INT32_MAX)
+        if phase == "decode" and tokens:
+            raise ProtocolError("prompt_tokens", f"a decode lane carries none, got {len(tokens)}")
+        if phase == "prefill" and not isinstance(self.sampling, SamplingParams):
+            raise ProtocolError("sampling", "a prefill lane needs its SamplingParams")
+        if phase == "decode" and self.sampling is not None:
+            raise ProtocolError("sampling", "a decode lane carries none (the slot keeps its own)")
+        set_field(self, "phase", phase)
+        set_field(self, "prompt_tokens", tokens)
+        set_field(self, "pages", pages)
+
+    @property
+    def query_len(self) -> int:
+        """Tokens the lane feeds: its chunk for prefill, 1 for decode."""
+        return len(self.prompt_tokens) if self.phase == "prefill" else 1
+
+
+_PROGRAMS: dict[tuple, GraphDescriptor] = {}  # wire form -> descriptor (a catalog is small)
+_MAX_CACHED_PROGRAMS = 4096
+
+
+def _program(data: Any) -> GraphDescriptor:
+    """The frame's program; a wire form seen before is not validated again."""
+    key: tuple | None = None
+    if type(data) is dict:
+        # The key carries the value types: True == 1 must not hit the entry of 1.
+        key = (tuple(data.items()), tuple(map(type, data.values())))
+        try:
+            cached = _PROGRAMS.get(key)
+        except TypeError:  # an unhashable value, which validation refuses below
+            key = cached = None
+        if cached is not None:
+            return cached
+    try:
+        program = GraphDescriptor.from_wire(data)
+    except (CatalogError, TypeError, ValueError) as exc:
+        raise ProtocolError("program", str(exc)) from None
+    if key is not None:
+        if len(_PROGRAMS) >= _MAX_CACHED_PROGRAMS:
+            _PROGRAMS.clear()
+        _PROGRAMS[key] = program
+    return program
+
+
+def _empty() -> array:
+    return column()
+
+
+@dataclass(frozen=True)
+class Frame:
+    """Coordinator -> ranks: run ``program`` on ``R`` lanes, given as int64 columns.
+
+    Per lane (each column has ``R`` <= ``program.batch_capacity`` entries):
+    ``slot`` (distinct, in [0, :data:`MAX_SLOTS`)), ``generation`` (>= 1, the
+    slot's request epoch; a new one replaces the slot's rank-side state),
+    ``phase`` (0 decode, 1 prefill), ``position`` (KV position of the lane's
+    first new token), ``query_len`` (new tokens it feeds: a prefill chunk's
+    length >= 1; exactly 1 for decode), ``commits`` (tokens it commits, 0 or 1;
+    1 for decode), ``prompt_start`` (prefill: where the chunk starts in the
+    prompt), ``page_count`` (pages it appends to its slot's table, >= 0; a
+    prefill lane at position 0 appends at least one).
+
+    Flat: ``prompt_tokens``, the prefill lanes' chunks in lane order (its
+    length is the sum of their ``query_len``, within ``program.prompt_capacity``);
+    ``pages``, every lane's appended pages in lane order (length
+    ``sum(page_count)``, distinct within each lane's run).  ``sampling``:
+    (lane index, settings) for exactly the prefill lanes, in lane order.
+
+    A frame with no lanes is an *empty frame*: the ranks check it, apply its
+    releases and answer without running the program.  ``prompt_row``: the
+    prefill lane of a mixed program (at most one; -1 for none); every other
+    program takes -1.  ``release_slots``: slots whose rank-side state may be
+    dropped, distinct and disjoint from the lanes' slots.  ``expected_ns``: the
+    coordinator's estimate of the frame's device time (0 = unknown), for a
+    per-frame hang timeout on the ranks.
+
+    Columns are ``array('q')``; a list or tuple of ints is converted.  Treat
+    them as read-only once the frame is built.
+    """
+
+    fence: int
+    program: GraphDescriptor
+    slot: array = field(default_factory=_empty)
+    generation: array = field(default_factory=_empty)
+    phase: array = field(default_factory=_empty)
+    position: array = field(default_factory=_empty)
+    query_len: array = field(default_factory=_empty)
+    commits: array = field(default_factory=_empty)
+    prompt_start: array = field(default_factory=_empty)
+    prompt_tokens: array = field(default_factory=_empty)
+    page_count: array = field(default_factory=_empty)
+    pages: array = field(default_factory=_empty)
+    sampling: tuple[tuple[int, SamplingParams], ...] = ()
+    prompt_row: int = -1
+    release_slots: tuple[int, ...] = ()
+    expected_ns: int = 0
+
+    def __post_init__(self) -> None:
+        check_int("fence", self.fence)
+        program = self.program
+        if not isinstance(program, GraphDescriptor):
+            raise ProtocolError("program", "must be a GraphDescriptor")
+        for name in FRAME_COLUMNS:
+            value = getattr(self, name)
+            if type(value) is not array or value.typecode != "q":
+                set_field(self, name, as_column(name, value))
+        lanes = len(self.slot)
+        if lanes > program.batch_capacity:
+            raise ProtocolError(
+                "slot",
+                f"{lanes} lanes exceed the program's batch_capacity {program.batch_capacity}",
+            )
+        for name in LANE_COLUMNS[1:]:
+            if len(getattr(self, name)) != lanes:
+                raise ProtocolError(
+                    name, f"has {len(getattr(self, name))} entries for {lanes} lanes"
+                )
+        prefill = self._check_lanes() if lanes else ()
+        self._check_flat(prefill)
+        self._check_sampling(prefill)
+        self._check_roles(prefill)
+        released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
+        check_distinct("release_slots", released)
+        if released and lanes:
+            overlap = set(released).intersection(self.slot)
+            if overlap:
+                raise ProtocolError("release_slots", f"slot(s) {sorted(overlap)} also run in lanes")
+        set_field(self, "release_slots", released)
+        check_int("expected_ns", self.expected_ns)
+
+    def _check_lanes(self) -> tuple[int, ...]:
+        """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
+        check_range("slot", self.slot, 0, MAX_SLOTS - 1)
+        check_distinct("slot", self.slot)
+        check_range("generation", self.generation, 1, INT64_MAX)
+        check_range("position", self.position, 0, INT32_MAX)
+        check_range("prompt_start", self.prompt_start, 0, INT32_MAX)
+        if not all_equal(self.page_count, 0):
+            check_range("page_count", self.page_count, 0, MAX_SEQUENCE)
+        phase = self.phase
+        if all_equal(phase, PHASE_DECODE):  # decode only: one comparison per column
+            i = first_not(self.query_len, 1)
+            if i >= 0:
+                raise ProtocolError(f"query_len[{i}]", "a decode lane feeds exactly 1 token")
+            i = first_not(self.commits, 1)
+            if i >= 0:
+                raise ProtocolError(f"commits[{i}]", "a decode lane commits exactly 1 token")
+            return ()
+        check_range("phase", phase, PHASE_DECODE, PHASE_PREFILL)
+        check_range("query_len", self.query_len, 1, INT32_MAX)
+        check_range("commits", self.commits, 0, 1)
+        prefill = tuple(i for i, p in enumerate(phase) if p)
+        for i, p in enumerate(phase):
+            if p:
+                if self.position[i] == 0 and self.page_count[i] == 0:
+                    raise ProtocolError(
+                        f"page_count[{i}]", "a prefill lane at position 0 needs at least one page"
+                    )
+            elif self.query_len[i] != 1:
+                raise ProtocolError(f"query_len[{i}]", "a decode lane feeds exactly 1 token")
+            elif self.commits[i] != 1:
+                raise ProtocolError(f"commits[{i}]", "a decode lane commits exactly 1 token")
+        return prefill
+
+    def _check_flat(self, prefill: tuple[int, ...]) -> None:
+        """The flat columns against the counts that cut them."""
+        tokens = self.prompt_tokens
+        expected = sum(self.query_len[i] for i in prefill)
+        if len(tokens) != expected:
+            raise ProtocolError(
+                "prompt_tokens",
+                f"has {len(tokens)} tokens, the prefill lanes' query_len sum to {expected}",
+            )
+        capacity = self.program.prompt_capacity
+        if len(tokens) > capacity:
+            raise ProtocolError(
+                "prompt_tokens",
+                f"{len(tokens)} prompt tokens exceed the program's prompt_capacity {capacity}",
+            )
+        check_range("prompt_tokens", tokens, 0, INT32_MAX)
+        pages = self.pages
+        total = 0 if all_equal(self.page_count, 0) else sum(self.page_count)
+        if len(pages) != total:
+            raise ProtocolError("pages", f"has {len(pages)} pages, page_count sums to {total}")
+        check_range("pages", pages, 0, INT32_MAX)
+        if len(set(pages)) != len(pages):  # distinct overall is enough; else lane by lane
+            bounds = offsets(self.page_count)
+            for i in range(len(self.page_count)):
+                run = pages[bounds[i] : bounds[i + 1]]
+                if len(set(run)) != len(run):
+                    dup = next(p for k, p in enumerate(run) if p in run[:k])
+                    raise ProtocolError("pages", f"lane {i} appends page {dup} twice")
+
+    def _check_sampling(self, prefill: tuple[int, ...]) -> None:
+        sampling = self.sampling
+        if type(sampling) is not tuple:
+            sampling = check_seq("sampling", sampling, MAX_SLOTS)
+        if not sampling and not prefill:
+            return
+        lanes = []
+        for k, entry in enumerate(sampling):
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise ProtocolError(f"sampling[{k}]", "must be a (lane index, SamplingParams) pair")
+            lane, params = entry
+            check_int(f"sampling[{k}][0]", lane, 0, MAX_SLOTS - 1)
+            if not isinstance(params, SamplingParams):
+                raise ProtocolError(f"sampling[{k}][1]", "must be a SamplingParams")
+            lanes.append(lane)
+        if tuple(lanes) != prefill:
+            raise ProtocolError(
+                "sampling", f"must name exactly the prefill lanes {list(prefill)}, got {lanes}"
+            )
+        set_field(self, "sampling", tuple((lane, params) for lane, params in sampling))
+
+    def _check_roles(self, prefill: tuple[int, ...]) -> None:
+        row = check_int("prompt_row", self.prompt_row, -1, len(self.slot) - 1)
+        if row >= 0 and self.phase[row] != PHASE_PREFILL:
+            raise ProtocolError("prompt_row", f"lane {row} is not a prefill lane")
+        kind = self.program.kind
+        if kind is GraphKind.MIXED:
+            if len(prefill) > 1:
+                lanes = list(prefill)
+                raise ProtocolError("phase", f"a mixed frame has one prefill lane at most: {lanes}")
+            named = prefill[0] if prefill else -1
+            if row != named:
+                reason = f"must name the prefill lane ({named}), got {row}"
+                raise ProtocolError("prompt_row", reason)
+        elif row != -1:
+            raise ProtocolError("prompt_row", f"only mixed programs have one, not {kind.value}")
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def num_lanes(self) -> int:
+        """R, the number of lanes."""
+        return len(self.slot)
+
+    def prompt_offsets(self) -> array:
+        """Where each lane's chunk lies in ``prompt_tokens``: ``[out[i], out[i + 1])``.
+
+        Decode lanes have empty runs.
+        """
+        return offsets(q if p else 0 for q, p in zip(self.query_len, self.phase))
+
+    def page_offsets(self) -> array:
+        """Where each lane's appended pages lie in ``pages``: ``[out[i], out[i + 1])``."""
+        return offsets(self.page_count)
+
+    @property
+    def lanes(self) -> tuple[FrameLane, ...]:
+        """Every lane as a :class:`FrameLane` (tests and debugging; builds objects)."""
+        tokens, pages = self.prompt_offsets(), self.page_offsets()
+        settings = dict(self.sampling)
+        return tuple(
+            FrameLane(
+                self.slot[i],
+                self.generation[i],
+                PHASE_NAMES[self.phase[i]],
+                self.prompt_start[i],
+                tuple(self.prompt_tokens[tokens[i] : tokens[i + 1]]),
+                self.position[i],
+                tuple(self.pages[pages[i] : pages[i + 1]]),
+                self.commits[i],
+                settings.get(i),
+            )
+            for i in range(self.num_lanes)
+        )
+
+    @classmethod
+    def from_lanes(
+        cls,
+        fence: int,
+        program: GraphDescriptor,
+        lanes: Sequence[FrameLane],
+        prompt_row: int = -1,
+        release_slots: Sequence[int] = (),
+        expected_ns: int = 0,
+    ) -> Frame:
+        """The frame of per-lane views (tests and scripts)."""
+        lanes = check_seq("lanes", lanes, MAX_SEQUENCE)
+        for i, lane in enumerate(lanes):
+            if not isinstance(lane, FrameLane):
+                raise ProtocolError(f"lanes[{i}]", "must be a FrameLane")
+        prefill = [i for i, lane in enumerate(lanes) if lane.phase == "prefill"]
+        return cls(
+            fence,
+            program,
+            slot=column(lane.slot for lane in lanes),
+            generation=column(lane.generation for lane in lanes),
+            phase=column(PHASE_NAMES.index(lane.phase) for lane in lanes),
+            position=column(lane.position for lane in lanes),
+            query_len=column(lane.query_len for lane in lanes),
+            commits=column(lane.commits for lane in lanes),
+            prompt_start=column(lane.prompt_start for lane in lanes),
+            prompt_tokens=column(t for i in prefill for t in lanes[i].prompt_tokens),
+            page_count=column(len(lane.pages) for lane in lanes),
+            pages=column(p for lane in lanes for p in lane.pages),
+            sampling=tuple((i, lanes[i].sampling) for i in prefill),  # type: ignore[misc]
+            prompt_row=prompt_row,
+            release_slots=tuple(release_slots),
+            expected_ns=expected_ns,
+        )
+
+    # ------------------------------------------------------------------ wire
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "fence": self.fence,
+            "program": self.program.to_wire(),
+            "slot": column_to_wire(self.slot),
+            "generation": column_to_wire(self.generation),
+            "phase": column_to_wire(self.phase),
+            "position": column_to_wire(self.position),
+            "query_len": column_to_wire(self.query_len),
+            "commits": column_to_wire(self.commits),
+            "prompt_start": column_to_wire(self.prompt_start),
+            "prompt_tokens": column_to_wire(self.prompt_tokens),
+            "page_count": column_to_wire(self.page_count),
+            "pages": column_to_wire(self.pages),
+            "sampling": [[lane, params.to_wire()] for lane, params in self.sampling],
+            "prompt_row": self.prompt_row,
+            "release_slots": list(self.release_slots),
+            "expected_ns": self.expected_ns,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Frame:
+        fields = dict(check_fields(cls, data))
+        fields["program"] = _program(fields["program"])
+        for name in FRAME_COLUMNS:
+            fields[name] = column_from_wire(name, fields[name])
+        sampling = check_seq("sampling", fields["sampling"], MAX_SLOTS)
+        if sampling:
+            pairs = []
+            for k, entry in enumerate(sampling):
+                if not isinstance(entry, list) or len(entry) != 2:
+                    raise ProtocolError(
+                        f"sampling[{k}]", "must be a (lane index, SamplingParams) pair"
+                    )
+                params = parse_nested(f"sampling[{k}]", SamplingParams.from_wire, entry[1])
+                pairs.append((entry[0], params))
+            sampling = tuple(pairs)
+        fields["sampling"] = sampling
+        return cls(**fields)
+
+
+__all__ = [
+    "FRAME_COLUMNS",
+    "LANE_COLUMNS",
+    "MAX_SLOTS",
+    "PHASE_DECODE",
+    "PHASE_NAMES",
+    "PHASE_PREFILL",
+    "Frame",
+    "FrameLane",
+]
