@@ -84,13 +84,18 @@ class SlotTable:
         self.max_pages = max_pages
         self.num_pages = num_pages
         self.max_context = max_context
-        self.generation = np.zeros(num_slots, np.int64)  # 0: empty
-        self.next_position = np.zeros(num_slots, np.int64)
-        self.step = np.zeros(num_slots, np.int64)
-        self.pending = np.zeros(num_slots, bool)
-        self.page_count = np.zeros(num_slots, np.int64)
-        self.full = np.zeros(num_slots, bool)  # settings need the full sampler
-        self.logprobs = np.full(num_slots, -1, np.int64)
+        # One row per slot, so a frame gathers its lanes' state in one index:
+        # generation (0: empty), next position, pending (0/1), pages held,
+        # full sampler (0/1), log probabilities (-1: none), sampling step.
+        self._state = np.zeros((num_slots, 7), np.int64)
+        self.generation = self._state[:, 0]
+        self.next_position = self._state[:, 1]
+        self.pending = self._state[:, 2]
+        self.page_count = self._state[:, 3]
+        self.full = self._state[:, 4]
+        self.logprobs = self._state[:, 5]
+        self.logprobs[:] = -1
+        self.step = self._state[:, 6]
         self.settings: list[SamplingParams | None] = [None] * num_slots
 
     def holds(self, slot: int) -> bool:
@@ -101,32 +106,27 @@ class SlotTable:
 
         Raises :class:`FrameError` naming the first offending lane.
         """
-        slot = column(frame.slot)
-        if slot.size and (slot.min() < 0 or slot.max() >= self.num_slots):
-            raise FrameError(f"fence {frame.fence}: a slot outside [0, {self.num_slots})")
+        slot = column(frame.slot)  # distinct, inside [0, MAX_SLOTS) by schema
         generation = column(frame.generation)
-        prefill = column(frame.phase) == 1
         position = column(frame.position)
         query_len = column(frame.query_len)
-        prompt_start = column(frame.prompt_start)
-        released = np.zeros(self.num_slots, bool)
-        released[list(frame.release_slots)] = True
-        known = (self.generation[slot] == generation) & ~released[slot]
-        expected = self.next_position[slot]
+        page_count = column(frame.page_count)
+        state = self._state[slot]  # (R, 7)
+        known = state[:, 0] == generation
+        prefill = column(frame.phase) == 1
         # A known slot continues where it stopped; a new generation starts at 0
         # with a prefill lane; a decode lane needs a pending token.
-        bad_position = known & (position != expected)
-        bad_start = ~known & (~prefill | (position != 0) | (prompt_start != 0))
-        no_pending = known & ~prefill & ~self.pending[slot]
-        bad = bad_position | bad_start | no_pending
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise FrameError(self._lane_error(frame, i, known, prefill, bad_position, no_pending))
-        page_count = column(frame.page_count)
-        pages = column(frame.pages)
-        base = np.where(known, self.page_count[slot], 0)
+        ok = known & (position == state[:, 1]) & ((state[:, 2] > 0) | prefill)
+        if not ok.all():
+            prompt_start = column(frame.prompt_start)
+            ok |= ~known & prefill & (position == 0) & (prompt_start == 0)
+            if not ok.all():
+                i = int(np.argmax(~ok))
+                raise FrameError(self._lane_error(frame, i, bool(known[i]), bool(prefill[i])))
+        base = np.where(known, state[:, 3], 0)
         held = base + page_count
         context = position + query_len
+        pages = column(frame.pages)
         if pages.size and pages.max() >= self.num_pages:
             raise FrameError(
                 f"fence {frame.fence}: page {int(pages.max())} is outside the "
@@ -142,6 +142,8 @@ class SlotTable:
                 f"{self.page_size} (at most {self.max_pages}), the context at most "
                 f"{self.max_context}"
             )
+        full = bool((state[:, 4] & known).any())
+        logprobs = int(np.where(known, state[:, 5], -1).max(initial=-1))
         sampling = dict(frame.sampling)
         full = bool(self.full[slot[known]].any())
         logprobs = int(self.logprobs[slot[known]].max(initial=-1))
@@ -153,7 +155,7 @@ class SlotTable:
                     f"outside the vocabulary [0, {vocab})"
                 )
             if not known[i]:  # a new generation brings its settings
-                full |= needs_full(params)
+                full = full or needs_full(params)
                 logprobs = max(logprobs, params.logprobs)
         return CheckedFrame(
             frame=frame,
@@ -164,7 +166,7 @@ class SlotTable:
             query_len=query_len,
             commits=column(frame.commits),
             starts=~known,
-            step=np.where(known, self.step[slot], 0),
+            step=np.where(known, state[:, 6], 0),
             page_base=base,
             page_count=page_count,
             pages=pages,
@@ -174,19 +176,19 @@ class SlotTable:
             logprobs=logprobs,
         )
 
-    def _lane_error(self, frame, i, known, prefill, bad_position, no_pending) -> str:
+    def _lane_error(self, frame: Frame, i: int, known: bool, prefill: bool) -> str:
         slot, gen = int(column(frame.slot)[i]), int(column(frame.generation)[i])
         head = f"fence {frame.fence}: lane {i}"
         position = int(column(frame.position)[i])
-        if bad_position[i]:
-            phase = "prefill" if prefill[i] else "decode"
+        if known and position != self.next_position[slot]:
+            phase = "prefill" if prefill else "decode"
             return (
                 f"{head}: {phase} at position {position}, slot {slot} is at "
                 f"{int(self.next_position[slot])}"
             )
-        if no_pending[i]:
+        if known:
             return f"{head}: slot {slot} has no pending token"
-        if not prefill[i]:
+        if not prefill:
             return (
                 f"{head}: decode for slot {slot} generation {gen}, which has no state on this rank"
             )
@@ -204,12 +206,12 @@ class SlotTable:
         self.page_count[slot] = checked.page_base + checked.page_count
         commits = checked.commits > 0
         self.step[slot] = checked.step + checked.commits
-        self.pending[slot] = np.where(checked.starts, False, self.pending[slot]) | commits
+        self.pending[slot] = np.where(checked.starts, 0, self.pending[slot]) | commits
         for i, params in checked.sampling.items():
             if checked.starts[i]:
                 s = int(slot[i])
                 self.settings[s] = params
-                self.full[s] = needs_full(params)
+                self.full[s] = int(needs_full(params))
                 self.logprobs[s] = params.logprobs
 
     def release(self, slot: int) -> None:

@@ -94,8 +94,8 @@ class Watchdog:
                     fence=fence, rank=self.rank, world_size=self.world_size, device_ns=0,
                     error=reason,
                 )  # fmt: skip
-                sock.send(encode(error))
                 self.fired = reason
+                sock.send(encode(error))
                 if self.exit_process:
                     sock.close(linger=2000)
                     os._exit(HANG_EXIT_CODE)

@@ -74,9 +74,8 @@ class RankHang(RuntimeError):
 
 
 def _ints(values: np.ndarray) -> array:
-    out = array("q")
-    out.frombytes(np.ascontiguousarray(values, dtype="<i8").tobytes())
-    return out
+    """A numpy column as the wire's ``array('q')``."""
+    return array("q", values.astype(np.int64, copy=False).tobytes())
 
 
 class RankWorker:
@@ -109,7 +108,8 @@ class RankWorker:
         config = model.config
         self.max_context = min(config.max_position_embeddings, max_model_len or 1 << 62)
         self.vocab = config.vocab_size
-        self.eos = np.array(sorted(set(config.eos_token_ids)), dtype=np.int64)
+        self.is_eos = np.zeros(config.vocab_size, bool)  # token -> EOS, one lookup per frame
+        self.is_eos[list(config.eos_token_ids)] = True
         self.catalog: list[GraphDescriptor] = build_catalog(capacity, self.max_context)
         model.allocate_kv_cache(num_pages, page_size)
         self.device = model.model.embed_tokens.weight.device
@@ -137,8 +137,9 @@ class RankWorker:
         # FLARE_DEBUG_DELAY_NS_RANK<r>: this rank sleeps that long in every frame
         # and reports it as device time (a slow-rank drill).
         self.debug_delay_ns = int(os.environ.get(f"FLARE_DEBUG_DELAY_NS_RANK{rank}", "0"))
-        # FLARE_DEBUG_HANG_FENCE_RANK<r>: this rank's program hangs at that fence
-        # (a hang drill: CPU sleeps in the call, CUDA spins on the device).
+        # FLARE_DEBUG_HANG_FENCE_RANK<r>: this rank's program hangs in the first
+        # frame it runs whose fence is at least that (a hang drill: CPU sleeps in
+        # the call, CUDA spins on the device).
         self.debug_hang_fence = int(os.environ.get(f"FLARE_DEBUG_HANG_FENCE_RANK{rank}", "-1"))
 
     def report(self) -> CatalogReport:
@@ -185,7 +186,8 @@ class RankWorker:
         host = self._host[self._next_host]
         self._next_host ^= 1
         variant = variant_of(checked)
-        if self.debug_hang_fence == frame.fence:
+        if 0 <= self.debug_hang_fence <= frame.fence:
+            self.debug_hang_fence = -1
             self._hang()
         launch = program.launch(checked, tensor, used, width, host, variant)
         self.slots.apply(checked)
@@ -234,7 +236,7 @@ class RankWorker:
                 "generation": _ints(checked.generation),
                 "token_count": _ints(commits),
                 "tokens": _ints(tokens[committed]),
-                "finished": _ints(committed & np.isin(tokens, self.eos)),
+                "finished": _ints(committed & self.is_eos[tokens]),
             }
             if checked.logprobs >= 0:
                 k = min(checked.logprobs, self.outputs.max_logprobs)
