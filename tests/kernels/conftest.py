@@ -13,7 +13,10 @@ import pytest
 _previous = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 try:
-    import kernels.triton.paged_decode_attention  # noqa: F401  (decorated interpreted)
+    # Imported for the side effect: their kernels are decorated interpreted.
+    import kernels.triton.kv_write
+    import kernels.triton.paged_decode_attention
+    import kernels.triton.paged_prefill_attention  # noqa: F401
 finally:
     if _previous is None:
         del os.environ["TRITON_INTERPRET"]

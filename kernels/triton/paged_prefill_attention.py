@@ -1,0 +1,365 @@
+"""Paged varlen causal attention for prefill and mixed steps over a packed batch.
+
+q (N, H, d) holds the new tokens of L lanes packed flat: lane i's tokens are rows
+``query_start[i] .. query_start[i] + query_lens[i]``. K and V pages per layer are
+(num_pages, page_size, kv_heads, head_dim), as in runtime/ranks/model/kv_cache.py,
+and already hold this step's K/V. Lane i's context after the step is
+``context_lens[i]`` keys in pages ``page_tables[i, :]`` (entries past the context
+are never read and may be -1). Its j-th new query sits at position
+``context_lens[i] - query_lens[i] + j`` and sees the keys at positions up to its
+own: the cached prefix plus the chunk, causally. Grouped-query attention: query
+head h reads KV head ``h // (H / kv_heads)``. Token rows of no lane (padding) come
+out as zeros; lanes with query_len 0 are inactive.
+
+The grid (L, kv_heads, cdiv(max_query_len, BLOCK_Q)) depends on the shapes only, so
+a call can be captured in a graph. One program takes BLOCK_Q queries of a lane
+times the GROUP query heads of one KV head (BLOCK_Q * GROUP rows sharing each K/V
+tile); it exits at once when its block starts past the lane's query_len, and its
+key loop stops at the block's last visible position, so the work follows the
+actual lengths. A mixed step (one prompt row of up to C tokens plus 1-token decode
+rows) is one call with max_query_len = C: the decode rows' later blocks exit.
+
+Not wired into the rank programs yet.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.triton.paged_decode_attention import _FLOATS, _check_index
+
+# tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
+# interpreter does not check): rows (BLOCK_Q * GROUP_P), keys and head_dim blocks.
+_MIN_DOT = 16
+_TARGET_ROWS = 64  # rows of queries x heads per program
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """a @ b (+ acc), accumulated in fp32. WIDEN multiplies fp32 copies of the
+    operands: the interpreter's bf16 dot multiplies the raw bits (set for bf16 under
+    TRITON_INTERPRET only; the GPU multiplies bf16 directly)."""
+    if WIDEN:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc=acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    pt_ptr,
+    qs_ptr,
+    ql_ptr,
+    ctx_ptr,
+    scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ptl,
+    stride_ptp,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16)
+    lane = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2)
+
+    q_len = tl.load(ql_ptr + lane).to(tl.int32)
+    q_begin = q_block * BLOCK_Q
+    if q_begin >= q_len:  # past the lane's chunk (or an inactive lane): no work
+        return
+    q_start = tl.load(qs_ptr + lane).to(tl.int64)
+    ctx = tl.load(ctx_ptr + lane).to(tl.int32)
+    prefix = ctx - q_len  # position of the lane's first new token
+
+    # Row r of the block: query q_begin + r // GROUP_P, head kv_head * GROUP + r % GROUP_P.
+    r = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    qi = q_begin + r // GROUP_P  # (BLOCK_M,) index of the query in the lane's chunk
+    hi = r % GROUP_P  # (BLOCK_M,) head within the group
+    row_ok = (qi < q_len) & (hi < GROUP)  # (BLOCK_M,)
+    head = kv_head * GROUP + hi  # (BLOCK_M,)
+    q_pos = prefix + qi  # (BLOCK_M,)
+    token = q_start + qi  # (BLOCK_M,) int64
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    d_ok = d < HEAD_DIM
+    q_off = token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :]
+    q_mask = row_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+
+    # Keys up to the block's last valid query; pad rows (row_ok false) are computed
+    # over the same keys and dropped at the store.
+    kv_end = prefix + tl.minimum(q_len, q_begin + BLOCK_Q)
+    n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(0, kv_end, BLOCK_N):
+        key_pos = start + n  # (BLOCK_N,)
+        key_ok = key_pos < kv_end
+        col = key_pos // PAGE_SIZE
+        page = tl.load(pt_ptr + lane * stride_ptl + col * stride_ptp, mask=key_ok, other=0)
+        page = page.to(tl.int64)  # (BLOCK_N,)
+        slot = key_pos % PAGE_SIZE  # (BLOCK_N,)
+        kv_mask = key_ok[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
+        k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + k_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION, WIDEN) * scale_log2  # (BLOCK_M, BLOCK_N)
+        visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
+        # Finite once key 0 was seen; the guard only keeps a row with no key at 0.
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,)
+        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N) zero on hidden keys
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+        v = tl.load(v_ptr + v_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN)
+        m_i = m_new
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D)
+    o_off = token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_tables: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    context_lens: Tensor,
+    max_query_len: int,
+) -> None:
+    """Raise ValueError naming the first bad argument."""
+    if q.dim() != 3:
+        raise ValueError(f"q: expected (N, H, d), got shape {tuple(q.shape)}")
+    if q.dtype not in _FLOATS:
+        raise ValueError(f"q: dtype {q.dtype} is not one of fp32/fp16/bf16")
+    if q.stride(-1) != 1:
+        raise ValueError(f"q: head_dim must be contiguous (stride {q.stride(-1)})")
+    _, heads, head_dim = q.shape
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name}: expected (num_pages, page_size, kv_heads, head_dim), "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, q on {q.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: head_dim must be contiguous (stride {t.stride(-1)})")
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(
+            f"v_pages: shape {tuple(v_pages.shape)} differs from k_pages' {tuple(k_pages.shape)}"
+        )
+    _, page_size, kv_heads, k_dim = k_pages.shape
+    if k_dim != head_dim:
+        raise ValueError(f"k_pages: head_dim {k_dim} differs from q's {head_dim}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(f"k_pages: kv_heads {kv_heads} does not divide q's {heads} heads")
+    if page_size <= 0:
+        raise ValueError(f"k_pages: page_size {page_size} must be positive")
+    if page_tables.dim() != 2:
+        raise ValueError(f"page_tables: expected (L, P), got shape {tuple(page_tables.shape)}")
+    _check_index("page_tables", page_tables, q.device)
+    lanes = page_tables.shape[0]
+    for name, t in (
+        ("query_start", query_start),
+        ("query_lens", query_lens),
+        ("context_lens", context_lens),
+    ):
+        if t.shape != (lanes,):
+            raise ValueError(f"{name}: expected ({lanes},), got shape {tuple(t.shape)}")
+        _check_index(name, t, q.device)
+    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0:
+        raise ValueError(f"max_query_len: expected an int >= 0, got {max_query_len!r}")
+    if q.device.type != "cuda" and not _interpreted():
+        raise ValueError(f"q: on {q.device}; the kernel needs CUDA (or TRITON_INTERPRET=1)")
+
+
+def _interpreted() -> bool:
+    """Whether the kernel was decorated under TRITON_INTERPRET=1 (runs on CPU)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_paged_prefill_kernel, InterpretedFunction)
+
+
+def default_prefill_blocks(
+    group: int, max_query_len: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_N) for a GQA group size, Q, head_dim and dtype.
+
+    A program holds BLOCK_Q * next_pow2(group) rows: about 64 (32 for fp32 past
+    head_dim 128), at least 16 (the smallest tl.dot), no more queries than Q needs.
+    Keys per tile: 64 for half dtypes (32 past head_dim 128); fp32, whose ieee dot
+    runs on FMA units, 32 (16 past head_dim 128). Chosen so that sm_90 builds of
+    these shapes compile without register spills.
+    """
+    group_p = triton.next_power_of_2(max(1, group))
+    wide = head_dim > 128
+    fp32 = dtype == torch.float32
+    target_rows = _TARGET_ROWS // 2 if fp32 and wide else _TARGET_ROWS
+    block_q = min(triton.next_power_of_2(max(1, max_query_len)), max(1, target_rows // group_p))
+    block_q = max(block_q, -(-_MIN_DOT // group_p))
+    block_n = (16 if wide else 32) if fp32 else (32 if wide else 64)
+    return block_q, block_n
+
+
+def paged_prefill_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_tables: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+    *,
+    block_q: int | None = None,
+    block_n: int | None = None,
+) -> Tensor:
+    """Causal attention of the packed new tokens q (N, H, d) over each lane's pages.
+
+    k_pages, v_pages (num_pages, page_size, kv_heads, d); page_tables (L, P);
+    query_start, query_lens, context_lens (L,) on the device; max_query_len (Q) a
+    static bound on query_lens (queries past it are not computed). Returns (N, H, d)
+    in q's dtype, zeros on rows of no lane. The grid (L, kv_heads, cdiv(Q, BLOCK_Q))
+    depends on the shapes only; block_q and block_n default to
+    :func:`default_prefill_blocks` (powers of two, block_n >= 16 and
+    block_q * next_pow2(H / kv_heads) >= 16).
+    """
+    _check(q, k_pages, v_pages, page_tables, query_start, query_lens, context_lens, max_query_len)
+    _, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    lanes = page_tables.shape[0]
+    group = heads // kv_heads
+    group_p = triton.next_power_of_2(group)
+    default_q, default_n = default_prefill_blocks(group, max_query_len, head_dim, q.dtype)
+    block_q = default_q if block_q is None else block_q
+    block_n = default_n if block_n is None else block_n
+    for name, value, least in (("block_q", block_q, 1), ("block_n", block_n, _MIN_DOT)):
+        if not isinstance(value, int) or value < least or value & (value - 1):
+            raise ValueError(f"{name}: expected a power of two >= {least}, got {value!r}")
+    if block_q * group_p < _MIN_DOT:
+        raise ValueError(f"block_q: {block_q} x group {group_p} is under {_MIN_DOT} rows")
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # (N, H, d) rows of no lane stay 0
+    if out.numel() == 0 or lanes == 0 or page_tables.shape[1] == 0 or max_query_len == 0:
+        return out
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    rows = block_q * group_p
+    grid = (lanes, kv_heads, triton.cdiv(max_query_len, block_q))
+    _paged_prefill_kernel[grid](
+        q,
+        k_pages,
+        v_pages,
+        out,
+        page_tables,
+        query_start,
+        query_lens,
+        context_lens,
+        float(scale) * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        v_pages.stride(0),
+        v_pages.stride(1),
+        v_pages.stride(2),
+        page_tables.stride(0),
+        page_tables.stride(1),
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WIDEN=q.dtype == torch.bfloat16 and _interpreted(),
+        num_warps=8 if q.dtype == torch.float32 or rows * block_d > 64 * 128 else 4,
+    )
+    return out
+
+
+def paged_prefill_attention_reference(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_tables: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+) -> Tensor:
+    """Torch reference of :func:`paged_prefill_attention`; fp32 math, q's dtype out.
+
+    Its work follows the actual lengths: each active lane gathers only the pages its
+    context uses and runs one SDPA of its chunk over them, the GQA group's query heads
+    stacked as rows against their one KV head (no repeated K/V). Lanes' query_len
+    must not exceed their context_len. max_query_len is unused (the signature is the
+    kernel's). One host read of the three length vectors (a reference, not a graph
+    body).
+    """
+    del max_query_len
+    num_tokens, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    group = heads // kv_heads
+    out = torch.zeros(num_tokens, heads, head_dim, dtype=torch.float32, device=q.device)
+    lanes = zip(query_start.tolist(), query_lens.tolist(), context_lens.tolist())
+    for lane, (start, q_len, ctx) in enumerate(lanes):
+        if q_len <= 0:
+            continue
+        pages = page_tables[lane, : -(-ctx // page_size)].long()  # (n_pages,)
+        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
+        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
+        lane_q = q[start : start + q_len].float().view(q_len, kv_heads, group, head_dim)
+        lane_q = lane_q.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)
+        key_pos = torch.arange(ctx, device=q.device)  # (ctx,)
+        query_pos = torch.arange(ctx - q_len, ctx, device=q.device)  # (q_len,)
+        visible = (key_pos <= query_pos.unsqueeze(1)).repeat(group, 1)  # (G*q_len, ctx)
+        lane_out = F.scaled_dot_product_attention(
+            lane_q,  # (KV, G*q_len, d)
+            k.transpose(0, 1).float(),  # (KV, ctx, d)
+            v.transpose(0, 1).float(),  # (KV, ctx, d)
+            attn_mask=visible,
+            scale=scale,
+        )  # (KV, G*q_len, d)
+        lane_out = lane_out.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[start : start + q_len] = lane_out.reshape(q_len, heads, head_dim)
+    return out.to(q.dtype)
