@@ -14,7 +14,8 @@ once when its chunk starts past the lane's last page, so the work follows the ac
 lengths. Programs write partial (max, sum, acc) in fp32; a few torch ops then merge
 the splits by log-sum-exp.
 
-Not wired into the rank programs yet (issue 10).
+The torch reference (:func:`~kernels.reference.paged_decode_attention_reference`,
+re-exported here) is the CPU path of the rank programs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from kernels.reference import paged_decode_attention_reference
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
@@ -254,31 +257,9 @@ def merge_splits(m: Tensor, l_sum: Tensor, acc: Tensor) -> Tensor:
     return torch.where(den > 0, num / den.clamp_min(1e-30), torch.zeros_like(num))
 
 
-def paged_decode_attention_reference(
-    q: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    page_tables: Tensor,
-    context_lens: Tensor,
-    scale: float,
-) -> Tensor:
-    """Torch reference of :func:`paged_decode_attention`; fp32 math, q's dtype out.
-
-    Its work follows the actual lengths: each lane gathers only the pages its
-    context uses. One host read of context_lens (a reference, not a graph body).
-    """
-    _, page_size, kv_heads, head_dim = k_pages.shape
-    lanes, heads, _ = q.shape
-    group = heads // kv_heads
-    out = torch.zeros(lanes, heads, head_dim, dtype=torch.float32, device=q.device)
-    for lane, n in enumerate(context_lens.tolist()):
-        if n <= 0:
-            continue
-        pages = page_tables[lane, : -(-n // page_size)].long()  # (n_pages,)
-        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:n].float()  # (n, KV, d)
-        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:n].float()  # (n, KV, d)
-        lane_q = q[lane].float().view(kv_heads, group, head_dim)  # (KV, G, d)
-        scores = torch.einsum("kgd,nkd->kgn", lane_q, k) * scale  # (KV, G, n)
-        probs = scores.softmax(dim=-1)
-        out[lane] = torch.einsum("kgn,nkd->kgd", probs, v).reshape(heads, head_dim)
-    return out.to(q.dtype)
+__all__ = [
+    "default_num_splits",
+    "merge_splits",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+]

@@ -19,7 +19,8 @@ key loop stops at the block's last visible position, so the work follows the
 actual lengths. A mixed step (one prompt row of up to C tokens plus 1-token decode
 rows) is one call with max_query_len = C: the decode rows' later blocks exit.
 
-Not wired into the rank programs yet.
+The torch reference (:func:`~kernels.reference.paged_prefill_attention_reference`,
+re-exported here) is the CPU path of the rank programs.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 from torch import Tensor
 
+from kernels.reference import paged_prefill_attention_reference
 from kernels.triton.paged_decode_attention import _FLOATS, _check_index
 
 # tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
@@ -316,50 +317,4 @@ def paged_prefill_attention(
     return out
 
 
-def paged_prefill_attention_reference(
-    q: Tensor,
-    k_pages: Tensor,
-    v_pages: Tensor,
-    page_tables: Tensor,
-    query_start: Tensor,
-    query_lens: Tensor,
-    context_lens: Tensor,
-    scale: float,
-    max_query_len: int,
-) -> Tensor:
-    """Torch reference of :func:`paged_prefill_attention`; fp32 math, q's dtype out.
-
-    Its work follows the actual lengths: each active lane gathers only the pages its
-    context uses and runs one SDPA of its chunk over them, the GQA group's query heads
-    stacked as rows against their one KV head (no repeated K/V). Lanes' query_len
-    must not exceed their context_len. max_query_len is unused (the signature is the
-    kernel's). One host read of the three length vectors (a reference, not a graph
-    body).
-    """
-    del max_query_len
-    num_tokens, heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_pages.shape
-    group = heads // kv_heads
-    out = torch.zeros(num_tokens, heads, head_dim, dtype=torch.float32, device=q.device)
-    lanes = zip(query_start.tolist(), query_lens.tolist(), context_lens.tolist())
-    for lane, (start, q_len, ctx) in enumerate(lanes):
-        if q_len <= 0:
-            continue
-        pages = page_tables[lane, : -(-ctx // page_size)].long()  # (n_pages,)
-        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
-        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
-        lane_q = q[start : start + q_len].float().view(q_len, kv_heads, group, head_dim)
-        lane_q = lane_q.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)
-        key_pos = torch.arange(ctx, device=q.device)  # (ctx,)
-        query_pos = torch.arange(ctx - q_len, ctx, device=q.device)  # (q_len,)
-        visible = (key_pos <= query_pos.unsqueeze(1)).repeat(group, 1)  # (G*q_len, ctx)
-        lane_out = F.scaled_dot_product_attention(
-            lane_q,  # (KV, G*q_len, d)
-            k.transpose(0, 1).float(),  # (KV, ctx, d)
-            v.transpose(0, 1).float(),  # (KV, ctx, d)
-            attn_mask=visible,
-            scale=scale,
-        )  # (KV, G*q_len, d)
-        lane_out = lane_out.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
-        out[start : start + q_len] = lane_out.reshape(q_len, heads, head_dim)
-    return out.to(q.dtype)
+__all__ = ["default_prefill_blocks", "paged_prefill_attention", "paged_prefill_attention_reference"]

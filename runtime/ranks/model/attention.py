@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
 from runtime.ranks.model.kv_cache import PagedKVCache
 
 __all__ = [
@@ -327,14 +328,40 @@ class PagedAttention(nn.Module):
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
     ) -> Tensor:
-        """q (N, H, d), k and v (N, KV, d) for the new tokens -> (N, H, d)."""
+        """q (N, H, d), k and v (N, KV, d) for the new tokens -> (N, H, d).
+
+        CUDA: the Triton kernels (kernels/triton/): the KV write, then decode
+        attention (flash-decoding) when every lane has one token at its own
+        row, else varlen prefill attention (prefill and mixed steps).  CPU:
+        their torch references (kernels/reference.py), whose work follows
+        each lane's actual context.  ``positions`` are implied by the lengths.
+        """
+        del positions
         kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
-        attend = mixed_paged_attention if metadata.mixed else paged_attention_reference
-        return attend(
+        k_pages = kv_cache.key(self.layer_index)
+        v_pages = kv_cache.value(self.layer_index)
+        decode = not metadata.mixed and metadata.max_query_len == 1
+        decode = decode and q.shape[0] == metadata.num_lanes  # token i is lane i
+        if q.is_cuda:
+            from kernels.triton.paged_decode_attention import paged_decode_attention
+            from kernels.triton.paged_prefill_attention import paged_prefill_attention
+
+            decode_attention, prefill_attention = paged_decode_attention, paged_prefill_attention
+        else:
+            decode_attention = paged_decode_attention_reference
+            prefill_attention = paged_prefill_attention_reference
+        if decode:
+            return decode_attention(
+                q, k_pages, v_pages, metadata.page_tables, metadata.context_lens, self.scale
+            )
+        return prefill_attention(
             q,
-            kv_cache.key(self.layer_index),
-            kv_cache.value(self.layer_index),
-            positions,
-            metadata,
+            k_pages,
+            v_pages,
+            metadata.page_tables,
+            metadata.query_start,
+            metadata.query_lens,
+            metadata.context_lens,
             self.scale,
+            metadata.max_query_len,
         )

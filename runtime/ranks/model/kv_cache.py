@@ -72,8 +72,17 @@ class PagedKVCache:
         return flat.view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
 
     def write(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-        """Store k, v (N, kv_heads, d) at slot_mapping (N,); -1 writes nothing."""
-        write_kv(self._storage[layer, 0], self._storage[layer, 1], k, v, slot_mapping)
+        """Store k, v (N, kv_heads, d) at slot_mapping (N,); -1 writes nothing.
+
+        CUDA: the Triton kernel (kernels/triton/kv_write.py); CPU: :func:`write_kv`.
+        """
+        k_slots, v_slots = self._storage[layer, 0], self._storage[layer, 1]
+        if k_slots.is_cuda:
+            from kernels.triton.kv_write import kv_write
+
+            kv_write(k_slots, v_slots, k, v, slot_mapping)
+        else:
+            write_kv(k_slots, v_slots, k, v, slot_mapping)
 
     def zero_(self) -> None:
         self._storage.zero_()
