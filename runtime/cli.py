@@ -33,9 +33,11 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT
+from runtime.cli_memory import add_kv_flags, kv_pool
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
+from runtime.ranks.memory import KVCacheSizeError, KVPool
 from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import SamplingParams
 
@@ -204,12 +206,7 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         default=1024,
         help="the most choices (prompts x n) one HTTP request may ask for",
     )
-    run.add_argument(
-        "--num-pages", metavar="N", type=_positive, default=1024, help="KV cache pages per rank"
-    )
-    run.add_argument(
-        "--page-size", metavar="N", type=_positive, default=16, help="tokens per KV page"
-    )
+    add_kv_flags(run, _positive)
     run.add_argument(
         "--max-model-len",
         metavar="N",
@@ -269,6 +266,21 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         default=os.environ.get("FLARE_API_KEY"),
         help="require this bearer key on every route but /health (default: "
         "$FLARE_API_KEY, else none)",
+    )
+    run.add_argument(
+        "--frame-timeout-multiple",
+        metavar="X",
+        type=_number(0.0, strict=True),
+        default=20.0,
+        help="a rank reports a hung frame after X times its expected duration "
+        "+ --frame-timeout-margin",
+    )
+    run.add_argument(
+        "--frame-timeout-margin",
+        metavar="SECONDS",
+        type=_number(0.0, strict=True),
+        default=60.0,
+        help="seconds added to every frame's hang deadline",
     )
     run.add_argument(
         "--startup-timeout",
@@ -449,31 +461,6 @@ def _check_chat_template(path: str | None, parser: argparse.ArgumentParser) -> s
     return os.path.abspath(path)
 
 
-def _check_pages(args: argparse.Namespace, parser: argparse.ArgumentParser, context: int) -> None:
-    """The KV pool must hold one request.
-
-    With ``--max-model-len`` it must hold one request of that many tokens (as
-    vLLM requires); without it, a pool smaller than the model's context bounds
-    each request's prompt + max_tokens instead (a 400 naming ``max_tokens``),
-    and it must hold at least the shortest context flare serves.
-    """
-    page, pages = args.page_size, args.num_pages
-    pool = page * pages
-    held = f"the KV pool ({pages} page{'s' if pages != 1 else ''} of {page} tokens = {pool} tokens)"
-    if args.max_model_len is not None and pool < context:
-        parser.error(
-            f"--num-pages {pages}: {held} cannot hold one request of --max-model-len "
-            f"{context} tokens, which needs {-(-context // page)} pages; raise --num-pages "
-            "or lower --max-model-len"
-        )
-    if pool < MIN_CONTEXT:
-        parser.error(
-            f"--num-pages {pages}: {held} cannot hold one request: flare needs at least "
-            f"{MIN_CONTEXT} tokens ({-(-MIN_CONTEXT // page)} pages), and one request of the "
-            f"model's context of {context} tokens needs {-(-context // page)} pages"
-        )
-
-
 def checked_run(
     args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str] | None = None
 ) -> tuple[DeploymentConfig, ModelConfig]:
@@ -525,7 +512,6 @@ def checked_run(
             f"{named}: max_position_embeddings {limit} is below {MIN_CONTEXT}, the shortest "
             "context flare serves"
         )
-    _check_pages(args, parser, context)
     try:
         config = DeploymentConfig(
             model=model_dir,
@@ -534,6 +520,8 @@ def checked_run(
             max_prefill_tokens=args.max_prefill_tokens,
             page_size=args.page_size,
             num_pages=args.num_pages,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len,
             device=args.device,
             dtype=args.dtype,
@@ -541,10 +529,18 @@ def checked_run(
             cuda_graphs=not args.enforce_eager,
             mixed_prefill=bool(args.mixed_prefill),
             startup_timeout_s=args.startup_timeout,
+            frame_timeout_multiple=args.frame_timeout_multiple,
+            frame_timeout_margin_s=args.frame_timeout_margin,
         )
     except ValueError as exc:
         parser.error(str(exc))
         raise  # unreachable
+    pool = kv_pool(config, model)
+    try:
+        if pool is not None:  # else the ranks check theirs at start-up
+            pool.check(context, args.max_model_len)
+    except KVCacheSizeError as exc:
+        parser.error(str(exc))
     return config, model
 
 
@@ -582,10 +578,11 @@ def _check_prompt(
     args: argparse.Namespace,
     parser: argparse.ArgumentParser,
     config: DeploymentConfig,
+    pool: KVPool | None,
     context: int,
     ids: list[int],
 ) -> None:
-    """``--prompt`` + ``--max-tokens`` must fit the context and the KV pool."""
+    """``--prompt`` + ``--max-tokens`` must fit the context and the KV pool (when known)."""
     if not ids:
         parser.error("--prompt encodes to no tokens")
     total = len(ids) + args.max_tokens
@@ -593,10 +590,10 @@ def _check_prompt(
     if total > context:
         parser.error(f"--max-tokens {args.max_tokens}: {request} exceed the context of {context}")
     pages = -(-total // config.page_size)
-    if pages > config.num_pages:
+    if pool is not None and pages > pool.num_pages:
         parser.error(
-            f"--num-pages {config.num_pages}: {request} need {pages} KV pages of "
-            f"{config.page_size} tokens; raise --num-pages or lower --max-tokens"
+            f"{pool.origin}: {request} need {pages} KV pages of {config.page_size} tokens, "
+            f"the pool holds {pool.num_pages}; raise {pool.flag} or lower --max-tokens"
         )
 
 
@@ -665,7 +662,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
     if args.prompt is not None:
         context = min(model.max_position_embeddings, config.max_model_len or 1 << 62)
         ids = tokenizer.encode(args.prompt).ids
-        _check_prompt(args, parser, config, context, ids)
+        _check_prompt(args, parser, config, kv_pool(config, model), context, ids)
         return generate_once(args, config, sampling, tokenizer, ids)
     from runtime.frontend.serve import ServeOptions, serve
 

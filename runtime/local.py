@@ -8,6 +8,7 @@ N rank processes, as ``flare run`` and the Python API use it.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.engine import Engine, EngineConfig, EngineError
 from runtime.launch import spawn_ranks, stop_ranks
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
+from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 
 DEFAULT_SPIN_US = 200
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
@@ -42,7 +44,12 @@ class DeploymentConfig:
     max_concurrency: int = DEFAULT_MAX_CONCURRENCY
     max_prefill_tokens: int = 512
     page_size: int = 16
-    num_pages: int = 1024
+    # The KV pool per rank (runtime/ranks/memory.py): num_pages when given, else
+    # as many pages as kv_cache_memory_bytes hold, else on CPU 512 MiB's worth,
+    # on CUDA what gpu_memory_utilization of the device leaves (measured).
+    num_pages: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
@@ -50,6 +57,9 @@ class DeploymentConfig:
     cuda_graphs: bool = True
     mixed_prefill: bool = False  # also capture mixed prefill/decode programs
     startup_timeout_s: float = 600.0
+    # A rank reports a hung frame after multiple x its expected duration + margin.
+    frame_timeout_multiple: float = 20.0
+    frame_timeout_margin_s: float = 60.0
     poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
     external_publication: bool = False  # a frontend reports publications
 
@@ -64,6 +74,17 @@ class DeploymentConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.mixed_prefill, bool):
             raise ValueError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
+        for name in ("num_pages", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {value!r}")
+        utilization = self.gpu_memory_utilization
+        if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {utilization!r}")
+        for name in ("frame_timeout_multiple", "frame_timeout_margin_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         spin = self.poll_spin_us
         if spin is not None and (not isinstance(spin, int) or not 0 <= spin <= 100_000):
             raise ValueError(f"poll_spin_us must be None or in 0..100000, got {spin!r}")
@@ -80,10 +101,16 @@ class DeploymentConfig:
             "--max-concurrency", str(self.max_concurrency),
             "--max-prefill-tokens", str(self.max_prefill_tokens),
             "--page-size", str(self.page_size),
-            "--num-pages", str(self.num_pages),
+            "--gpu-memory-utilization", str(self.gpu_memory_utilization),
             "--device", self.device,
             "--poll-spin-us", str(self.spin_us),
+            "--frame-timeout-multiple", str(self.frame_timeout_multiple),
+            "--frame-timeout-margin", str(self.frame_timeout_margin_s),
         ]  # fmt: skip
+        if self.num_pages is not None:
+            args += ["--num-pages", str(self.num_pages)]
+        if self.kv_cache_memory_bytes is not None:
+            args += ["--kv-cache-memory", str(self.kv_cache_memory_bytes)]
         if self.model:
             args += ["--model", os.fspath(self.model)]
         if self.max_model_len is not None:

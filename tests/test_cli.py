@@ -63,6 +63,15 @@ def test_bad_config_files_fail_naming_the_key(tmp_path, capsys, toml, needle):
         (["--startup-timeout", "0"], "--startup-timeout"),
         (["--startup-timeout", "nan"], "--startup-timeout"),
         (["--max-model-len", "100000"], "--max-model-len"),
+        (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization"),
+        (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+        (["--kv-cache-memory", "0"], "--kv-cache-memory"),
+        (["--kv-cache-memory", "4XB"], "--kv-cache-memory"),
+        (["--frame-timeout-multiple", "0"], "--frame-timeout-multiple"),
+        (["--frame-timeout-margin", "-1"], "--frame-timeout-margin"),
+        (["--frame-timeout-margin", "inf"], "--frame-timeout-margin"),
     ],
 )
 def test_bad_flags_fail_fast_naming_the_flag(capsys, argv, needle):
@@ -140,6 +149,72 @@ def test_the_new_flags_reach_the_rank_command_line():
     assert "--dtype" not in config.rank_args()  # auto: the rank's own choice per device
 
 
+def test_kv_and_frame_timeout_flags_reach_the_rank_command_line(tmp_path):
+    from runtime.ranks.__main__ import parse_args
+
+    base = ["--frames-endpoint", "ipc:///x/f", "--completions-endpoint", "ipc:///x/c"]
+    _, config = configure([])
+    assert (config.num_pages, config.kv_cache_memory_bytes) == (None, None)
+    assert config.gpu_memory_utilization == 0.9
+    assert (config.frame_timeout_multiple, config.frame_timeout_margin_s) == (20.0, 60.0)
+    assert "--num-pages" not in config.rank_args()
+    assert "--kv-cache-memory" not in config.rank_args()
+    ranks = parse_args([*base, *config.rank_args()])
+    assert (ranks.num_pages, ranks.kv_cache_memory, ranks.gpu_memory_utilization) == (
+        None, None, 0.9,
+    )  # fmt: skip
+    assert (ranks.frame_timeout_multiple, ranks.frame_timeout_margin) == (20.0, 60.0)
+    flags = ["--kv-cache-memory", "4GiB", "--gpu-memory-utilization", "0.5", "--num-pages", "64",
+             "--frame-timeout-multiple", "5", "--frame-timeout-margin", "2.5"]  # fmt: skip
+    _, config = configure(flags)
+    assert (config.kv_cache_memory_bytes, config.gpu_memory_utilization) == (4 << 30, 0.5)
+    assert (config.frame_timeout_multiple, config.frame_timeout_margin_s) == (5.0, 2.5)
+    ranks = parse_args([*base, *config.rank_args()])
+    assert (ranks.num_pages, ranks.kv_cache_memory, ranks.gpu_memory_utilization) == (
+        64, 4 << 30, 0.5,
+    )  # fmt: skip
+    assert (ranks.frame_timeout_multiple, ranks.frame_timeout_margin) == (5.0, 2.5)
+    path = tmp_path / "kv.toml"
+    path.write_text(
+        "[run]\nkv-cache-memory = '512MiB'\ngpu-memory-utilization = 0.8\n"
+        "frame-timeout-margin = 90\n"
+    )
+    _, config = configure(["--config", str(path)])
+    assert (config.kv_cache_memory_bytes, config.gpu_memory_utilization) == (512 << 20, 0.8)
+    assert config.frame_timeout_margin_s == 90.0
+
+
+def test_max_model_len_that_the_kv_budget_cannot_hold_is_refused_before_start(capsys):
+    # The embedded model on the CPU, float32: 32768 bytes per page of 16 tokens.
+    with pytest.raises(SystemExit) as exit_info:
+        configure(["--device", "cpu", "--kv-cache-memory", "1MiB", "--max-model-len", "4096"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    for words in ("--kv-cache-memory 1048576", "--max-model-len 4096", "needs 256 pages",
+                  "31 pages", "32768 bytes per page", "(1.0 MiB)"):  # fmt: skip
+        assert words in err, (words, err)
+    # --num-pages overrides the budget; the CPU default budget holds the whole context.
+    _, config = configure(["--device", "cpu", "--kv-cache-memory", "1MiB", "--num-pages", "256",
+                           "--max-model-len", "4096"])  # fmt: skip
+    assert config.num_pages == 256
+    configure(["--device", "cpu", "--max-model-len", "4096"])
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["num_pages", "kv_cache_memory_bytes", "gpu_memory_utilization", "frame_timeout_multiple",
+     "frame_timeout_margin_s"],
+)  # fmt: skip
+def test_deployment_config_refuses_bad_sizing_and_timeouts_naming_the_field(field):
+    from runtime.local import DeploymentConfig
+
+    for bad in (0, -1, 1.5 if field == "gpu_memory_utilization" else float("inf"), True):
+        if bad is True and field not in ("num_pages", "kv_cache_memory_bytes"):
+            continue
+        with pytest.raises(ValueError, match=field):
+            DeploymentConfig(**{field: bad})
+
+
 def test_rank_entry_point_takes_every_dtype_flare_run_passes():
     from runtime.local import DTYPES
     from runtime.ranks.__main__ import parse_args
@@ -194,6 +269,8 @@ def test_config_file_takes_the_new_long_names(tmp_path):
         ("[run]\nenforce-eager = 'yes'\n", "enforce-eager"),
         ("[run]\nmax-choices-per-request = 0\n", "max-choices-per-request"),
         ("[run]\nchat-template = 3\n", "chat-template"),
+        ("[run]\ngpu-memory-utilization = 2\n", "gpu-memory-utilization"),
+        ("[run]\nkv-cache-memory = 'much'\n", "kv-cache-memory"),
     ],
 )
 def test_bad_new_config_keys_fail_naming_the_key(tmp_path, capsys, toml, needle):

@@ -2,26 +2,39 @@
 
 Each rank joins ``torch.distributed`` (``nccl`` on CUDA, ``gloo`` on CPU) from
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
-loads its weight shard, prepares the program catalog (a progress bar on rank 0),
-connects to the coordinator's endpoints, reports its catalog and serves frames
-until the coordinator says shutdown.  The coordinator is a process of its own
-(``flare run`` starts both on one machine); ranks find it through
-``--frames-endpoint`` / ``--completions-endpoint`` or the environment variables
+loads its weight shard, sizes its KV cache (:func:`size_kv_cache`, on CUDA by
+measuring the device; ``runtime.ranks.memory``), prepares the program catalog
+(a progress bar on rank 0), connects to the coordinator's endpoints, reports
+its catalog and serves frames until the coordinator says shutdown.  The
+coordinator is a process of its own (``flare run`` starts both on one
+machine); ranks find it through ``--frames-endpoint`` /
+``--completions-endpoint`` or the environment variables
 FLARE_FRAMES_ENDPOINT / FLARE_COMPLETIONS_ENDPOINT.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+from runtime.ranks import memory
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY, CapacityConfig, CapacityError
-from runtime.ranks.model import ConfigError, LoadError, TPGroup, default_model_dir, load_model
+from runtime.ranks.memory import DeviceMemory, KVCacheSizeError, KVPool
+from runtime.ranks.model import (
+    ConfigError,
+    LlamaForCausalLM,
+    LoadError,
+    TPGroup,
+    default_model_dir,
+    load_model,
+)
 from runtime.ranks.worker import RankWorker
 from runtime.transport.channels import ChannelEndpoints, RankChannel
 
@@ -45,7 +58,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="context limit (default: the model's max_position_embeddings)",
     )
-    p.add_argument("--num-pages", type=int, default=1024)
+    p.add_argument("--num-pages", type=int, default=None, help="default: from the budget")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=memory.bytes_flag,
+        default=None,
+        help="KV budget per rank in bytes (default: CPU 512 MiB, CUDA --gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=memory.DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="CUDA: the device fraction for weights, activations, graphs and the KV cache",
+    )
+    p.add_argument(
+        "--frame-timeout-multiple",
+        type=float,
+        default=20.0,
+        help="a frame hangs after this many times its expected duration + the margin",
+    )
+    p.add_argument("--frame-timeout-margin", type=float, default=60.0, help="seconds")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--dtype",
@@ -73,9 +105,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-model-len must be >= 64")
     if not 0 <= args.poll_spin_us <= 100_000:
         p.error("--poll-spin-us must lie in [0, 100000]")
-    for name in ("page_size", "num_pages"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.page_size < 1:
+        p.error("--page-size must be >= 1")
+    if args.num_pages is not None and args.num_pages < 1:
+        p.error("--num-pages must be >= 1")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        p.error(f"--gpu-memory-utilization must lie in (0, 1], got {args.gpu_memory_utilization}")
+    for name in ("frame_timeout_multiple", "frame_timeout_margin"):
+        if not 0 < getattr(args, name) < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be a finite number > 0")
     try:
         args.capacity = CapacityConfig(
             max_concurrency=args.max_concurrency,
@@ -129,18 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             def progress(items):
                 return tqdm(items, desc="preparing programs", unit="program")
 
-        worker = RankWorker(
-            model,
-            args.capacity,
-            num_pages=args.num_pages,
-            page_size=args.page_size,
-            rank=rank,
-            world_size=world_size,
-            model_name=os.path.basename(os.path.normpath(model_dir)),
-            capture=use_cuda and not args.no_cuda_graphs,
-            progress=progress,
-            max_model_len=args.max_model_len,
-        )
+        try:
+            worker = build_worker(args, model, model_dir, use_cuda, progress)
+        except KVCacheSizeError as exc:  # one line, not a traceback per rank
+            print(f"rank {rank}: {exc}", file=sys.stderr)
+            return 1
         endpoints = ChannelEndpoints(args.frames_endpoint, args.completions_endpoint)
         channel = RankChannel(endpoints, rank)
         channel.handshake(timeout_ms=int(args.handshake_timeout * 1000))
@@ -154,6 +185,92 @@ def main(argv: list[str] | None = None) -> int:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def build_worker(
+    args: argparse.Namespace,
+    model: LlamaForCausalLM,
+    model_dir: str,
+    use_cuda: bool,
+    progress: Callable[[Iterable], Iterable] | None,
+) -> RankWorker:
+    """Size the KV cache (:func:`size_kv_cache`), then prepare the worker; under the
+    utilization rule, check what its programs took against what the budget left
+    them.  Raises KVCacheSizeError naming the numbers."""
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    max_context = min(model.config.max_position_embeddings, args.max_model_len or 1 << 62)
+    pool, measured = size_kv_cache(args, model, world_size, use_cuda, max_context)
+    if rank == 0:
+        log.info("KV cache: %d pages of %d tokens; %s", pool.num_pages, pool.page_size, pool.origin)
+    device = model.model.embed_tokens.weight.device
+    used_before = memory.device_used_bytes(device) if measured is not None else 0
+    try:
+        worker = RankWorker(
+            model,
+            args.capacity,
+            num_pages=pool.num_pages,
+            page_size=args.page_size,
+            rank=rank,
+            world_size=world_size,
+            model_name=os.path.basename(os.path.normpath(model_dir)),
+            capture=use_cuda and not args.no_cuda_graphs,
+            progress=progress,
+            max_model_len=args.max_model_len,
+            frame_timeout_multiple=args.frame_timeout_multiple,
+            frame_timeout_margin_s=args.frame_timeout_margin,
+        )
+    except torch.cuda.OutOfMemoryError:
+        raise KVCacheSizeError(
+            f"{pool.origin}: out of device memory preparing programs beside a KV cache of "
+            f"{pool.num_pages} pages ({pool.num_pages * pool.page_bytes} bytes); lower "
+            f"{pool.flag}"
+        ) from None
+    if measured is not None:
+        kv = memory.kv_cache_bytes(pool.num_pages, pool.page_bytes, pool.page_size)
+        programs = memory.device_used_bytes(device) - used_before - kv
+        try:
+            memory.check_programs_fit(measured, programs)
+        except KVCacheSizeError:
+            del worker  # its graphs go before the process group
+            raise
+    return worker
+
+
+def size_kv_cache(
+    args: argparse.Namespace,
+    model: LlamaForCausalLM,
+    world_size: int,
+    use_cuda: bool,
+    max_context: int,
+) -> tuple[KVPool, DeviceMemory | None]:
+    """This rank's KV pool (``runtime.ranks.memory``), checked to hold one request;
+    with the device measurement when the utilization rule sized it (CUDA only).
+
+    Measured budgets differ between devices: the ranks agree on the smallest
+    pool (the coordinator requires one page count).
+    """
+    page_bytes = memory.kv_bytes_per_page(
+        model.config, world_size, args.page_size, model.dtype.itemsize
+    )
+    measured = None
+    if use_cuda and args.num_pages is None and args.kv_cache_memory is None:
+        measured = memory.profile_cuda(
+            model, args.capacity, max_context, args.page_size, args.gpu_memory_utilization
+        )
+    pool = memory.plan_pool(
+        page_bytes,
+        args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        device_budget=measured,
+    )
+    if measured is not None and world_size > 1:
+        pages = torch.tensor([pool.num_pages], dtype=torch.int64, device="cuda")
+        dist.all_reduce(pages, op=dist.ReduceOp.MIN)
+        pool = dataclasses.replace(pool, num_pages=int(pages.item()))
+    pool.check(max_context, args.max_model_len)
+    return pool, measured
 
 
 if __name__ == "__main__":

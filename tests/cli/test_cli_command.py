@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -121,6 +122,11 @@ FAILURES = [
     ("one-page", ["run", "{tiny}", "--num-pages", "1"], ["--num-pages", "16 tokens", "pages"]),
     ("pages-for-max-model-len", ["run", "{tiny}", "--num-pages", "10", "--max-model-len", "256"],
      ["--num-pages", "--max-model-len 256", "16 pages"]),
+    # 2 layers x (K, V) x 16 tokens x 2 KV heads x 16 x 4 bytes = 8192 bytes per page.
+    ("kv-memory-for-max-model-len", ["run", "{tiny}", "--device", "cpu", "--kv-cache-memory",
+                                     "64KiB", "--max-model-len", "256"],
+     ["--kv-cache-memory 65536", "--max-model-len 256", "needs 16 pages", "7 pages",
+      "8192 bytes per page", "(64.0 KiB)"]),
     ("max-model-len-over-model", ["run", "{tiny}", "--max-model-len", "512"],
      ["--max-model-len", "256"]),
     ("both-models", ["run", "{tiny}", "--model", "{gpt2}"], ["MODEL_DIR", "--model"]),
@@ -154,6 +160,11 @@ FLAGS = [
     ("template-dir", ["serve", "--chat-template", "{template-dir}"], ["--chat-template"]),
     ("port", ["serve", "--port", "70000"], ["--port", "65535"]),
     ("startup-timeout", ["run", "--startup-timeout", "-1"], ["--startup-timeout"]),
+    ("gpu-memory-utilization", ["run", "--gpu-memory-utilization", "1.5"],
+     ["--gpu-memory-utilization", "(0, 1]"]),
+    ("kv-cache-memory-unit", ["run", "--kv-cache-memory", "4XB"], ["--kv-cache-memory", "4GiB"]),
+    ("frame-timeout-margin", ["run", "--frame-timeout-margin", "0"],
+     ["--frame-timeout-margin", "> 0"]),
 ]  # fmt: skip
 CASES = [
     *FAILURES,
@@ -226,11 +237,12 @@ def test_help_shows_every_default(tmp_path):
         assert code == 0, stderr
         text = " ".join(stdout.split())  # unwrap the help columns
         for default in ("1024", "16", "32", "512", "auto", "1", "8000", "127.0.0.1", "600.0",
-                        "False"):  # fmt: skip
+                        "False", "0.9", "20.0", "60.0", "512.0 MiB on CPU"):  # fmt: skip
             assert f"(default: {default})" in text, default
         for flag in ("MODEL_DIR", "-tp", "--max-num-seqs", "--max-concurrency", "--dtype",
                      "--max-num-batched-tokens", "--enforce-eager", "--no-cuda-graphs",
-                     "--chat-template", "--max-choices-per-request"):  # fmt: skip
+                     "--chat-template", "--max-choices-per-request", "--kv-cache-memory",
+                     "--gpu-memory-utilization", "--frame-timeout-multiple"):  # fmt: skip
             assert flag in text, flag
         assert "no per-step token budget" in text
 
@@ -243,6 +255,28 @@ def test_flare_run_with_a_positional_model_and_the_new_flags_generates(models, s
     assert code == 0, stderr
     assert "serving tiny with TP=1" in stderr and "3 generated tokens" in stderr
     assert stdout.startswith("hi")
+
+
+def test_kv_cache_memory_sizes_the_pool_the_ranks_report(models):
+    """--kv-cache-memory reaches the ranks, which size their pool from it and from
+    their share of the KV heads, and report it to the coordinator."""
+    from runtime.cli import build_parser, checked_run
+    from runtime.cli_memory import kv_pool
+    from runtime.local import LocalDeployment
+
+    argv = ["run", str(models["tiny"]), "--device", "cpu", "--kv-cache-memory", "200KiB",
+            "-tp", "2", "--max-num-seqs", "2", "--max-num-batched-tokens", "64"]  # fmt: skip
+    parser = build_parser()
+    config, model = checked_run(parser.parse_args(argv), parser, argv[1:])
+    pool = kv_pool(config, model)
+    # 2 layers x (K, V) x 16 tokens x 1 KV head per rank (of 2, TP=2) x 16 x 4 bytes,
+    # in 200 KiB less one scratch token.
+    assert pool is not None and pool.page_bytes == 4096
+    assert pool.num_pages == (200 * 1024 - 256) // 4096 == 49
+    with LocalDeployment(config) as deployment:
+        assert deployment.engine.facts.num_pages == 49
+    default = kv_pool(replace(config, kv_cache_memory_bytes=None), model)
+    assert default is not None and default.num_pages == (512 << 20) // 4096 - 1
 
 
 def test_flare_serve_model_dir_serves_over_http(tmp_path, short_tmp):
