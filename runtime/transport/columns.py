@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +37,7 @@ Column = array  # array('q'); kept as an alias so signatures say what they mean
 _MAX_CACHED_LENGTH = 256
 _MAX_CACHED = 1024
 _CONSTANTS: dict[tuple[int, int], bytes] = {}
-_RANGE_MASKS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+_RANGE_MASKS: dict[tuple[int, int, int], tuple[int, ...]] = {}
 
 
 def column(values: Iterable[int] = ()) -> array:
@@ -79,6 +79,9 @@ def column_from_wire(
     name: str, data: Any, max_len: int = MAX_SEQUENCE, native_little: bool = NATIVE_LITTLE
 ) -> array:
     """The column in ``data`` (little-endian int64 bytes); ProtocolError naming ``name``."""
+    size = len(data) if type(data) is bytes else -1
+    if native_little and size >= 0 and not size % ITEM_BYTES and size <= max_len * ITEM_BYTES:
+        return array(TYPECODE, data)  # the common case, checked in one line
     if type(data) is not bytes:
         if not isinstance(data, (bytearray, memoryview)):
             raise ProtocolError(name, f"must be int64 bytes, got {type(data).__name__}")
@@ -117,50 +120,96 @@ def first_not(col: array, value: int) -> int:
     return next(i for i, v in enumerate(col) if v != value)
 
 
-def _lanes_constant(value: int, length: int) -> int:
-    """``value`` (< 2**64) in each of ``length`` 64-bit lanes of one integer."""
-    return int.from_bytes(value.to_bytes(ITEM_BYTES, "little") * length, "little")
+def _lanes(value: int, length: int) -> bytes:
+    """``length`` 64-bit little-endian lanes holding ``value`` (< 2**64)."""
+    return value.to_bytes(ITEM_BYTES, "little") * length
 
 
-def _in_range(col: array, lo: int, hi: int) -> bool:
-    """Whether every value lies in [lo, hi], for 0 <= lo <= hi <= INT64_MAX.
+def _masks(bounds: Sequence[tuple[int, int]], lengths: Sequence[int]) -> tuple[int, int, int, int]:
+    """The lane masks of :func:`_outside` for columns of ``lengths`` bounded by ``bounds``.
 
-    The column as one integer of 64-bit lanes: a lane is negative iff its top
-    bit is set; ``lane + (INT64_MAX - hi)`` sets it iff ``lane > hi``; with the
-    top bit forced on, ``lane - lo`` clears it iff ``lane < lo``.  No carry or
-    borrow crosses lanes once the lanes are known non-negative.
+    A lane lies in [lo, hi] (0 <= lo <= hi <= INT64_MAX) iff, as a 64-bit lane
+    of one big integer: it has no bit in ``outside`` (every bit above ``hi``
+    when ``hi + 1`` is a power of two, else the sign bit); ``lane + over``
+    (``INT64_MAX - hi``, or 0) leaves the top bit clear; and with the top bit
+    forced on, ``lane - under`` (``lo``) leaves it set.  No carry or borrow
+    crosses lanes once every lane is known non-negative.
     """
-    n = len(col)
-    key = (lo, hi, n)
-    masks = _RANGE_MASKS.get(key)
-    if masks is None:
-        top = _lanes_constant(1 << 63, n)
-        masks = (
-            top,
-            _lanes_constant(INT64_MAX - hi, n) if hi < INT64_MAX else 0,
-            _lanes_constant(lo, n) if lo else 0,
-        )
-        if n <= _MAX_CACHED_LENGTH and len(_RANGE_MASKS) < _MAX_CACHED:
-            _RANGE_MASKS[key] = masks
-    top, over, under = masks
-    value = int.from_bytes(col if NATIVE_LITTLE else column_to_wire(col), "little")
-    if value & top:
-        return False
+    parts: tuple[list[bytes], list[bytes], list[bytes]] = ([], [], [])
+    for (lo, hi), n in zip(bounds, lengths, strict=True):
+        power = hi & (hi + 1) == 0  # hi = 2**k - 1
+        parts[0].append(_lanes(~hi & (2**64 - 1) if power else 1 << 63, n))
+        parts[1].append(_lanes(0 if power else INT64_MAX - hi, n))
+        parts[2].append(_lanes(lo, n))
+    outside, over, under = (int.from_bytes(b"".join(p), "little") for p in parts)
+    top = int.from_bytes(_lanes(1 << 63, sum(lengths)), "little")
+    return outside, over, top, under
+
+
+def _outside(value: int, masks: tuple[int, int, int, int]) -> bool:
+    """Whether some lane of ``value`` lies outside its bounds (see :func:`_masks`)."""
+    outside, over, top, under = masks
+    if value & outside:
+        return True
     if over and (value + over) & top:
-        return False
-    return not under or ((value | top) - under) & top == top
+        return True
+    return bool(under) and ((value | top) - under) & top != top
+
+
+def _as_int(cols: Sequence[array]) -> int:
+    """The columns back to back as one integer of little-endian 64-bit lanes."""
+    if NATIVE_LITTLE:
+        return int.from_bytes(b"".join(cols), "little")
+    return int.from_bytes(b"".join(map(column_to_wire, cols)), "little")
 
 
 def check_range(name: str, col: array, lo: int, hi: int) -> None:
     """Every value in [lo, hi]; else ProtocolError naming the first culprit, ``name[i]``."""
     if not col:
         return
-    if not (
-        _in_range(col, lo, hi) if 0 <= lo <= hi <= INT64_MAX else lo <= min(col) <= max(col) <= hi
-    ):
+    if 0 <= lo <= hi <= INT64_MAX:
+        key = (lo, hi, len(col))
+        masks = _RANGE_MASKS.get(key)
+        if masks is None:
+            masks = _masks(((lo, hi),), (len(col),))
+            if len(col) <= _MAX_CACHED_LENGTH and len(_RANGE_MASKS) < _MAX_CACHED:
+                _RANGE_MASKS[key] = masks
+        ok = not _outside(_as_int((col,)), masks)
+    else:
+        ok = lo <= min(col) <= max(col) <= hi
+    if not ok:
         for i, value in enumerate(col):
             if not lo <= value <= hi:
                 raise ProtocolError(f"{name}[{i}]", f"must lie in [{lo}, {hi}], got {value}")
+
+
+class LaneRanges:
+    """Range checks of several columns of one length (a message's lanes) in one pass.
+
+    ``bounds``: (name, lo, hi) per column, 0 <= lo <= hi <= INT64_MAX.  The
+    columns are joined into one big integer and checked with three lane-wise
+    operations; only when that fails is each column scanned, to name the
+    culprit as ``name[i]``.
+    """
+
+    def __init__(self, *bounds: tuple[str, int, int]) -> None:
+        for _, lo, hi in bounds:
+            if not 0 <= lo <= hi <= INT64_MAX:
+                raise ValueError(f"bounds [{lo}, {hi}] outside [0, INT64_MAX]")
+        self.bounds = bounds
+        self._masks: dict[int, tuple[int, int, int, int]] = {}
+
+    def check(self, cols: Sequence[array]) -> None:
+        """Check ``cols`` (one per bound, in order, all of the same length)."""
+        n = len(cols[0])
+        masks = self._masks.get(n)
+        if masks is None:
+            masks = _masks([(lo, hi) for _, lo, hi in self.bounds], [n] * len(self.bounds))
+            if n <= _MAX_CACHED_LENGTH:
+                self._masks[n] = masks
+        if _outside(_as_int(cols), masks):
+            for (name, lo, hi), col in zip(self.bounds, cols, strict=True):
+                check_range(name, col, lo, hi)
 
 
 def check_distinct(name: str, col: array | list[int]) -> None:

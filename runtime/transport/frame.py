@@ -20,10 +20,12 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from runtime.catalog import MAX_BATCH_CAPACITY, CatalogError, GraphDescriptor, GraphKind
 from runtime.transport.columns import (
+    LaneRanges,
     all_equal,
     as_column,
     check_distinct,
@@ -144,6 +146,26 @@ def _empty() -> array:
     return column()
 
 
+# Every lane's range rules, checked in one pass; the phase rules when a lane prefills.
+_LANE_RANGES = LaneRanges(
+    ("slot", 0, MAX_SLOTS - 1),
+    ("generation", 1, INT64_MAX),
+    ("position", 0, INT32_MAX),
+    ("prompt_start", 0, INT32_MAX),
+    ("page_count", 0, MAX_SEQUENCE - 1),
+)
+_PREFILL_RANGES = LaneRanges(
+    ("phase", PHASE_DECODE, PHASE_PREFILL), ("query_len", 1, INT32_MAX), ("commits", 0, 1)
+)
+_ranged_columns = attrgetter(*(name for name, _, _ in _LANE_RANGES.bounds))
+_prefill_columns = attrgetter(*(name for name, _, _ in _PREFILL_RANGES.bounds))
+_frame_columns = attrgetter(*FRAME_COLUMNS)
+_lane_columns = attrgetter(*LANE_COLUMNS[1:])
+_typecode = attrgetter("typecode")
+_ARRAY = {array}
+_INT64 = {"q"}
+
+
 @dataclass(frozen=True)
 class Frame:
     """Coordinator -> ranks: run ``program`` on ``R`` lanes, given as int64 columns.
@@ -198,21 +220,22 @@ class Frame:
         program = self.program
         if not isinstance(program, GraphDescriptor):
             raise ProtocolError("program", "must be a GraphDescriptor")
-        for name in FRAME_COLUMNS:
-            value = getattr(self, name)
-            if type(value) is not array or value.typecode != "q":
-                set_field(self, name, as_column(name, value))
+        cols = _frame_columns(self)
+        if set(map(type, cols)) != _ARRAY or set(map(_typecode, cols)) != _INT64:
+            for name in FRAME_COLUMNS:
+                set_field(self, name, as_column(name, getattr(self, name)))
         lanes = len(self.slot)
         if lanes > program.batch_capacity:
             raise ProtocolError(
                 "slot",
                 f"{lanes} lanes exceed the program's batch_capacity {program.batch_capacity}",
             )
-        for name in LANE_COLUMNS[1:]:
-            if len(getattr(self, name)) != lanes:
-                raise ProtocolError(
-                    name, f"has {len(getattr(self, name))} entries for {lanes} lanes"
-                )
+        if set(map(len, _lane_columns(self))) - {lanes}:  # a column of another length
+            for name in LANE_COLUMNS[1:]:
+                if len(getattr(self, name)) != lanes:
+                    raise ProtocolError(
+                        name, f"has {len(getattr(self, name))} entries for {lanes} lanes"
+                    )
         prefill = self._check_lanes() if lanes else ()
         self._check_flat(prefill)
         self._check_sampling(prefill)
@@ -228,36 +251,29 @@ class Frame:
 
     def _check_lanes(self) -> tuple[int, ...]:
         """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
-        check_range("slot", self.slot, 0, MAX_SLOTS - 1)
+        _LANE_RANGES.check(_ranged_columns(self))
         check_distinct("slot", self.slot)
-        check_range("generation", self.generation, 1, INT64_MAX)
-        check_range("position", self.position, 0, INT32_MAX)
-        check_range("prompt_start", self.prompt_start, 0, INT32_MAX)
-        if not all_equal(self.page_count, 0):
-            check_range("page_count", self.page_count, 0, MAX_SEQUENCE)
         phase = self.phase
-        if all_equal(phase, PHASE_DECODE):  # decode only: one comparison per column
-            i = first_not(self.query_len, 1)
-            if i >= 0:
-                raise ProtocolError(f"query_len[{i}]", "a decode lane feeds exactly 1 token")
-            i = first_not(self.commits, 1)
-            if i >= 0:
-                raise ProtocolError(f"commits[{i}]", "a decode lane commits exactly 1 token")
-            return ()
-        check_range("phase", phase, PHASE_DECODE, PHASE_PREFILL)
-        check_range("query_len", self.query_len, 1, INT32_MAX)
-        check_range("commits", self.commits, 0, 1)
-        prefill = tuple(i for i, p in enumerate(phase) if p)
-        for i, p in enumerate(phase):
-            if p:
-                if self.position[i] == 0 and self.page_count[i] == 0:
-                    raise ProtocolError(
-                        f"page_count[{i}]", "a prefill lane at position 0 needs at least one page"
-                    )
-            elif self.query_len[i] != 1:
-                raise ProtocolError(f"query_len[{i}]", "a decode lane feeds exactly 1 token")
-            elif self.commits[i] != 1:
-                raise ProtocolError(f"commits[{i}]", "a decode lane commits exactly 1 token")
+        prefill: tuple[int, ...] = ()
+        if not all_equal(phase, PHASE_DECODE):
+            _PREFILL_RANGES.check(_prefill_columns(self))
+            if phase.count(PHASE_PREFILL) == 1:  # a mixed frame's prompt row, a prefill frame
+                prefill = (phase.index(PHASE_PREFILL),)
+            else:
+                prefill = tuple(i for i, p in enumerate(phase) if p)
+        # Decode lanes feed and commit 1 token: one comparison per run between prefill lanes.
+        start = 0
+        for end in (*prefill, len(phase)):
+            for name, lane_rule in (("query_len", "feeds"), ("commits", "commits")):
+                i = first_not(getattr(self, name)[start:end], 1)
+                if i >= 0:
+                    reason = f"a decode lane {lane_rule} exactly 1 token"
+                    raise ProtocolError(f"{name}[{start + i}]", reason)
+            start = end + 1
+        for i in prefill:
+            if self.position[i] == 0 and self.page_count[i] == 0:
+                reason = "a prefill lane at position 0 needs at least one page"
+                raise ProtocolError(f"page_count[{i}]", reason)
         return prefill
 
     def _check_flat(self, prefill: tuple[int, ...]) -> None:

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from runtime.catalog import MAX_BATCH_CAPACITY, CatalogError, GraphDescriptor, validate_catalog
 from runtime.transport.columns import (
+    LaneRanges,
+    all_equal,
     as_column,
     check_distinct,
     check_range,
@@ -230,6 +232,12 @@ class LaneResult:
 MAX_ERROR_CHARS = 4096  # an error completion's reason
 
 RESULT_COLUMNS = ("slot", "generation", "token_count", "tokens", "finished")
+_RESULT_RANGES = LaneRanges(
+    ("slot", 0, MAX_SLOTS - 1),
+    ("generation", 1, INT64_MAX),
+    ("token_count", 0, MAX_LANE_TOKENS),
+    ("finished", 0, 1),
+)
 
 
 def _empty() -> array:
@@ -321,12 +329,9 @@ class Completion:
                     name, f"has {len(getattr(self, name))} entries for {lanes} lanes"
                 )
         if lanes:
-            check_range("slot", self.slot, 0, MAX_SLOTS - 1)
+            _RESULT_RANGES.check((self.slot, self.generation, self.token_count, self.finished))
             check_distinct("slot", self.slot)
-            check_range("generation", self.generation, 1, INT64_MAX)
-            check_range("token_count", self.token_count, 0, MAX_LANE_TOKENS)
-            check_range("finished", self.finished, 0, 1)
-            if self.finished.count(1):
+            if not all_equal(self.finished, 0):
                 for i, (done, count) in enumerate(zip(self.finished, self.token_count)):
                     if done and not count:
                         raise ProtocolError(f"finished[{i}]", "'stop' needs at least one token")

@@ -96,7 +96,10 @@ def test_as_column_takes_int64_arrays_as_they_are_and_copies_int_lists() -> None
 
 @pytest.mark.parametrize(
     ("lo", "hi"),
-    [(0, 63), (1, INT64_MAX), (0, 1), (0, 2**31 - 1), (3, 7), (0, INT64_MAX), (-5, 5), (0, 0)],
+    [
+        *[(0, 63), (1, INT64_MAX), (0, 1), (0, 2**31 - 1), (3, 7), (0, INT64_MAX), (0, 0)],
+        *[(0, 100), (2, 2**16), (5, INT64_MAX - 1), (-5, 5)],  # hi + 1 not a power of two
+    ],
 )
 def test_check_range_agrees_with_comparing_every_value(lo: int, hi: int) -> None:
     rng = random.Random(lo * 31 + hi)
@@ -113,6 +116,26 @@ def test_check_range_agrees_with_comparing_every_value(lo: int, hi: int) -> None
         else:
             refused(lambda values=values: check_range("c", column(values), lo, hi), f"c[{bad}]")
     check_range("c", column(), lo, hi)
+
+
+def test_lane_ranges_check_several_columns_at_once_and_name_the_culprit() -> None:
+    ranges = columns.LaneRanges(("a", 0, 63), ("b", 1, INT64_MAX), ("c", 2, 100), ("d", 0, 1))
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.choice([1, 3, 64])
+        cols = [
+            column(rng.randint(0, 63) for _ in range(n)),
+            column(rng.randint(1, INT64_MAX) for _ in range(n)),
+            column(rng.randint(2, 100) for _ in range(n)),
+            column(rng.randint(0, 1) for _ in range(n)),
+        ]
+        ranges.check(cols)
+        k, i = rng.randrange(4), rng.randrange(n)
+        name, lo, hi = ranges.bounds[k]
+        cols[k][i] = rng.choice([lo - 1, hi + 1] if hi < INT64_MAX else [lo - 1, -(2**63)])
+        refused(lambda cols=cols: ranges.check(cols), f"{name}[{i}]")
+    with pytest.raises(ValueError):
+        columns.LaneRanges(("a", -1, 5))
 
 
 def test_constant_checks_offsets_and_first_not() -> None:
