@@ -1,8 +1,9 @@
 """A fake rank for the engine tests: the real rank protocol, deterministic "sampling".
 
 :class:`FakeRank` keeps per-slot state like the real worker (generation, next
-KV position, pending token, and a digest of the prompt), checks every frame
-against it, and "samples" ``(31 * input + 7 * position + digest + 3) % vocab``,
+KV position, pending token, a digest of the prompt, and the slot's page table,
+which a new generation starts empty and every lane appends its pages to),
+checks every frame against it, and "samples" ``(31 * input + 7 * position + digest + 3) % vocab``,
 where ``input`` is the token at ``position``: the chunk's last prompt token for
 a prefill lane, the slot's pending token for a decode lane (decode lanes carry
 no tokens).  :func:`reference` gives what a request must receive.
@@ -22,12 +23,12 @@ from typing import Any
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.transport.channels import ChannelEndpoints, RankChannel
+from runtime.transport.columns import column
 from runtime.transport.schema import (
     CatalogReport,
     Completion,
     Control,
     Frame,
-    LaneResult,
 )
 
 EXIT_OK = 0
@@ -88,7 +89,7 @@ class _Slot:
     next_position: int = 0
     pending: int | None = None
     digest: int = 0
-    pages: tuple[int, ...] = ()  # from the slot's prefill, as the real worker keeps them
+    pages: tuple[int, ...] = ()  # the slot's table: every page its lanes appended
 
 
 @dataclass
@@ -152,6 +153,7 @@ class FakeRank:
         self.frames = 0
         self.lanes_run = 0
         self.generations: dict[int, list[int]] = {}  # slot -> generations seen, in order
+        self.appended: list[tuple[int, int, int, tuple[int, ...]]] = []  # fence, slot, gen, pages
 
     def report(self) -> CatalogReport:
         s = self.spec
@@ -166,10 +168,17 @@ class FakeRank:
             s.model_name,
         )
 
+    def _table(self, i: int, held: tuple[int, ...], appended: tuple[int, ...]) -> tuple[int, ...]:
+        """The slot's table after lane ``i`` appends ``appended`` to the ``held`` pages."""
+        again = set(held).intersection(appended)
+        if again:
+            raise BadFrame(f"lane {i}: appends page(s) {sorted(again)} the slot already holds")
+        if any(not 0 <= p < self.spec.num_pages for p in appended):
+            raise BadFrame(f"lane {i}: page out of range in {appended}")
+        return held + appended
+
     def _check_pages(self, i: int, table: tuple[int, ...], last_position: int) -> None:
         s = self.spec
-        if any(not 0 <= p < s.num_pages for p in table):
-            raise BadFrame(f"lane {i}: page out of range in {table}")
         if last_position >= len(table) * s.page_size:
             raise BadFrame(f"lane {i}: position {last_position} beyond {len(table)} pages")
         if last_position >= s.max_context:
@@ -207,9 +216,10 @@ class FakeRank:
                     if not 0 <= t < s.vocab_size:
                         raise BadFrame(f"lane {i}: prompt token {t} outside the vocabulary")
                 last = lane.position + len(tokens) - 1
-                self._check_pages(i, lane.page_table, last)
+                table = self._table(i, () if state is None else state.pages, lane.pages)
+                self._check_pages(i, table, last)
                 digest = digest_of(tokens, lane.position, digest, s.vocab_size)
-                plans.append((lane, digest, tokens[-1], last, lane.page_table))
+                plans.append((lane, digest, tokens[-1], last, table))
             else:
                 if state is None or state.pending is None:
                     raise BadFrame(f"lane {i}: decode for slot {lane.slot} without a pending token")
@@ -218,7 +228,7 @@ class FakeRank:
                         f"lane {i}: decode at {lane.position}, slot {lane.slot} is at "
                         f"{state.next_position}"
                     )
-                table = lane.page_table or state.pages
+                table = self._table(i, state.pages, lane.pages)
                 self._check_pages(i, table, lane.position)
                 plans.append((lane, state.digest, state.pending, lane.position, table))
 
@@ -229,7 +239,7 @@ class FakeRank:
 
         for slot in released:
             self.slots.pop(slot, None)
-        results = []
+        slots, generations, counts, sampled_tokens, finished = [], [], [], [], []
         for lane, digest, token, last, table in plans:
             state = self.slots.get(lane.slot)
             if state is None or state.generation != lane.generation:
@@ -238,24 +248,31 @@ class FakeRank:
                 self.generations.setdefault(lane.slot, []).append(lane.generation)
             state.digest = digest
             state.pages = table
+            self.appended.append((frame.fence, lane.slot, lane.generation, lane.pages))
             state.next_position = last + 1
-            tokens: tuple[int, ...] = ()
-            reason = None
-            if lane.max_tokens:
+            slots.append(lane.slot)
+            generations.append(lane.generation)
+            counts.append(lane.commits)
+            finished.append(0)
+            if lane.commits:
                 sampled = sample(digest, token, last, s.vocab_size)
                 state.pending = sampled
-                tokens = (sampled,)
-                reason = "stop" if sampled == s.eos else None
-            results.append(LaneResult(lane.slot, lane.generation, tokens, reason))
+                sampled_tokens.append(sampled)
+                finished[-1] = int(sampled == s.eos)
         self.frames += 1
         self.lanes_run += len(plans)
+        lanes = self.rank == 0
         return Completion(
             frame.fence,
             self.rank,
             self.world_size,
             device_ns=s.device_ns if s.device_ns is not None else measured,
             readiness_delay_ns=s.readiness_delay_ns,
-            lanes=tuple(results) if self.rank == 0 else (),
+            slot=column(slots if lanes else ()),
+            generation=column(generations if lanes else ()),
+            token_count=column(counts if lanes else ()),
+            tokens=column(sampled_tokens if lanes else ()),
+            finished=column(finished if lanes else ()),
         )
 
 

@@ -31,7 +31,8 @@ from runtime.coordinator.engine import (
 )
 from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.codec import encode
-from runtime.transport.schema import Completion, LaneResult, SamplingParams
+from runtime.transport.columns import column
+from runtime.transport.schema import Completion, SamplingParams
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec, LocalRanks, reference
 
@@ -267,6 +268,28 @@ def test_tokens_follow_the_fake_model_and_ignore_eos(rig_factory: Any) -> None:
     assert set(rig.ranks.fakes[0].slots) == {last.slot}
 
 
+def test_each_generation_sends_its_page_table_once(rig_factory: Any) -> None:
+    """Pages are appended on the ranks: a generation's first lane brings its whole table."""
+    rig = rig_factory(2, max_slots=2).start()
+    cases = [(p, 6) for p in prompts(6, seed=9, lo=60, hi=150)]  # chunked prefills
+    streams = [rig.engine.submit(p, n, ignore_eos=True) for p, n in cases]
+    rig.drive(streams)
+    for stream, (prompt, n) in zip(streams, cases):
+        check(stream, prompt, n, ignore_eos=True)
+    for fake in rig.ranks.fakes:  # every rank gets the same frames
+        by_generation: dict[tuple[int, int], list[tuple[int, ...]]] = {}
+        for _, slot, generation, pages in fake.appended:
+            by_generation.setdefault((slot, generation), []).append(pages)
+        assert len(by_generation) == len(cases)
+        assert {slot for slot, _ in by_generation} == {0, 1}  # both slots reused
+        for (slot, _), appended in by_generation.items():
+            first, *later = appended
+            assert first and later and not any(later), (slot, appended)
+        tables = sorted(len(first) for first, *_ in by_generation.values())
+        needed = sorted(-(-(len(p) + n) // fake_rank.PAGE_SIZE) for p, n in cases)
+        assert tables == needed  # the whole reservation, on the first lane
+
+
 def test_completions_are_applied_in_fence_order(rig_factory: Any) -> None:
     # A long fixed interval keeps the head frame "on time", so decode frames queue.
     spec = FakeSpec(device_ns=50_000_000)
@@ -356,9 +379,8 @@ def test_refused_results_fail_the_engine_and_end_the_streams(rig_factory: Any) -
     while not engine.in_flight_fences:
         engine.step(10)
     ((done,),) = ranks.take(timeout_ms=int(WAIT_S * 1000))
-    lane = done.lanes[0]
-    wrong = LaneResult(lane.slot, lane.generation + 1, lane.tokens)
-    ranks.send([[dataclasses.replace(done, lanes=(wrong,))]])
+    wrong = column(generation + 1 for generation in done.generation)
+    ranks.send([[dataclasses.replace(done, generation=wrong)]])
     with pytest.raises(EngineError, match="rank 0's results were refused"):
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:

@@ -6,11 +6,17 @@ import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.engine.config import EngineError
-from runtime.coordinator.engine.frames import RUNNABLE_KINDS, Live, build_frame
+from runtime.coordinator.engine.frames import (
+    RUNNABLE_KINDS,
+    Live,
+    build_frame,
+    mark_pages_sent,
+)
 from runtime.coordinator.engine.stream import RequestStream
 from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan, SelectionReason
 from runtime.coordinator.requests import RequestHandle
 from runtime.transport.codec import decode, encode
+from runtime.transport.columns import column
 from runtime.transport.schema import Frame, FrameLane, ProtocolError, SamplingParams
 
 MIXED = GraphDescriptor(GraphKind.MIXED, 4, prompt_capacity=64)
@@ -33,26 +39,30 @@ def refused(build, field: str) -> str:
     return str(raised.value)
 
 
+def frame(lanes: tuple[FrameLane, ...], prompt_row: int = -1, program=MIXED) -> Frame:
+    return Frame.from_lanes(1, program, lanes, prompt_row)
+
+
 def test_mixed_frames_have_at_most_one_prompt_row_and_name_it():
     ok = [
-        Frame(1, MIXED, (decoder(0), prefill(1), decoder(2)), prompt_row=1),
-        Frame(1, MIXED, (prefill(1, 64),), prompt_row=0),  # a prompt-only population
-        Frame(1, MIXED, (decoder(0), decoder(2)), prompt_row=-1),  # decode only
-        Frame(1, MIXED, (), prompt_row=-1),  # empty
+        frame((decoder(0), prefill(1), decoder(2)), prompt_row=1),
+        frame((prefill(1, 64),), prompt_row=0),  # a prompt-only population
+        frame((decoder(0), decoder(2)), prompt_row=-1),  # decode only
+        frame((), prompt_row=-1),  # empty
     ]
-    for frame in ok:
-        assert decode(encode(frame)) == frame
+    for made in ok:
+        assert decode(encode(made)) == made
     both = (prefill(1), decoder(0), prefill(2))
-    assert "at most one prefill lane" in refused(lambda: Frame(1, MIXED, both, 0), "lanes")
-    refused(lambda: Frame(1, MIXED, both, -1), "lanes")
+    assert "one prefill lane at most" in refused(lambda: frame(both, 0), "phase")
+    refused(lambda: frame(both, -1), "phase")
     lanes = (decoder(0), prefill(1), decoder(2))
-    refused(lambda: Frame(1, MIXED, lanes, prompt_row=0), "prompt_row")  # a decode lane
-    refused(lambda: Frame(1, MIXED, lanes, prompt_row=2), "prompt_row")
-    refused(lambda: Frame(1, MIXED, lanes, prompt_row=-1), "prompt_row")  # left unnamed
-    refused(lambda: Frame(1, MIXED, lanes, prompt_row=3), "prompt_row")  # no such lane
-    refused(lambda: Frame(1, MIXED, (decoder(0),), prompt_row=0), "prompt_row")
+    refused(lambda: frame(lanes, prompt_row=0), "prompt_row")  # a decode lane
+    refused(lambda: frame(lanes, prompt_row=2), "prompt_row")
+    refused(lambda: frame(lanes, prompt_row=-1), "prompt_row")  # left unnamed
+    refused(lambda: frame(lanes, prompt_row=3), "prompt_row")  # no such lane
+    refused(lambda: frame((decoder(0),), prompt_row=0), "prompt_row")
     # The prompt row fits the prompt capacity.
-    refused(lambda: Frame(1, MIXED, (prefill(1, 65), decoder(0)), 0), "lanes")
+    refused(lambda: frame((prefill(1, 65), decoder(0)), 0), "prompt_tokens")
     # Decode rows carry no tokens (the ranks hold the pending token).
     with pytest.raises(ProtocolError) as raised:
         FrameLane(0, 1, "decode", 0, (5,), 9, (), 1, None)
@@ -60,12 +70,12 @@ def test_mixed_frames_have_at_most_one_prompt_row_and_name_it():
 
 
 def test_only_mixed_programs_take_a_prompt_row():
-    assert Frame(1, PREFILL, (prefill(1),)).prompt_row == -1
-    message = refused(lambda: Frame(1, PREFILL, (prefill(1),), prompt_row=0), "prompt_row")
+    assert frame((prefill(1),), program=PREFILL).prompt_row == -1
+    message = refused(lambda: frame((prefill(1),), 0, PREFILL), "prompt_row")
     assert "prefill" in message
-    refused(lambda: Frame(1, DECODE, (decoder(0), decoder(1)), prompt_row=1), "prompt_row")
+    refused(lambda: frame((decoder(0), decoder(1)), 1, DECODE), "prompt_row")
     # On the wire too.
-    wire = Frame(1, PREFILL, (prefill(1),)).to_wire()
+    wire = frame((prefill(1),), program=PREFILL).to_wire()
     wire["prompt_row"] = 0
     refused(lambda: Frame.from_wire(wire), "prompt_row")
 
@@ -73,7 +83,8 @@ def test_only_mixed_programs_take_a_prompt_row():
 # ---------------------------------------------------------------- engine frames
 
 
-def live(slot: int, prompt_len: int = 10) -> Live:
+def live(slot: int, prompt_len: int = 10, sent: bool = False) -> Live:
+    """A request resident in ``slot`` (generation 1) holding pages 2 slot and 2 slot + 1."""
     stream = RequestStream(
         None,  # type: ignore[arg-type]  # build_frame never reaches the engine
         slot,
@@ -82,20 +93,26 @@ def live(slot: int, prompt_len: int = 10) -> Live:
         SamplingParams(),
         False,
     )
-    return Live(stream, RequestHandle(slot), slot, 1, (slot * 2, slot * 2 + 1))
+    made = Live(stream, RequestHandle(slot))
+    made.reside(slot, 1, (slot * 2, slot * 2 + 1))
+    if sent:
+        mark_pages_sent([made])
+    return made
 
 
-def work(slot: int, phase: LanePhase, prompt_tokens: int = 0, output_start: int = 0) -> LaneWork:
-    finishes = phase is LanePhase.DECODE or prompt_tokens == 10
+def work(
+    slot: int, phase: LanePhase, prompt_tokens: int = 0, output_start: int = 0, start: int = 0
+) -> LaneWork:
+    finishes = phase is LanePhase.DECODE or start + prompt_tokens == 10
     return LaneWork(
-        RequestHandle(slot), slot, 1, phase, 0, prompt_tokens, output_start,
+        RequestHandle(slot), slot, 1, phase, start, prompt_tokens, output_start,
         1 if finishes else 0, 1.0, 1.0, 1.0,
     )  # fmt: skip
 
 
-def plan(graph: GraphDescriptor, lanes: tuple[LaneWork, ...]) -> ScheduledPlan:
+def plan(graph: GraphDescriptor, lanes: tuple[LaneWork, ...], estimate: int = 0) -> ScheduledPlan:
     return ScheduledPlan(
-        1, graph, lanes, 0, SelectionReason.DISCOVERY, True, 0, 0, 1.0, 0.0, 1.0, 0
+        1, graph, lanes, estimate, SelectionReason.DISCOVERY, True, 0, 0, 1.0, 0.0, 1.0, 0
     )  # fmt: skip
 
 
@@ -106,23 +123,49 @@ def test_build_frame_sets_the_prompt_row_of_a_mixed_plan():
         work(0, LanePhase.DECODE, output_start=1),
         work(1, LanePhase.PREFILL, prompt_tokens=10),
     )
-    lives = [live(2), live(0), live(1)]
-    frame = build_frame(plan(MIXED, lanes), 7, lives, {5, 2})
-    assert frame.prompt_row == 2 and frame.program == MIXED
-    assert [lane.phase for lane in frame.lanes] == ["decode", "decode", "prefill"]
-    assert frame.lanes[2].prompt_tokens == tuple(range(100, 110))
-    assert frame.lanes[2].max_tokens == 1 and frame.lanes[2].page_table == (2, 3)
-    assert frame.lanes[0].position == 10 + 3 - 1 and frame.lanes[0].prompt_tokens == ()
-    assert frame.release_slots == (5,)  # slot 2 runs in this frame
-    assert decode(encode(frame)) == frame
+    lives = [live(2, sent=True), live(0, sent=True), live(1)]
+    made = build_frame(plan(MIXED, lanes, estimate=750_000), 7, lives, {5, 2})
+    assert made.prompt_row == 2 and made.program == MIXED
+    assert made.phase == column([0, 0, 1]) and made.query_len == column([1, 1, 10])
+    assert made.prompt_tokens == column(range(100, 110))
+    assert made.sampling == ((2, SamplingParams()),)
+    assert made.lanes[2].commits == 1 and made.lanes[2].pages == (2, 3)
+    assert made.page_count == column([0, 0, 2])  # the decoders' tables were sent before
+    assert made.position[0] == 10 + 3 - 1 and made.lanes[0].prompt_tokens == ()
+    assert made.release_slots == (5,)  # slot 2 runs in this frame
+    assert made.expected_ns == 750_000  # the plan's estimate
+    assert decode(encode(made)) == made
     # Decode-only and prompt-only mixed plans.
     decoders = build_frame(plan(MIXED, lanes[:2]), 8, lives[:2], set())
-    assert decoders.prompt_row == -1
+    assert decoders.prompt_row == -1 and decoders.expected_ns == 0
     alone = build_frame(plan(MIXED, lanes[2:]), 9, lives[2:], set())
     assert alone.prompt_row == 0
     # Separate programs keep -1.
     assert build_frame(plan(PREFILL, lanes[2:]), 10, lives[2:], set()).prompt_row == -1
     assert build_frame(plan(DECODE, lanes[:2]), 11, lives[:2], set()).prompt_row == -1
+
+
+def test_pages_go_out_once_per_generation():
+    request = live(1)
+    first = plan(PREFILL, (work(1, LanePhase.PREFILL, prompt_tokens=4),))
+    made = build_frame(first, 1, [request], set())
+    assert made.page_count == column([2]) and made.pages == column([2, 3])
+    # Building alone marks nothing: a frame that never left sends the table again.
+    assert build_frame(first, 1, [request], set()).pages == column([2, 3])
+    mark_pages_sent([request])
+    later = (work(1, LanePhase.PREFILL, prompt_tokens=6, start=4),)
+    chunk = build_frame(plan(PREFILL, later), 2, [request], set())
+    assert chunk.page_count == column([0]) and chunk.pages == column()
+    assert chunk.position == column([4]) and chunk.prompt_tokens == column(range(104, 110))
+    decoding = build_frame(plan(DECODE, (work(1, LanePhase.DECODE),)), 3, [request], set())
+    assert decoding.page_count == column([0])
+    # The slot's next tenant (a new generation) starts an empty table on the ranks.
+    request.reside(1, 2, (9, 4, 7))
+    lane = LaneWork(
+        RequestHandle(1), 1, 2, LanePhase.PREFILL, 0, 4, 0, 0, 1.0, 1.0, 1.0
+    )  # fmt: skip
+    fresh = build_frame(plan(PREFILL, (lane,)), 4, [request], set())
+    assert fresh.generation == column([2]) and fresh.pages == column([9, 4, 7])
 
 
 def test_build_frame_refuses_two_prompt_rows_and_unrunnable_kinds():

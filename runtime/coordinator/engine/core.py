@@ -36,6 +36,7 @@ from runtime.coordinator.engine.frames import (
     build_frame,
     completion_records,
     lane_logprobs,
+    mark_pages_sent,
 )
 from runtime.coordinator.engine.startup import ModelFacts, agree, collect_reports
 from runtime.coordinator.engine.stats import EngineStats, FrameStat
@@ -485,7 +486,7 @@ class Engine:
             if plan is None:
                 return sent
             fence = self._next_fence
-            frame, ignore_eos = self._frame(plan, fence)
+            frame, lives = self._frame(plan, fence)
             queued = scheduler.in_flight > 0
             scheduler.commit(plan, fence)
             self._next_fence += 1
@@ -495,13 +496,14 @@ class Engine:
             dispatch = Dispatch(
                 fence,
                 plan,
-                ignore_eos,
+                tuple(live.stream.ignore_eos for live in lives),
                 queued,
                 plan_ns,
                 sent_ns,
                 start_ns + plan.estimated_duration_ns,
             )
             channel.publish(frame)
+            mark_pages_sent(lives)
             self._inflight.append(dispatch)
             self._by_fence[fence] = dispatch
             self.stats.add(frames_sent=1)
@@ -516,7 +518,7 @@ class Engine:
         fence = self._next_fence
         self._next_fence += 1
         program = min(facts.descriptors, key=lambda d: (d.batch_capacity, d.prompt_capacity))
-        frame = Frame(fence, program, (), release_slots=tuple(sorted(self._release)))
+        frame = Frame(fence, program, release_slots=tuple(sorted(self._release)))
         self._release.clear()
         now = time.monotonic_ns()
         dispatch = Dispatch(fence, None, (), False, now, time.monotonic_ns(), now)
@@ -525,20 +527,18 @@ class Engine:
         self._by_fence[fence] = dispatch
         return True
 
-    def _frame(self, plan: ScheduledPlan, fence: int) -> tuple[Frame, tuple[bool, ...]]:
-        """The wire frame of ``plan`` and each lane's ignore_eos flag."""
+    def _frame(self, plan: ScheduledPlan, fence: int) -> tuple[Frame, list[Live]]:
+        """The wire frame of ``plan`` and its lanes' requests, in lane order."""
         scheduler = self.scheduler
         assert scheduler is not None
         lives = []
         for lane in plan.lanes:
             live = self._by_handle[lane.handle.id]
             if (live.slot, live.generation) != (lane.slot, lane.generation):
-                live.slot, live.generation = lane.slot, lane.generation
-                live.pages = tuple(scheduler.page_table(lane.handle))
+                live.reside(lane.slot, lane.generation, tuple(scheduler.page_table(lane.handle)))
                 live.stream.slot, live.stream.generation = lane.slot, lane.generation
             lives.append(live)
-        frame = build_frame(plan, fence, lives, self._release)
-        return frame, tuple(live.stream.ignore_eos for live in lives)
+        return build_frame(plan, fence, lives, self._release), lives
 
     # ------------------------------------------------------------------ completions
     def _on_message(self, message: object) -> bool:
@@ -597,7 +597,7 @@ class Engine:
         rank_ns = tuple(answers[rank].device_ns for rank in range(self._world))
         readiness = max(answer.readiness_delay_ns for answer in answers.values())
         timing = ExecutionTiming(rank_ns, readiness, now - dispatch.sent_ns, dispatch.queued)
-        records = completion_records(answers[0].lanes, dispatch.ignore_eos)
+        records = completion_records(answers[0], dispatch.ignore_eos)
         try:
             generated = scheduler.complete(dispatch.fence, records, timing)
         except CompletionError as exc:

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.engine.config import EngineError
 from runtime.coordinator.engine.stream import RequestStream
-from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan
+from runtime.coordinator.plan import LanePhase, ScheduledPlan
 from runtime.coordinator.records import CompletionRecord
 from runtime.coordinator.requests import RequestHandle
 from runtime.transport.api import TokenLogprobs
-from runtime.transport.schema import Completion, Frame, FrameLane, LaneResult
+from runtime.transport.schema import (
+    PHASE_DECODE,
+    PHASE_PREFILL,
+    Completion,
+    Frame,
+    SamplingParams,
+)
 
 RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.MIXED)
 
@@ -22,7 +29,11 @@ class Live:
     """A submitted request the scheduler still knows.
 
     ``slot``/``generation``/``pages``: its residency, learnt from its first
-    planned lane (the page table is the whole reservation, fixed while resident).
+    planned lane (the page table is the whole reservation, fixed while
+    resident).  ``pages_sent``: how many of ``pages`` the ranks have been sent
+    for this generation; frames append only the rest (:func:`build_frame`,
+    :func:`mark_pages_sent`), so the generation's first lane carries the whole
+    table and later lanes none.
     """
 
     stream: RequestStream
@@ -30,6 +41,12 @@ class Live:
     slot: int = -1
     generation: int = 0
     pages: tuple[int, ...] = ()
+    pages_sent: int = 0
+
+    def reside(self, slot: int, generation: int, pages: tuple[int, ...]) -> None:
+        """A new (slot, generation): the ranks start its page table empty."""
+        self.slot, self.generation = slot, generation
+        self.pages, self.pages_sent = pages, 0
 
 
 @dataclass(slots=True)
@@ -51,73 +68,106 @@ class Dispatch:
     answers: dict[int, Completion] = field(default_factory=dict)  # by rank
 
 
-def frame_lane(lane: LaneWork, live: Live) -> FrameLane:
-    """One lane of a frame.
-
-    Prefill: the prompt chunk, written from ``prompt_start``.  Decode: no
-    tokens (the ranks hold the pending token); ``position`` is the pending
-    token's KV position, prompt + committed + in-flight output - 1, which is
-    ``prompt_len + output_start - 1``.
-    """
-    stream = live.stream
-    if lane.phase is LanePhase.PREFILL:
-        start = lane.prompt_start
-        return FrameLane(
-            lane.slot,
-            lane.generation,
-            "prefill",
-            start,
-            stream.prompt_token_ids[start : start + lane.prompt_tokens],
-            start,
-            live.pages,
-            lane.max_tokens,
-            stream.sampling,
-        )
-    return FrameLane(
-        lane.slot,
-        lane.generation,
-        "decode",
-        lane.prompt_start,
-        (),
-        len(stream.prompt_token_ids) + lane.output_start - 1,
-        (),  # the ranks keep the slot's pages from its prefill
-        1,
-        None,  # and its sampling settings
-    )
-
-
 def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release: set[int]) -> Frame:
     """``plan`` as the frame of ``fence``; ``lives`` in lane order.
+
+    Columns are filled lane by lane.  Prefill: the prompt chunk, written from
+    ``prompt_start``, and the request's sampling settings.  Decode: no tokens
+    (the ranks hold the pending token); ``position`` is the pending token's KV
+    position, prompt + committed + in-flight output - 1, which is
+    ``prompt_len + output_start - 1``.  Every lane appends the pages of its
+    request the ranks have not been sent yet (``Live.pages_sent``; this does
+    not mark them sent: :func:`mark_pages_sent` does, once the frame is out).
 
     ``release``: retired slots whose rank state may go; a slot that a new
     tenant occupies in this frame is left out (its new generation replaces the
     state anyway).  A mixed plan's ``prompt_row`` is the index of its prefill
-    lane (-1 when it has none); it may have at most one.
+    lane (-1 when it has none); it may have at most one.  ``expected_ns``: the
+    plan's duration estimate (0 when the scheduler has none).
     """
     kind = plan.graph.kind
     if kind not in RUNNABLE_KINDS:
         raise EngineError(f"fence {fence}: the engine cannot run {kind.value} programs yet")
-    lanes = tuple(frame_lane(lane, live) for lane, live in zip(plan.lanes, lives, strict=True))
-    released = tuple(sorted(release - {lane.slot for lane in plan.lanes}))
+    slot: list[int] = []
+    generation: list[int] = []
+    phase: list[int] = []
+    position: list[int] = []
+    query_len: list[int] = []
+    commits: list[int] = []
+    prompt_start: list[int] = []
+    prompt_tokens: list[int] = []
+    page_count: list[int] = []
+    pages: list[int] = []
+    sampling: list[tuple[int, SamplingParams]] = []
+    for i, (lane, live) in enumerate(zip(plan.lanes, lives, strict=True)):
+        stream = live.stream
+        slot.append(lane.slot)
+        generation.append(lane.generation)
+        prompt_start.append(lane.prompt_start)
+        if lane.phase is LanePhase.PREFILL:
+            start, count = lane.prompt_start, lane.prompt_tokens
+            phase.append(PHASE_PREFILL)
+            position.append(start)
+            query_len.append(count)
+            commits.append(lane.max_tokens)
+            prompt_tokens += stream.prompt_token_ids[start : start + count]
+            sampling.append((i, stream.sampling))
+        else:
+            phase.append(PHASE_DECODE)
+            position.append(len(stream.prompt_token_ids) + lane.output_start - 1)
+            query_len.append(1)
+            commits.append(1)
+        unsent = live.pages[live.pages_sent :]
+        page_count.append(len(unsent))
+        pages += unsent
     prompt_row = -1
     if kind is GraphKind.MIXED:
-        prefill = [i for i, lane in enumerate(plan.lanes) if lane.phase is LanePhase.PREFILL]
+        prefill = [i for i, _ in sampling]
         if len(prefill) > 1:
             raise EngineError(f"fence {fence}: a mixed plan has {len(prefill)} prefill lanes")
         prompt_row = prefill[0] if prefill else -1
-    return Frame(fence, plan.graph, lanes, prompt_row, released)
+    return Frame(
+        fence,
+        plan.graph,
+        slot=array("q", slot),
+        generation=array("q", generation),
+        phase=array("q", phase),
+        position=array("q", position),
+        query_len=array("q", query_len),
+        commits=array("q", commits),
+        prompt_start=array("q", prompt_start),
+        prompt_tokens=array("q", prompt_tokens),
+        page_count=array("q", page_count),
+        pages=array("q", pages),
+        sampling=tuple(sampling),
+        prompt_row=prompt_row,
+        release_slots=tuple(sorted(release.difference(slot))),
+        expected_ns=plan.estimated_duration_ns,
+    )
+
+
+def mark_pages_sent(lives: Sequence[Live]) -> None:
+    """After a frame of ``lives`` is out: the ranks now hold every page of theirs."""
+    for live in lives:
+        live.pages_sent = len(live.pages)
 
 
 def completion_records(
-    results: Sequence[LaneResult], ignore_eos: Sequence[bool]
+    completion: Completion, ignore_eos: Sequence[bool]
 ) -> list[CompletionRecord]:
-    """Rank 0's lane results as scheduler records; a "stop" of an ignore_eos lane is dropped."""
+    """Rank 0's lane columns as scheduler records; a "stop" of an ignore_eos lane is dropped."""
     records = []
-    for i, result in enumerate(results):
-        reason = result.finish_reason
-        if reason == "stop" and i < len(ignore_eos) and ignore_eos[i]:
-            reason = None
-        records.append(CompletionRecord(result.slot, result.generation, result.tokens, reason))
+    tokens = completion.tokens
+    end = 0
+    columns = zip(
+        completion.slot, completion.generation, completion.token_count, completion.finished
+    )
+    for i, (slot, generation, count, finished) in enumerate(columns):
+        start, end = end, end + count
+        stop = finished and not (i < len(ignore_eos) and ignore_eos[i])
+        records.append(
+            CompletionRecord(slot, generation, tuple(tokens[start:end]), "stop" if stop else None)
+        )
     return records
 
 
