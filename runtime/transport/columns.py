@@ -2,13 +2,17 @@
 
 A columnar message (``Frame``, ``Completion``) stores each per-lane field as
 one :class:`array.array` of typecode ``'q'`` (int64) instead of one object per
-lane, so that decoding is one ``frombytes`` per column and validation is a few
-whole-column operations (``min``, ``max``, ``sum``, ``len(set())``, ``count``)
-done in C.  On the wire each column is a msgpack ``bin`` holding the values as
-little-endian int64; a big-endian host byteswaps on the way in and out.
+lane, so that decoding is one copy of the bytes per column and validation is a
+few whole-column operations done in C: range checks of every lane column at
+once as one big integer of 64-bit lanes (:class:`LaneRanges`,
+:func:`check_range`), constant columns as one bytes comparison
+(:func:`all_equal`), ``len(set())``, ``sum``, slicing.  On the wire each column
+is a msgpack ``bin`` holding the values as little-endian int64; a big-endian
+host byteswaps on the way in and out.
 
-For the device side, a column is a writable buffer: ``memoryview(col)`` or
-:func:`column_to_torch` (``torch.frombuffer``, no copy) read it in place.
+For the device side, a column is a writable buffer: ``memoryview(col)``,
+``numpy.frombuffer(col, dtype=numpy.int64)`` or :func:`column_to_torch`
+(``torch.frombuffer``) read it in place, without a copy.
 
 This module imports no torch: :func:`column_to_torch` imports it when called.
 """
