@@ -14,7 +14,10 @@ Sampling comes in three captured *variants* of the same shape, chosen per
 frame from its lanes' settings (:data:`VARIANTS`): ``argmax`` (every lane
 greedy with no bias, penalty or ``min_tokens``: one argmax), ``sample`` (the
 full sampler, logit adjustments and the per-slot penalty state) and
-``logprobs`` (``sample`` plus the raw log probabilities).  The variants share
+``logprobs`` (``sample`` plus the raw log probabilities).  Settings are fixed
+per request, so a request that needs the full sampler runs every frame in
+``sample`` or ``logprobs`` and its penalty state stays exact; the state of a
+slot whose settings never need it is not maintained (nothing reads it).  The variants share
 the shape's one cost entry (the spec keys costs by physical shape); their cost
 spread is reported by ``scripts/bench_rank_host.py`` and ``scripts/gpu_check.py``.
 
