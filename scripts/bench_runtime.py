@@ -22,8 +22,8 @@ once and reports:
   isolated frames (what the host adds to a real frame).
 
 Then it runs transformers' ``generate`` on the same checkpoint, one request at a
-time and batched, for comparison.  The last line is one JSON object with every
-figure printed.
+time and batched at each concurrency above 1, for comparison.  The last line
+is one JSON object with every figure printed.
 """
 
 from __future__ import annotations
@@ -144,13 +144,20 @@ def run_transformers(args: argparse.Namespace, vocab: int) -> dict:
         out["one_at_a_time_tokens_per_s"] = (
             runs * args.output_tokens / (time.perf_counter() - start)
         )
-        batch = torch.tensor(prompts(8, args.prompt_tokens, vocab))
-        start = time.perf_counter()
-        model.generate(batch, attention_mask=torch.ones_like(batch), **kwargs)
-        out["batched_8_tokens_per_s"] = 8 * args.output_tokens / (time.perf_counter() - start)
+        for c in (c for c in args.concurrency if c > 1):
+            batch = torch.tensor(prompts(c, args.prompt_tokens, vocab))
+            mask = torch.ones_like(batch)
+            model.generate(batch, attention_mask=mask, **kwargs)  # warm-up at this size
+            start = time.perf_counter()
+            model.generate(batch, attention_mask=mask, **kwargs)
+            seconds = time.perf_counter() - start
+            out[f"batched_{c}_tokens_per_s"] = c * args.output_tokens / seconds
+    batched = ", ".join(
+        f"{out[k]:.1f} tok/s batched ({k.split('_')[1]})" for k in out if k.startswith("batched")
+    )
     print(
         f"transformers generate: {out['one_at_a_time_tokens_per_s']:.1f} tok/s one at a time, "
-        f"{out['batched_8_tokens_per_s']:.1f} tok/s batched (8)"
+        f"{batched} (torch threads: {torch.get_num_threads()})"
     )
     return out
 
