@@ -139,7 +139,12 @@ class FrameInputs:
 
 class HostStaging:
     """Host int64 buffers for packing frames: pinned on CUDA, two of them, used in
-    turn, so packing frame N+1 never overwrites memory frame N's copy still reads."""
+    turn, so packing frame N+1 never overwrites memory frame N's copy still reads.
+
+    Each buffer keeps a memo of what it was last packed with (see
+    :meth:`~runtime.ranks.programs.PreparedProgram.pack`), so a steady decode
+    frame rewrites only the fields that changed since.
+    """
 
     def __init__(self, size: int, device: torch.device, buffers: int = 2) -> None:
         pin = device.type == "cuda"
@@ -147,9 +152,16 @@ class HostStaging:
             torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(buffers)
         ]
         self.arrays = [t.numpy() for t in self.tensors]
+        self.memos: list[list] = [[None] for _ in range(buffers)]
         self._next = 0
+        self.current = 0
 
     def take(self) -> tuple[torch.Tensor, np.ndarray]:
-        i = self._next
+        i = self.current = self._next
         self._next = (i + 1) % len(self.tensors)
         return self.tensors[i], self.arrays[i]
+
+    @property
+    def memo(self) -> list:
+        """The memo of the buffer :meth:`take` returned last (a one-item list)."""
+        return self.memos[self.current]

@@ -20,6 +20,7 @@ generation) is new starts an empty table.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,7 @@ class CheckedFrame:
     sampling: dict[int, SamplingParams]  # lane -> params (prefill lanes)
     full: bool  # some lane needs the full sampler (non-greedy, bias, penalties, min_tokens)
     logprobs: int  # the most log probabilities a lane asks for; -1: none
+    steady: bool = False  # the previous frame's decode lanes, one token on (see check)
 
     @property
     def lanes(self) -> int:
@@ -97,6 +99,13 @@ class SlotTable:
         self.logprobs[:] = -1
         self.step = self._state[:, 6]
         self.settings: list[SamplingParams | None] = [None] * num_slots
+        # The steady decode path: the last applied frame when it was decode-only
+        # with no pages, settings or releases; the positions its lanes continue
+        # at (as the wire's column, so a frame compares in one C call), and the
+        # context each lane's pages and the maximum context allow.
+        self._last: CheckedFrame | None = None
+        self._expected = array("q")
+        self._capacity = np.zeros(0, np.int64)
 
     def holds(self, slot: int) -> bool:
         return bool(self.generation[slot])
@@ -104,8 +113,14 @@ class SlotTable:
     def check(self, frame: Frame, vocab: int) -> CheckedFrame:
         """Check ``frame`` against the table with column operations; nothing changes.
 
-        Raises :class:`FrameError` naming the first offending lane.
+        Raises :class:`FrameError` naming the first offending lane.  A frame
+        that continues the last applied one (the same decode lanes, one token
+        on, no pages, settings or releases) is checked by comparing its columns
+        with what that frame left: the steady decode path.
         """
+        steady = self._steady(frame)
+        if steady is not None:
+            return steady
         slot = column(frame.slot)  # distinct, inside [0, MAX_SLOTS) by schema
         generation = column(frame.generation)
         position = column(frame.position)
@@ -176,6 +191,46 @@ class SlotTable:
             logprobs=logprobs,
         )
 
+    def _steady(self, frame: Frame) -> CheckedFrame | None:
+        last = self._last
+        if (
+            last is None
+            or frame.release_slots
+            or frame.sampling
+            or frame.pages
+            or frame.slot != last.frame.slot
+            or frame.generation != last.frame.generation
+            or frame.phase != last.frame.phase
+            or frame.query_len != last.frame.query_len
+            or frame.commits != last.frame.commits
+            or frame.page_count != last.frame.page_count
+            or frame.position != self._expected
+        ):
+            return None
+        position = column(frame.position)
+        context = position + last.query_len
+        if (context > self._capacity).any():
+            return None  # the general check names the lane
+        return CheckedFrame(
+            frame=frame,
+            slot=last.slot,
+            generation=last.generation,
+            prefill=last.prefill,
+            position=position,
+            query_len=last.query_len,
+            commits=last.commits,
+            starts=last.starts,
+            step=last.step + last.commits,
+            page_base=last.page_base,
+            page_count=last.page_count,
+            pages=last.pages,
+            prompt_tokens=last.prompt_tokens,
+            sampling={},
+            full=last.full,
+            logprobs=last.logprobs,
+            steady=True,
+        )
+
     def _lane_error(self, frame: Frame, i: int, known: bool, prefill: bool) -> str:
         slot, gen = int(column(frame.slot)[i]), int(column(frame.generation)[i])
         head = f"fence {frame.fence}: lane {i}"
@@ -197,26 +252,40 @@ class SlotTable:
     def apply(self, checked: CheckedFrame) -> None:
         """Apply a checked frame at launch: releases, positions, steps, pages, settings."""
         frame = checked.frame
-        for slot in frame.release_slots:
-            self.generation[slot] = 0
-            self.settings[slot] = None
         slot = checked.slot
-        self.generation[slot] = checked.generation
-        self.next_position[slot] = checked.context
-        self.page_count[slot] = checked.page_base + checked.page_count
-        commits = checked.commits > 0
+        context = checked.context
+        self.next_position[slot] = context
         self.step[slot] = checked.step + checked.commits
-        self.pending[slot] = np.where(checked.starts, 0, self.pending[slot]) | commits
-        for i, params in checked.sampling.items():
-            if checked.starts[i]:
-                s = int(slot[i])
-                self.settings[s] = params
-                self.full[s] = int(needs_full(params))
-                self.logprobs[s] = params.logprobs
+        if not checked.steady:
+            for released in frame.release_slots:
+                self.generation[released] = 0
+                self.settings[released] = None
+            self.generation[slot] = checked.generation
+            self.page_count[slot] = checked.page_base + checked.page_count
+            commits = checked.commits > 0
+            self.pending[slot] = np.where(checked.starts, 0, self.pending[slot]) | commits
+            for i, params in checked.sampling.items():
+                if checked.starts[i]:
+                    s = int(slot[i])
+                    self.settings[s] = params
+                    self.full[s] = int(needs_full(params))
+                    self.logprobs[s] = params.logprobs
+            eligible = not (
+                frame.release_slots or frame.sampling or frame.pages or checked.prefill.any()
+            )
+            self._last = checked if eligible else None
+            if eligible:
+                held = (checked.page_base + checked.page_count) * self.page_size
+                self._capacity = np.minimum(held, self.max_context)
+        else:
+            self._last = checked
+        if self._last is not None:
+            self._expected = array("q", context.tobytes())
 
     def release(self, slot: int) -> None:
         self.generation[slot] = 0
         self.settings[slot] = None
+        self._last = None
 
 
 def needs_full(params: SamplingParams) -> bool:

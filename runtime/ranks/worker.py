@@ -180,7 +180,7 @@ class RankWorker:
             self.slots.apply(checked)
             return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
         tensor, array_ = self.staging.take()
-        used, width = program.pack(checked, array_)  # may refuse: nothing changed yet
+        used, width = program.pack(checked, array_, self.staging.memo)  # may refuse
         t2 = time.perf_counter_ns()
         self._update_rows(checked)
         host = self._host[self._next_host]
