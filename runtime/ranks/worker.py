@@ -13,7 +13,9 @@ validation), ``validate`` (against the slot table), ``pack`` (the lane columns
 into the host arena), ``launch`` (copies and the replay), ``wait`` (until the
 device finishes) and ``publish`` (the completion built and sent).  The slot
 table is updated at launch, so on CUDA the loop checks and packs frame N+1
-while frame N runs (the spec's two-slot queue, seen from the rank) and polls
+while frame N runs (the spec's two-slot queue, seen from the rank; a third
+waits in the socket until the first is answered, since the host buffers are
+double) and polls
 events instead of blocking, watching each frame's deadline (``multiple`` x
 its expected duration + a margin); a missed deadline is reported as an error
 completion naming the fence and the rank, and the rank exits.  On CPU frames
@@ -304,6 +306,8 @@ class RankWorker:
                 head_since = time.monotonic_ns()
                 self._publish(channel, item)
                 spin = spin_us
+            if sum(isinstance(item, Launch) for _, item, _ in queue) >= len(self._host):
+                continue  # both host buffers are in flight: the head must finish first
             t0 = time.perf_counter_ns()
             message = channel.recv(timeout_ms=0 if queue else 1000, spin_us=0 if queue else spin)
             received = time.perf_counter_ns() - t0
@@ -312,9 +316,8 @@ class RankWorker:
             spin = 0
             if isinstance(message, Control):
                 if message.command == "shutdown":
-                    for _, item, _ in queue:
-                        if isinstance(item, Launch):
-                            item.wait()
+                    while queue:  # the frames in flight finish and are answered first
+                        self._publish(channel, queue.popleft()[1])
                     return
                 continue
             if not isinstance(message, Frame):
