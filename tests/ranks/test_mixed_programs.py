@@ -13,11 +13,13 @@ import math
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.ranks.arena import LANE_FIELDS, SCALARS, FrameInputs, int_size
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import load_model
 from runtime.ranks.model.attention import (
@@ -29,16 +31,18 @@ from runtime.ranks.model.attention import (
 )
 from runtime.ranks.model.kv_cache import PagedKVCache
 from runtime.ranks.model.parallel import TPGroup
-from runtime.ranks.programs import (
-    PreparedProgram,
-    ProgramError,
-    ProgramInputs,
-    ProgramShape,
-)
-from runtime.ranks.slots import FrameError, LaneInput
+from runtime.ranks.programs import PreparedProgram, ProgramError, ProgramShape
+from runtime.ranks.slots import FrameError
 from runtime.ranks.worker import RankWorker
-from runtime.transport.schema import Frame, FrameLane, SamplingParams, tensor_to_torch
+from runtime.transport.schema import (
+    Frame,
+    FrameLane,
+    ProtocolError,
+    SamplingParams,
+    tensor_to_torch,
+)
 from tests.checkpoints import greedy, write_tiny
+from tests.ranks.rank_state import changed, record_forwards, slot_row, snapshot
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request
@@ -103,12 +107,13 @@ class Driver:
         prompt = PROMPTS[slot]
         last = 1 if end == len(prompt) else 0
         chunk = tuple(prompt[start:end])
-        return FrameLane(slot, 1, "prefill", start, chunk, start, pages(slot), last, SAMPLING)
+        table = pages(slot) if start == 0 else ()  # the first chunk brings the table
+        return FrameLane(slot, 1, "prefill", start, chunk, start, table, last, SAMPLING)
 
     def run(self, program: GraphDescriptor, rows: list[tuple], prompt_row: int = -1):
         self.fence += 1
         lanes = tuple(self.lane(row) for row in rows)
-        completion = self.w.execute(Frame(self.fence, program, lanes, prompt_row))
+        completion = self.w.execute(Frame.from_lanes(self.fence, program, lanes, prompt_row))
         assert completion.error is None and completion.device_ns > 0
         for lane in lanes:
             self.position[lane.slot] = (
@@ -117,9 +122,10 @@ class Driver:
             )  # fmt: skip
         if self.w.rank == 0:
             values = tensor_to_torch(completion.sidecars["logprobs"])  # (R, 1 + K)
-            for i, (lane, result) in enumerate(zip(lanes, completion.lanes)):
+            results = completion.lane_results()
+            for i, (lane, result) in enumerate(zip(lanes, results, strict=True)):
                 assert (result.slot, result.generation) == (lane.slot, lane.generation)
-                assert len(result.tokens) == lane.max_tokens  # a prompt chunk may commit none
+                assert len(result.tokens) == lane.commits  # a prompt chunk may commit none
                 self.tokens.setdefault(lane.slot, []).extend(result.tokens)
                 if result.tokens:
                     self.logprobs.setdefault(lane.slot, []).append(values[i].tolist())
@@ -167,7 +173,7 @@ def run_schedule(d: Driver, use_mixed: bool) -> None:
             for prog, prog_rows in separate:
                 d.run(prog, prog_rows)
     while True:  # decode every request to NEW tokens
-        behind = [s for s in range(4) if d.w.slots.state(s).step < NEW]
+        behind = [s for s in range(4) if d.w.slots.step[s] < NEW]
         if not behind:
             break
         batch = next(b for b in (1, 2, 4) if b >= len(behind))
@@ -183,8 +189,15 @@ def scenario(path: str, group: TPGroup, rank: int, world: int) -> dict:
         run_schedule(d, use_mixed)
         name = "mixed" if use_mixed else "separate"
         out[name] = {"tokens": d.tokens, "logprobs": d.logprobs}
-        out[f"{name}_pending"] = {s: d.w.slots.state(s).pending_token for s in range(4)}
-        caches.append(d.w.model.kv_cache._storage)
+        # Each slot's pending token, on the device (the next decode's input).
+        pending = {s: int(d.w.arena.pending[s]) for s in range(4)}
+        assert all(d.w.slots.pending[s] for s in range(4))
+        if rank == 0:
+            assert pending == {s: d.tokens[s][-1] for s in range(4)}
+        out[f"{name}_pending"] = pending
+        cache = d.w.model.kv_cache
+        # The visible slots: padding writes the hidden scratch slot, whatever it holds.
+        caches.append(cache._storage[:, :, : cache.num_slots])
     out["kv_max_diff"] = float((caches[0] - caches[1]).abs().max())
     out["kv_written"] = float(caches[0].abs().sum())
     return out
@@ -260,7 +273,16 @@ def test_inactive_rows_and_unused_capacity_mutate_nothing(checkpoint):
     def slot_of(slot: int, position: int) -> int:
         return pages(slot)[position // PAGE] * PAGE + position % PAGE
 
-    state1 = vars(d.w.slots.state(1)).copy()
+    def device_rows(slots: list[int]) -> dict[str, torch.Tensor]:
+        """Those slots' arena rows and penalty state, as they are now."""
+        state = snapshot(d.w)
+        return {k: v[slots] for k, v in state.items() if k.startswith(("arena.", "penalties."))}
+
+    def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    others = [s for s in range(64) if s not in (0, 3)]  # slot 1 sits out, the rest are empty
+    state1, rows = slot_row(d.w, 1), device_rows(others)
     position0 = d.position[0]
     # B=4, C=128: a 40-token prompt chunk (slot 3, lane 1) and one decoder (slot
     # 0): two padded rows, 131 - 41 unused token rows; slot 1 sits out.
@@ -269,16 +291,17 @@ def test_inactive_rows_and_unused_capacity_mutate_nothing(checkpoint):
     assert changed_slots(before) == sorted(
         [slot_of(0, position0)] + [slot_of(3, p) for p in range(40)]
     )
-    assert vars(d.w.slots.state(1)) == state1 and d.w.slots.state(2) is None
-    state3 = d.w.slots.state(3)
-    assert (state3.next_position, state3.step, state3.pending_token) == (40, 0, None)
+    assert slot_row(d.w, 1) == state1 and not d.w.slots.holds(2)
+    assert same(device_rows(others), rows)
+    state3 = slot_row(d.w, 3)
+    assert (state3["next_position"], state3["step"], state3["pending"]) == (40, 0, 0)
     assert d.tokens[3] == []  # a chunk short of the prompt end commits no token
     # A prompt-only population: the prompt's last 60 tokens, no decoders.
     before = cache._storage[:, :, :num_slots].clone()
     d.run(mixed(4, 128), [("prefill", 3, 40, 100)], 0)
     assert changed_slots(before) == [slot_of(3, p) for p in range(40, 100)]
     assert d.tokens[3] == reference[3][:1]  # the prompt row's first token
-    assert vars(d.w.slots.state(1)) == state1
+    assert slot_row(d.w, 1) == state1 and same(device_rows(others), rows)
 
 
 # ---------------------------------------------------------------- shape and arena
@@ -297,83 +320,134 @@ def test_mixed_program_shape_is_the_spec_packed_extent():
 def test_wider_mixed_programs_are_refused_until_speculation(checkpoint):
     path, _ = checkpoint
     w = make_worker(path)
-    any_program = next(iter(w.programs.values()))
     wide = GraphDescriptor(GraphKind.MIXED, 4, token_capacity=2, proposal_depth=1,
                            prompt_capacity=64)  # fmt: skip
     with pytest.raises(ProgramError, match="W > 1"):
-        PreparedProgram(wide, w.model, any_program.outputs, PAGE, any_program.max_pages)
+        PreparedProgram(wide, w.model, w.outputs, w.arena, PAGE)
 
 
-def lane_input(slot: int, tokens, start: int) -> LaneInput:
-    return LaneInput(slot, 1, tuple(tokens), start, pages(slot), True, SAMPLING, 0)
+def run_lanes(w: RankWorker, fence: int, program, lanes, prompt_row: int = -1):
+    completion = w.execute(Frame.from_lanes(fence, program, lanes, prompt_row))
+    assert completion.error is None
+    return completion
+
+
+def first_chunk(slot: int, tokens, commits: int = 1) -> FrameLane:
+    return FrameLane(slot, 1, "prefill", 0, tuple(tokens), 0, pages(slot), commits, SAMPLING)
+
+
+def decoder(slot: int, position: int) -> FrameLane:
+    return FrameLane(slot, 1, "decode", 0, (), position, (), 1)
 
 
 def test_packed_offsets_are_prefix_sums_of_query_lengths_whatever_the_slots(checkpoint):
+    """Decoders at positions 10 and 4 around a 37-token prompt row: what the
+    program derives on the device from the lanes' query lengths, start positions
+    and slots (the forward's inputs), in lane order whatever the slots."""
     path, _ = checkpoint
-    w = make_worker(path)
-    program = w.programs[mixed(4, 64).key]
-    rows = [(3, [7], 10), (0, list(range(20, 57)), 0), (2, [9], 4)]  # prompt row: lane 1
-    for slots in ([3, 0, 2], [1, 2, 0], [2, 3, 1]):
-        inputs = [lane_input(s, toks, at) for s, (_, toks, at) in zip(slots, rows)]
-        program._fill(inputs, prompt_row=1)
-        x = program.inputs
-        assert x.query_lens.tolist() == [1, 37, 1, 0]
-        assert x.query_start().tolist() == [0, 1, 38, 39]  # lane order, not slot order
-        assert x.logits_indices(x.query_start()).tolist() == [0, 37, 38, 38]
-        assert x.input_ids[:39].tolist() == [7, *range(20, 57), 9]
-        assert x.positions[:39].tolist() == [10, *range(37), 4]
-        assert x.prefill_row.tolist() == [1]
-        slot_of = [pages(s)[p // PAGE] * PAGE + p % PAGE for s, p in zip(slots, (10, 0, 4))]
-        assert x.slot_mapping[[0, 1, 38]].tolist() == slot_of
-        assert (x.slot_mapping[39:] == -1).all()  # unused token capacity writes nothing
-        assert x.context_lens.tolist() == [11, 37, 5, 0]
+    for a, b, c in ([3, 0, 2], [1, 2, 0], [2, 3, 1]):
+        w = make_worker(path)
+        run_lanes(w, 1, prefill_program(64), [first_chunk(a, range(60, 70))])
+        run_lanes(w, 2, prefill_program(64), [first_chunk(c, (11, 12, 13, 14))])
+        pending = int(w.arena.pending[a]), int(w.arena.pending[c])
+        forwards = record_forwards(w)
+        lanes = [decoder(a, 10), first_chunk(b, range(20, 57), commits=0), decoder(c, 4)]
+        run_lanes(w, 3, mixed(4, 64), lanes, prompt_row=1)
+        (forward,) = forwards
+        meta = forward["meta"]
+        assert meta.query_lens.tolist() == [1, 37, 1, 0]
+        assert meta.query_start.tolist() == [0, 1, 38, 39]  # lane order, not slot order
+        assert forward["last"].tolist() == [0, 37, 38, 38]  # each lane's logits row
+        # Decoders read their slot's pending token on the device.
+        assert forward["input_ids"][:39].tolist() == [pending[0], *range(20, 57), pending[1]]
+        assert forward["positions"][:39].tolist() == [10, *range(37), 4]
+        assert meta.prefill_row.tolist() == [1]
+        slot_of = [pages(s)[p // PAGE] * PAGE + p % PAGE for s, p in zip((a, b, c), (10, 0, 4))]
+        assert meta.slot_mapping[[0, 1, 38]].tolist() == slot_of
+        assert (meta.slot_mapping[39:] == -1).all()  # unused token capacity writes nothing
+        assert meta.context_lens.tolist() == [11, 37, 5, 0]
     # The derivation is tensor ops on the arena: a new length moves every later offset.
-    x.query_lens[0] = 2
-    assert x.query_start().tolist() == [0, 2, 39, 40]
+    program = w.programs[mixed(4, 64).key]
+    program.inputs.query_lens[0] = 2
+    program._body("argmax", program.max_pages)
+    assert forwards[-1]["meta"].query_start.tolist() == [0, 2, 39, 40]
     assert packed_query_start(torch.tensor([0, 3, 0, 2])).tolist() == [0, 0, 3, 3]
 
 
 def test_one_query_length_upload_and_no_uploaded_offsets(checkpoint):
     path, _ = checkpoint
-    names = [f.name for f in dataclasses.fields(ProgramInputs)]
+    names = [f.name for f in dataclasses.fields(FrameInputs)]
+    assert names == [*LANE_FIELDS, *SCALARS, "input_ids"]
     assert "query_lens" in names and "prefill_row" in names
-    assert not {"query_start", "logits_indices", "cu_seqlens"} & set(names)
+    derived = {"query_start", "logits_indices", "cu_seqlens", "positions", "slot_mapping",
+               "context_lens", "page_tables"}  # fmt: skip
+    assert not derived & set(names)
     w = make_worker(path)
     program = w.programs[mixed(2, 128).key]
-    n, lanes, p = program.shape.tokens, program.shape.lanes, program.max_pages
+    n, lanes, scratch = program.shape.tokens, program.shape.lanes, w.arena.scratch
     assert (n, lanes) == (129, 2)
-    # Per token: ids, positions, slots; per lane: 8 fields (6 + the two penalty-state
-    # rows); prefill_row, reset_row, prompt_lane; the page table.
-    assert (
-        program._ints.numel()
-        == ProgramInputs.int_size(n, lanes, p)
-        == 3 * n + 8 * lanes + 3 + 2 * p
-    )
-    program._fill([], full_width=True)  # what capture binds: all padding, no prompt row
+    # Per token: its id; per lane: 6 fields (slot row, query length, start
+    # position, step, commit row, from pending); prefill_row, reset_row,
+    # prompt_lane.  No page table: the slots' rows live in the arena.
+    assert program._ints.numel() == int_size(n, lanes) == n + 6 * lanes + 3
+    # A frame packs the lanes and the tokens it feeds, nothing per page.
+    Driver(w).run(prefill_program(64), [("prefill", 0, 0, len(PROMPTS[0]))])
+    checked = w.slots.check(Frame.from_lanes(9, mixed(2, 128), [decoder(0, 5)]), w.vocab)
+    host = np.full(program.int_size, -7, np.int64)
+    assert program.pack(checked, host) == (6 * lanes + 3 + 1, 1)
+    packed = FrameInputs.over(torch.from_numpy(host), n, lanes)
+    assert packed.query_lens.tolist() == [1, 0] and packed.state_row.tolist() == [0, scratch]
+    assert packed.prefill_row.tolist() == [-1] and packed.from_pending.tolist() == [1, 0]
+    # What capture binds: all padding, the whole page-table width, nothing written.
+    forwards = record_forwards(w)
+    before = snapshot(w)
+    program._pad()
     x = program.inputs
-    assert x.prefill_row.tolist() == [-1] and (x.query_lens == 0).all()
-    assert (x.slot_mapping == -1).all() and (x.page_tables == -1).all()
+    assert (x.query_lens == 0).all() and (x.state_row == scratch).all()
+    assert (x.count_row == scratch).all()
+    program._body("argmax", program.max_pages)
+    meta = forwards[-1]["meta"]
+    assert meta.page_tables.shape == (lanes, program.max_pages)
+    assert (meta.slot_mapping == -1).all() and (meta.page_tables == -1).all()
+    assert changed(before, snapshot(w)) == []
 
 
-def test_programs_refuse_rows_that_do_not_fit_their_role(checkpoint):
+def test_frames_and_programs_refuse_rows_that_do_not_fit_their_role(checkpoint):
+    """The schema refuses a prompt row that is not the frame's one prefill lane;
+    a program refuses lanes beyond its rows or roles; nothing changes."""
     path, _ = checkpoint
     w = make_worker(path)
-    program = w.programs[mixed(4, 64).key]
-    chunk = lane_input(0, range(10), 0)
-    decoder = lane_input(1, [5], 3)
-    program._fill([decoder, chunk], prompt_row=1)  # fits
-    with pytest.raises(ProgramError, match="do not fit"):
-        program._fill([decoder, chunk], prompt_row=0)  # a 10-token row is not the prompt row
-    with pytest.raises(ProgramError, match="do not fit"):
-        program._fill([decoder, chunk], prompt_row=-1)
-    with pytest.raises(ProgramError, match="do not fit"):
-        program._fill([lane_input(0, range(65), 0)], prompt_row=0)  # beyond C
-    with pytest.raises(ProgramError, match="prompt row"):
-        program._fill([decoder], prompt_row=1)  # no such lane
-    with pytest.raises(ProgramError, match="prompt row"):
-        w.programs[decode_program(2).key]._fill([decoder], prompt_row=0)
-    with pytest.raises(ProgramError, match="prompt row"):
-        w.programs[prefill_program(64).key]._fill([chunk], prompt_row=0)
+    d = Driver(w)
+    d.run(prefill_program(64), [("prefill", 1, 0, len(PROMPTS[1]))])
+    chunk, decode = d.lane(("prefill", 3, 0, 10)), d.lane(("decode", 1))
+    fits = Frame.from_lanes(1, mixed(4, 64), [decode, chunk], prompt_row=1)
+    before = snapshot(w)
+    for program, lanes, row, reason in [
+        (mixed(4, 64), [decode, chunk], 0, "not a prefill lane"),  # a 10-token row
+        (mixed(4, 64), [decode, chunk], -1, "must name the prefill lane"),
+        (mixed(4, 64), [d.lane(("prefill", 3, 0, 65))], 0, "prompt_capacity"),  # beyond C
+        (mixed(4, 64), [decode], 1, "prompt_row"),  # no such lane
+        (mixed(4, 64), [chunk, d.lane(("prefill", 2, 0, 1))], 0, "one prefill lane at most"),
+        (decode_program(2), [decode], 0, "prompt_row"),
+        (prefill_program(64), [chunk], 0, "only mixed programs"),
+    ]:
+        with pytest.raises(ProtocolError, match=reason):
+            Frame.from_lanes(9, program, lanes, prompt_row=row)
+    checked = w.slots.check(fits, w.vocab)
+    mixed4 = w.programs[mixed(4, 64).key]
+    host = np.zeros(mixed4.int_size, np.int64)
+    mixed4.pack(checked, host)  # fits
+    one_decoder = dataclasses.replace(checked, query_len=np.array([1, 1]))
+    for target, bad, reason in [
+        (mixed4, dataclasses.replace(checked, query_len=np.array([2, 10])), "lane 0: 2 tokens"),
+        (mixed4, dataclasses.replace(checked, prefill=np.array([True, True])), "at most one"),
+        (w.programs[decode_program(1).key], checked, "2 lanes for 1 rows"),
+        (w.programs[decode_program(2).key], one_decoder, "a prompt lane for"),
+    ]:
+        with pytest.raises(ProgramError, match=reason):
+            target.pack(bad, host)
+    assert changed(before, snapshot(w)) == []
+    d.run(mixed(4, 64), [("decode", 1), ("prefill", 3, 0, 10)], 1)  # and it runs
 
 
 # ---------------------------------------------------------------- attention
@@ -463,17 +537,14 @@ def test_report_lists_mixed_programs_and_decode_lanes_keep_their_state(checkpoin
     ]  # fmt: skip
     d = Driver(w)
     d.run(prefill_program(64), [("prefill", 0, 0, 5)])
-    state = vars(d.w.slots.state(0)).copy()
+    state, before = slot_row(d.w, 0), snapshot(d.w)
     # A mixed frame with a decoder that has no state is refused with nothing changed.
-    bad = Frame(
-        99,
-        mixed(2, 64),
-        (d.lane(("prefill", 1, 0, 9)), FrameLane(2, 1, "decode", 0, (), 3, (), 1)),
-        0,
-    )
+    lanes = [d.lane(("prefill", 1, 0, 9)), FrameLane(2, 1, "decode", 0, (), 3, (), 1)]
+    bad = Frame.from_lanes(99, mixed(2, 64), lanes, prompt_row=0)
     with pytest.raises(FrameError, match="no state"):
         d.w.execute(bad)
-    assert vars(d.w.slots.state(0)) == state and d.w.slots.state(1) is None
+    assert slot_row(d.w, 0) == state and not d.w.slots.holds(1)
+    assert changed(before, snapshot(d.w)) == []
 
 
 def test_rank_process_with_mixed_prefill_runs_a_mixed_frame(checkpoint, tmp_path):
@@ -500,16 +571,17 @@ def test_rank_process_with_mixed_prefill_runs_a_mixed_frame(checkpoint, tmp_path
         report = receive(CatalogReport)
         assert mixed(2, 64) in report.descriptors
         first = FrameLane(0, 1, "prefill", 0, tuple(PROMPTS[0]), 0, pages(0), 1, SAMPLING)
-        channel.publish(Frame(1, prefill_program(64), (first,)))
-        tokens = {0: list(receive(Completion).lanes[0].tokens)}
+        channel.publish(Frame.from_lanes(1, prefill_program(64), [first]))
+        tokens = {0: list(receive(Completion).lane_results()[0].tokens)}
         decoder = FrameLane(0, 1, "decode", 0, (), len(PROMPTS[0]), (), 1, None)
         chunk = FrameLane(1, 1, "prefill", 0, tuple(PROMPTS[1]), 0, pages(1), 1, SAMPLING)
         lanes = (decoder, chunk)
-        channel.publish(Frame(2, mixed(2, 64), lanes, prompt_row=1))
+        channel.publish(Frame.from_lanes(2, mixed(2, 64), lanes, prompt_row=1))
         completion = receive(Completion)
         assert completion.error is None and completion.fence == 2
-        tokens[0] += completion.lanes[0].tokens
-        tokens[1] = list(completion.lanes[1].tokens)
+        results = completion.lane_results()
+        tokens[0] += results[0].tokens
+        tokens[1] = list(results[1].tokens)
         assert tokens == {0: reference[0][:2], 1: reference[1][:1]}
         channel.shutdown_ranks()
         assert stop_ranks(procs, timeout_s=60) == [0]

@@ -26,6 +26,7 @@ from runtime.ranks.worker import RankWorker
 from runtime.transport.schema import Frame, FrameLane, SamplingParams, tensor_to_torch
 from tests.checkpoints import write_tiny
 from tests.ranks.penalty_reference import reference
+from tests.ranks.rank_state import changed, snapshot
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request
@@ -58,7 +59,7 @@ def pages(slot: int) -> tuple[int, ...]:
 
 
 def state_of(w: RankWorker):
-    return next(iter(w.programs.values())).outputs.penalties
+    return w.outputs.penalties
 
 
 class Driver:
@@ -80,9 +81,10 @@ class Driver:
 
     def send(self, program: GraphDescriptor, lanes: list[FrameLane], prompt_row: int = -1):
         self.fence += 1
-        completion = self.w.execute(Frame(self.fence, program, tuple(lanes), prompt_row))
+        frame = Frame.from_lanes(self.fence, program, lanes, prompt_row)
+        completion = self.w.execute(frame)
         assert completion.error is None
-        for lane, result in zip(lanes, completion.lanes):
+        for lane, result in zip(lanes, completion.lane_results(), strict=True):
             self.tokens[lane.slot].extend(result.tokens)
         self.last = completion
         return completion
@@ -97,7 +99,8 @@ class Driver:
         self.position[slot] = end
         tokens, last = tuple(prompt[start:end]), int(end == len(prompt))
         generation = self.generation[slot]
-        return FrameLane(slot, generation, "prefill", start, tokens, start, pages(slot), last,
+        table = pages(slot) if start == 0 else ()  # the first chunk brings the table
+        return FrameLane(slot, generation, "prefill", start, tokens, start, table, last,
                          self.sampling[slot])  # fmt: skip
 
     def prefill(self, slot: int, prompt: list[int], sampling: SamplingParams, chunk: int = 64):
@@ -153,39 +156,47 @@ def hf_reference(model, prompt: list[int], p: SamplingParams, new: int = NEW) ->
     return out
 
 
+def check_state(d: Driver, slot: int) -> None:
+    """The slot's penalty state is its consumed prompt and its committed tokens."""
+    state = state_of(d.w)
+    mask = state.prompt_mask[slot].nonzero().flatten().tolist()
+    assert mask == sorted(set(d.prompt[slot][: d.position[slot]])), slot
+    counts = Counter({t: c for t, c in enumerate(state.counts[slot].tolist()) if c})
+    assert counts == Counter(d.tokens[slot]), slot
+
+
+PENALISED = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5)
+
+
 def test_state_equals_committed_tokens_and_consumed_prompt(checkpoint):
     path, _ = checkpoint
     w = make_worker(path)
     state = state_of(w)
     d = Driver(w)
-    penalised = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5)
     long = PROMPTS[3]
-    d.begin(0, long, penalised)
+    d.begin(0, long, PENALISED)
     program = GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)
     d.send(program, [d.chunk(0, 64)])  # a chunk short of the prompt end: commits nothing
     assert state.prompt_mask[0].nonzero().flatten().tolist() == sorted(set(long[:64]))
     assert state.counts[0].sum() == 0
     d.send(program, [d.chunk(0, 100)])
-    d.prefill(1, PROMPTS[1], SamplingParams())  # no adjustments: its state is kept too
-
-    def check(slot: int) -> None:
-        mask = state.prompt_mask[slot].nonzero().flatten().tolist()
-        assert mask == sorted(set(d.prompt[slot])), slot
-        counts = Counter({t: c for t, c in enumerate(state.counts[slot].tolist()) if c})
-        assert counts == Counter(d.tokens[slot]), slot
-
-    check(0)
-    check(1)
+    # A bias and no penalty: the full sampler, so its state is kept too.  (A slot
+    # whose settings never need the state, like slot 2, runs "argmax" frames on
+    # its own, which do not maintain it: nothing reads it.)
+    d.prefill(1, PROMPTS[1], SamplingParams(logit_bias=((9, -2.0),)))
+    d.prefill(2, PROMPTS[2], SamplingParams())  # no adjustments, decoding beside them
+    check_state(d, 0)
+    check_state(d, 1)
     for _ in range(6):
-        d.decode([0, 1])
-        check(0)
-        check(1)
+        d.decode([0, 1, 2])
+        check_state(d, 0)
+        check_state(d, 1)
     assert len(d.tokens[0]) == 7
     # A new generation in slot 0 starts from a fresh row: only its own prompt and tokens.
-    d.prefill(0, PROMPTS[2], penalised)
+    d.prefill(0, PROMPTS[2], PENALISED)
     d.decode([1, 0])
-    check(0)
-    check(1)
+    check_state(d, 0)
+    check_state(d, 1)
     assert len(d.tokens[0]) == 2
 
 
@@ -361,11 +372,13 @@ def test_a_bias_outside_the_vocabulary_is_refused_on_the_ranks_and_at_submission
     d = Driver(w)
     d.prefill(0, PROMPTS[0], SamplingParams(repetition_penalty=1.2))
     counts, mask = state_of(w).counts.clone(), state_of(w).prompt_mask.clone()
+    before = snapshot(w)
     bad = SamplingParams(logit_bias=((5, 1.0), (VOCAB, -1.0)))
     lane = FrameLane(1, 1, "prefill", 0, (1, 2), 0, pages(1), 1, bad)
+    prefill = GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)
     with pytest.raises(FrameError, match=rf"logit_bias token id {VOCAB} is outside the vocabulary"):
-        w.execute(Frame(99, GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64), (lane,)))
-    assert w.slots.state(1) is None
+        w.execute(Frame.from_lanes(99, prefill, [lane]))
+    assert not w.slots.holds(1) and changed(before, snapshot(w)) == []
     assert torch.equal(state_of(w).counts, counts) and torch.equal(state_of(w).prompt_mask, mask)
     facts = ModelFacts(tuple(w.catalog), VOCAB, 128, PAGE, 32, "tiny")
     with pytest.raises(ValueError, match=r"logit_bias\[1\] token id 128 is outside the vocabulary"):

@@ -60,10 +60,9 @@ def test_a_hung_rank_fails_the_requests_within_its_timeout(checkpoint, monkeypat
         start = time.monotonic()
         streams = [d.engine.submit([5, 6, 7, 8], 4), d.engine.submit([9, 10], 4)]
         errors = []
-        for stream in streams:
-            with pytest.raises(Exception) as info:
-                stream.result(timeout=60)
-            errors.append(str(info.value))
+        for stream in streams:  # the engine fails them: "error", and the stream says why
+            assert stream.result(timeout=60).finish_reason == "error"
+            errors.append(str(stream.error))
         waited = time.monotonic() - start
     assert waited < 30, f"the hang took {waited:.1f} s to report"
     assert any("hung" in e and "fence" in e and "rank 0" in e for e in errors), errors

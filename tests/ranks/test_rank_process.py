@@ -10,7 +10,7 @@ import pytest
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.launch import spawn_ranks, stop_ranks
 from runtime.transport.channels import CoordinatorChannel
-from runtime.transport.schema import CatalogReport, Completion, Frame, FrameLane
+from runtime.transport.schema import CatalogReport, Completion, Frame, FrameLane, SamplingParams
 from tests.checkpoints import greedy, write_tiny
 
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
@@ -49,7 +49,7 @@ def collect(channel: CoordinatorChannel, kind, count: int, timeout_ms=60_000) ->
         assert message is not None, f"timed out waiting for {kind.__name__}"
         if isinstance(message, kind):
             got.append(message)
-    return sorted(got, key=lambda m: m.rank)
+    return sorted(got, key=lambda m: (getattr(m, "fence", 0), m.rank))
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -62,21 +62,30 @@ def test_rank_processes_generate_transformers_tokens(checkpoint, tmp_path, world
         reports = collect(channel, CatalogReport, world, 120_000)
         assert [r.rank for r in reports] == list(range(world))
         assert len({r.descriptors for r in reports}) == 1
-        pages = tuple(range(8))
+        pages = tuple(range(8))  # the request's table, on its prefill lane only
         prefill = GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)
         decode = GraphDescriptor(GraphKind.DECODE, 1)
-        frames = [Frame(1, prefill, (FrameLane(0, 1, "prefill", 0, tuple(PROMPT), 0, pages, 1),))]
+        first = FrameLane(0, 1, "prefill", 0, tuple(PROMPT), 0, pages, 1, SamplingParams())
+        frames = [Frame.from_lanes(1, prefill, [first])]
         for i in range(NEW - 1):
-            lane = FrameLane(0, 1, "decode", 0, (), len(PROMPT) + i, pages, 1)
-            frames.append(Frame(2 + i, decode, (lane,)))
+            lane = FrameLane(0, 1, "decode", 0, (), len(PROMPT) + i, (), 1)
+            frames.append(Frame.from_lanes(2 + i, decode, [lane]))
         tokens = []
-        for frame in frames:  # one frame at a time; each needs all ranks' completions
-            channel.publish(frame)
-            completions = collect(channel, Completion, world)
-            assert [c.fence for c in completions] == [frame.fence] * world
-            assert all(c.device_ns > 0 for c in completions)
-            assert all(not c.lanes for c in completions[1:])  # only rank 0 reports lanes
-            tokens += completions[0].lanes[0].tokens
+        # The prefill alone, then decode frames two at a time: the second is sent
+        # before the first completes, as the coordinator queues them.
+        for batch in (frames[:1], frames[1:3], frames[3:]):
+            for frame in batch:
+                channel.publish(frame)
+            completions = collect(channel, Completion, world * len(batch))
+            fences = [frame.fence for frame in batch for _ in range(world)]
+            assert [c.fence for c in completions] == fences
+            assert [c.rank for c in completions] == list(range(world)) * len(batch)
+            assert all(c.device_ns > 0 and c.error is None for c in completions)
+            for c in completions:
+                if c.rank == 0:
+                    tokens += c.lane_results()[0].tokens
+                else:
+                    assert c.num_lanes == 0  # only rank 0 reports lanes
         assert tokens == expected
         # Garbage and a wrong protocol version on the frame socket are logged and
         # skipped by every rank process (raw bytes: the channel itself refuses to
@@ -85,7 +94,7 @@ def test_rank_processes_generate_transformers_tokens(checkpoint, tmp_path, world
         channel._pub.send(msgpack.packb({"v": 999, "t": "Frame", "b": {}}))
         # A frame the ranks cannot run (a slot with no state) is answered with an
         # error completion by every rank, and they keep serving.
-        bad = Frame(99, decode, (FrameLane(3, 1, "decode", 0, (), 5, (), 1),))
+        bad = Frame.from_lanes(99, decode, [FrameLane(3, 1, "decode", 0, (), 5, (), 1)])
         channel.publish(bad)
         errors = collect(channel, Completion, world)
         assert all(c.fence == 99 and "slot 3" in (c.error or "") for c in errors)
