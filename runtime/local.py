@@ -21,6 +21,7 @@ from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 
 DEFAULT_SPIN_US = 200
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
+RANK_EXIT_GRACE_S = 1.0  # the engine takes a dying rank's last completion first
 RANK_WATCH_S = 0.5
 
 
@@ -185,7 +186,11 @@ class LocalDeployment:
             dead = [(r, p.returncode) for r, p in enumerate(self.ranks) if p.poll() is not None]
             if dead:
                 rank, code = dead[0]
-                self.engine.fail(EngineError(f"rank {rank} exited with code {code}"))
+                # A rank that reports why it stops (a hung frame, a failed
+                # collective) sends that completion before exiting: give the
+                # engine a moment to take it, so its reason is the one kept.
+                if not self._stopping.wait(RANK_EXIT_GRACE_S):
+                    self.engine.fail(EngineError(f"rank {rank} exited with code {code}"))
                 return
 
     def stop(self) -> list[int | None]:

@@ -349,8 +349,11 @@ class PreparedProgram:
         """Every lane padding (used before capture: inert rows, scratch writes)."""
         scratch = self.slots.scratch
         host = torch.zeros(self.int_size, dtype=torch.int64)
-        FrameInputs.over(host, self.shape.tokens, self.shape.lanes).state_row.fill_(scratch)
-        FrameInputs.over(host, self.shape.tokens, self.shape.lanes).count_row.fill_(scratch)
+        views = FrameInputs.over(host, self.shape.tokens, self.shape.lanes)
+        for row in (views.state_row, views.count_row, views.reset_row):
+            row.fill_(scratch)
+        views.prefill_row.fill_(-1)
+        views.prompt_lane.fill_(-1)
         self._ints.copy_(host)
 
     # -- one frame ---------------------------------------------------------------

@@ -141,6 +141,12 @@ class SlotTable:
         base = np.where(known, state[:, 3], 0)
         held = base + page_count
         context = position + query_len
+        prompt_tokens = column(frame.prompt_tokens)
+        if prompt_tokens.size and prompt_tokens.max() >= vocab:
+            raise FrameError(
+                f"fence {frame.fence}: prompt token {int(prompt_tokens.max())} is outside "
+                f"the vocabulary [0, {vocab})"
+            )
         pages = column(frame.pages)
         if pages.size and pages.max() >= self.num_pages:
             raise FrameError(
@@ -185,7 +191,7 @@ class SlotTable:
             page_base=base,
             page_count=page_count,
             pages=pages,
-            prompt_tokens=column(frame.prompt_tokens),
+            prompt_tokens=prompt_tokens,
             sampling=sampling,
             full=full,
             logprobs=logprobs,

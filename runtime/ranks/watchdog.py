@@ -71,7 +71,9 @@ class Watchdog:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        context = zmq.Context.instance()
+        # A context of its own: terminating it flushes the report before the
+        # process ends, without waiting on the rank's other sockets.
+        context = zmq.Context()
         sock = context.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self._endpoint)
@@ -98,7 +100,9 @@ class Watchdog:
                 sock.send(encode(error))
                 if self.exit_process:
                     sock.close(linger=2000)
+                    context.term()  # returns once the report left (or 2 s passed)
                     os._exit(HANG_EXIT_CODE)
         finally:
             if not sock.closed:
-                sock.close()
+                sock.close(linger=0)
+            context.term()

@@ -255,14 +255,6 @@ def test_a_refused_frame_changes_neither_the_slot_table_nor_the_device_rows(refu
     assert changed(before, snapshot(d.w)) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IndexError,
-    reason="runtime/ranks/slots.py SlotTable.check does not check prompt tokens against "
-    "the vocabulary (as it does logit_bias ids): the embedding raises inside "
-    "PreparedProgram.launch after RankWorker._update_rows appended the lane's pages "
-    "(on CUDA, a device-side assert)",
-)
 def test_a_prompt_token_outside_the_vocabulary_is_refused_with_nothing_changed(checkpoint):
     path, _ = checkpoint
     w = make_worker(path)
@@ -720,12 +712,6 @@ def test_padding_binds_the_whole_page_table_width_and_writes_no_slot(checkpoint)
 DECODE4 = GraphDescriptor(GraphKind.DECODE, 4)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime/ranks/programs.py PreparedProgram._pad leaves reset_row 0 (not the "
-    "scratch row), so a padded body of a program with prompt capacity zeroes slot 0's "
-    "penalty state (capture's warm-up runs it; harmless only while capture precedes every frame)",
-)
 def test_padding_a_prompt_program_writes_no_slot(checkpoint):
     path, _ = checkpoint
     w = make_worker(path)
