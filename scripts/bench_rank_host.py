@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -184,6 +185,9 @@ def main() -> None:
     args = p.parse_args()
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
+    if not use_cuda:  # as a CPU rank does: leave a core to the rest (runtime/ranks/__main__.py)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) - 1))
     results: dict[str, float] = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
