@@ -7,6 +7,10 @@ an armed deadline passes, it sends an error completion naming the fence and the
 rank, then ends the process (the hung call cannot be interrupted).  On CUDA
 the rank's loop polls events and applies the same deadline itself
 (:func:`frame_deadline_ns`).
+
+Arming is one attribute store (no lock, no wake-up: the rank's loop pays
+nothing per frame); the thread looks at the armed deadline every ``tick_s``,
+so a report comes at most that late, against deadlines of seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from runtime.transport.schema import Completion
 log = logging.getLogger("runtime.ranks")
 
 HANG_EXIT_CODE = 3
+TICK_S = 0.05
 
 
 def frame_deadline_ns(expected_ns: int, multiple: float, margin_s: float) -> int:
@@ -42,32 +47,34 @@ class Watchdog:
     """Arm before running a frame, disarm after; a missed deadline reports and exits."""
 
     def __init__(
-        self, endpoint: str, rank: int, world_size: int, *, exit_process: bool = True
+        self,
+        endpoint: str,
+        rank: int,
+        world_size: int,
+        *,
+        exit_process: bool = True,
+        tick_s: float = TICK_S,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.exit_process = exit_process
         self.fired: str | None = None
         self._endpoint = endpoint
-        self._cond = threading.Condition()
-        self._armed: tuple[int, int, int, int] | None = None  # fence, start, limit, expected
-        self._stop = False
+        self._tick_s = tick_s
+        # (fence, start ns, limit ns, expected ns), replaced whole: atomic under the GIL.
+        self._armed: tuple[int, int, int, int] | None = None
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"rank{rank}-watchdog", daemon=True)
         self._thread.start()
 
     def arm(self, fence: int, limit_ns: int, expected_ns: int) -> None:
-        with self._cond:
-            self._armed = (fence, time.monotonic_ns(), limit_ns, expected_ns)
-            self._cond.notify()
+        self._armed = (fence, time.monotonic_ns(), limit_ns, expected_ns)
 
     def disarm(self) -> None:
-        with self._cond:
-            self._armed = None
+        self._armed = None
 
     def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify()
+        self._stop.set()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
@@ -75,21 +82,16 @@ class Watchdog:
         # process ends, without waiting on the rank's other sockets.
         context = zmq.Context()
         sock = context.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
         sock.connect(self._endpoint)
         try:
-            while True:
-                with self._cond:
-                    while not self._stop and self._armed is None:
-                        self._cond.wait()
-                    if self._stop:
-                        return
-                    fence, start, limit, expected = self._armed
-                    left = start + limit - time.monotonic_ns()
-                    if left > 0:
-                        self._cond.wait(timeout=left / 1e9)
-                        continue  # re-read: disarmed, re-armed or still due
-                    self._armed = None
+            while not self._stop.wait(self._tick_s):
+                armed = self._armed
+                if armed is None:
+                    continue
+                fence, start, limit, expected = armed
+                if time.monotonic_ns() - start <= limit:
+                    continue
+                self._armed = None
                 reason = hang_message(fence, self.rank, limit, expected)
                 log.error("%s; this rank exits", reason)
                 error = Completion(
