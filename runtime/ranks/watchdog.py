@@ -9,8 +9,10 @@ the rank's loop polls events and applies the same deadline itself
 (:func:`frame_deadline_ns`).
 
 Arming is one attribute store (no lock, no wake-up: the rank's loop pays
-nothing per frame); the thread looks at the armed deadline every ``tick_s``,
-so a report comes at most that late, against deadlines of seconds.
+nothing per frame); the thread looks at the armed deadline every ``tick_s``
+(the rank uses an eighth of the margin, at most 1 s), so a report comes at
+most that late, against deadlines of seconds, and the thread takes the GIL
+rarely.
 """
 
 from __future__ import annotations

@@ -175,12 +175,15 @@ class RankWorker:
         Raises FrameError / ProgramError with nothing changed.  The slot table
         and the device rows are updated here, before the frame finishes.
         """
+        if not frame.slot:  # an empty frame: releases only, no program runs
+            if frame.program.key not in self.programs:
+                self.check(frame)  # names the unknown program
+            for slot in frame.release_slots:
+                self.slots.release(slot)
+            return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
         t0 = time.perf_counter_ns()
         program, checked = self.check(frame)
         t1 = time.perf_counter_ns()
-        if not checked.lanes:  # an empty frame: releases only, no program runs
-            self.slots.apply(checked)
-            return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
         tensor, array_ = self.staging.take()
         used, width = program.pack(checked, array_, self.staging.memo)  # may refuse
         t2 = time.perf_counter_ns()
@@ -279,7 +282,12 @@ class RankWorker:
         channel.send(self.report())
         watchdog = None
         if self.device.type != "cuda":
-            watchdog = Watchdog(channel.endpoints.completions, self.rank, self.world_size)
+            # A tick of an eighth of the margin (at most 1 s): few wake-ups, an
+            # early enough report.
+            tick = min(1.0, self.frame_timeout_margin_s / 8)
+            watchdog = Watchdog(
+                channel.endpoints.completions, self.rank, self.world_size, tick_s=tick
+            )
         try:
             self._loop(channel, spin_us, watchdog)
         finally:
