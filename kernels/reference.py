@@ -47,8 +47,10 @@ def paged_decode_attention_reference(
         longest = bucket[-1][0]
         rows = torch.tensor([lane for _, lane in bucket], device=q.device)  # (B,)
         pages = page_tables[rows, : -(-longest // page_size)].long().clamp(min=0)  # (B, P)
-        k = k_pages[pages].flatten(1, 2)[:, :longest].float()  # (B, C, KV, d)
-        v = v_pages[pages].flatten(1, 2)[:, :longest].float()  # (B, C, KV, d)
+        shape = (len(bucket), -1, kv_heads, head_dim)
+        flat = pages.flatten()  # index_select: much cheaper on CPU than advanced indexing
+        k = k_pages.index_select(0, flat).view(shape)[:, :longest].float()  # (B, C, KV, d)
+        v = v_pages.index_select(0, flat).view(shape)[:, :longest].float()  # (B, C, KV, d)
         ctx = torch.tensor([n for n, _ in bucket], device=q.device)  # (B,)
         visible = torch.arange(longest, device=q.device) < ctx.unsqueeze(1)  # (B, C)
         lane_q = q[rows].float().view(len(bucket), kv_heads, group, head_dim)  # (B, KV, G, d)
@@ -102,8 +104,8 @@ def paged_prefill_attention_reference(
         if q_len <= 1:
             continue
         pages = page_tables[lane, : -(-ctx // page_size)].long()  # (n_pages,)
-        k = k_pages[pages].reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
-        v = v_pages[pages].reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
+        k = k_pages.index_select(0, pages).reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
+        v = v_pages.index_select(0, pages).reshape(-1, kv_heads, head_dim)[:ctx]  # (ctx, KV, d)
         lane_q = q[start : start + q_len].float().view(q_len, kv_heads, group, head_dim)
         lane_q = lane_q.permute(1, 2, 0, 3).reshape(kv_heads, group * q_len, head_dim)
         key_pos = torch.arange(ctx, device=q.device)  # (ctx,)
