@@ -39,28 +39,16 @@ from runtime.catalog import GraphKind
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import load_model
 from runtime.ranks.model.attention import AttentionMetadata
-from runtime.ranks.model.config import ModelConfig
-from runtime.ranks.model.default import write_random_checkpoint
+from runtime.ranks.model.default import DEFAULT_CONFIG, write_random_checkpoint
 from runtime.ranks.worker import RankWorker
 from runtime.transport.schema import Frame, SamplingParams
 
 PAGE = 16
-REALISTIC = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    head_dim=128,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    max_position_embeddings=32768,
-    eos_token_ids=(2,),
-    bos_token_id=1,
-)
+REALISTIC = dataclasses.replace(
+    DEFAULT_CONFIG, vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+    num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+    max_position_embeddings=32768, eos_token_ids=(2,), bos_token_id=1,
+)  # fmt: skip
 # The CPU dry run: the same code at a size a CPU runs in seconds.
 DRY = dataclasses.replace(
     REALISTIC,

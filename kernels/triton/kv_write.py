@@ -21,8 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
+from kernels.triton.checks import FLOATS, INTS, check_device
 
 
 @triton.jit
@@ -67,7 +66,7 @@ def _check_float(name: str, tensor: Tensor, shape: tuple[int, ...], device: torc
         raise ValueError(
             f"{name}: expected (rows, {shape[0]}, {shape[1]}), got shape {tuple(tensor.shape)}"
         )
-    if tensor.dtype not in _FLOATS:
+    if tensor.dtype not in FLOATS:
         raise ValueError(f"{name}: dtype {tensor.dtype} is not one of fp32/fp16/bf16")
     if tensor.device != device:
         raise ValueError(f"{name}: on {tensor.device}, k on {device}")
@@ -96,19 +95,11 @@ def _check(k_slots: Tensor, v_slots: Tensor, k: Tensor, v: Tensor, slot_mapping:
         raise ValueError(
             f"slot_mapping: expected ({tokens},), got shape {tuple(slot_mapping.shape)}"
         )
-    if slot_mapping.dtype not in _INTS:
+    if slot_mapping.dtype not in INTS:
         raise ValueError(f"slot_mapping: dtype {slot_mapping.dtype} is not int32/int64")
     if slot_mapping.device != k.device:
         raise ValueError(f"slot_mapping: on {slot_mapping.device}, k on {k.device}")
-    if k.device.type != "cuda" and not _interpreted():
-        raise ValueError(f"k: on {k.device}; the kernel needs CUDA (or TRITON_INTERPRET=1)")
-
-
-def _interpreted() -> bool:
-    """Whether the kernel was decorated under TRITON_INTERPRET=1 (runs on CPU)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_kv_write_kernel, InterpretedFunction)
+    check_device("k", k, _kv_write_kernel)
 
 
 def kv_write(k_slots: Tensor, v_slots: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:

@@ -28,17 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.reference import paged_decode_attention_reference
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
-
-
-def _check_index(name: str, tensor: Tensor, device: torch.device) -> None:
-    """An index tensor's dtype and device, the error naming ``name``."""
-    if tensor.dtype not in _INTS:
-        raise ValueError(f"{name}: dtype {tensor.dtype} is not int32/int64")
-    if tensor.device != device:
-        raise ValueError(f"{name}: on {tensor.device}, q on {device}")
+from kernels.triton.checks import check_device, check_index, check_query_and_pages
 
 
 @triton.jit
@@ -122,55 +112,21 @@ def _check(
     context_lens: Tensor,
 ) -> None:
     """Raise ValueError naming the first bad argument."""
-    if q.dim() != 3:
-        raise ValueError(f"q: expected (L, H, d), got shape {tuple(q.shape)}")
-    if q.dtype not in _FLOATS:
-        raise ValueError(f"q: dtype {q.dtype} is not one of fp32/fp16/bf16")
-    lanes, heads, head_dim = q.shape
-    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name}: expected (num_pages, page_size, kv_heads, head_dim), "
-                f"got shape {tuple(t.shape)}"
-            )
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, q on {q.device}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: head_dim must be contiguous (stride {t.stride(-1)})")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(
-            f"v_pages: shape {tuple(v_pages.shape)} differs from k_pages' {tuple(k_pages.shape)}"
-        )
-    _, page_size, kv_heads, k_dim = k_pages.shape
-    if k_dim != head_dim:
-        raise ValueError(f"k_pages: head_dim {k_dim} differs from q's {head_dim}")
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"k_pages: kv_heads {kv_heads} does not divide q's {heads} heads")
+    page_size = check_query_and_pages(q, k_pages, v_pages, "L")
+    lanes = q.shape[0]
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"k_pages: page_size {page_size} must be a power of two")
-    if q.stride(-1) != 1:
-        raise ValueError(f"q: head_dim must be contiguous (stride {q.stride(-1)})")
     if page_tables.dim() != 2 or page_tables.shape[0] != lanes:
         raise ValueError(
             f"page_tables: expected ({lanes}, P), got shape {tuple(page_tables.shape)}"
         )
-    _check_index("page_tables", page_tables, q.device)
+    check_index("page_tables", page_tables, q.device)
     if context_lens.shape != (lanes,):
         raise ValueError(
             f"context_lens: expected ({lanes},), got shape {tuple(context_lens.shape)}"
         )
-    _check_index("context_lens", context_lens, q.device)
-    if q.device.type != "cuda" and not _interpreted():
-        raise ValueError(f"q: on {q.device}; the kernel needs CUDA (or TRITON_INTERPRET=1)")
-
-
-def _interpreted() -> bool:
-    """Whether the kernel was decorated under TRITON_INTERPRET=1 (runs on CPU)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_paged_decode_split_kernel, InterpretedFunction)
+    check_index("context_lens", context_lens, q.device)
+    check_device("q", q, _paged_decode_split_kernel)
 
 
 def default_num_splits(max_pages: int, page_size: int) -> int:

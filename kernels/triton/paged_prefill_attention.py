@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.reference import paged_prefill_attention_reference
-from kernels.triton.paged_decode_attention import _FLOATS, _check_index
+from kernels.triton.checks import check_device, check_index, check_query_and_pages, interpreted
 
 # tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
 # interpreter does not check): rows (BLOCK_Q * GROUP_P), keys and head_dim blocks.
@@ -161,39 +161,12 @@ def _check(
     max_query_len: int,
 ) -> None:
     """Raise ValueError naming the first bad argument."""
-    if q.dim() != 3:
-        raise ValueError(f"q: expected (N, H, d), got shape {tuple(q.shape)}")
-    if q.dtype not in _FLOATS:
-        raise ValueError(f"q: dtype {q.dtype} is not one of fp32/fp16/bf16")
-    if q.stride(-1) != 1:
-        raise ValueError(f"q: head_dim must be contiguous (stride {q.stride(-1)})")
-    _, heads, head_dim = q.shape
-    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name}: expected (num_pages, page_size, kv_heads, head_dim), "
-                f"got shape {tuple(t.shape)}"
-            )
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, q on {q.device}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: head_dim must be contiguous (stride {t.stride(-1)})")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(
-            f"v_pages: shape {tuple(v_pages.shape)} differs from k_pages' {tuple(k_pages.shape)}"
-        )
-    _, page_size, kv_heads, k_dim = k_pages.shape
-    if k_dim != head_dim:
-        raise ValueError(f"k_pages: head_dim {k_dim} differs from q's {head_dim}")
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(f"k_pages: kv_heads {kv_heads} does not divide q's {heads} heads")
+    page_size = check_query_and_pages(q, k_pages, v_pages, "N")
     if page_size <= 0:
         raise ValueError(f"k_pages: page_size {page_size} must be positive")
     if page_tables.dim() != 2:
         raise ValueError(f"page_tables: expected (L, P), got shape {tuple(page_tables.shape)}")
-    _check_index("page_tables", page_tables, q.device)
+    check_index("page_tables", page_tables, q.device)
     lanes = page_tables.shape[0]
     for name, t in (
         ("query_start", query_start),
@@ -202,18 +175,10 @@ def _check(
     ):
         if t.shape != (lanes,):
             raise ValueError(f"{name}: expected ({lanes},), got shape {tuple(t.shape)}")
-        _check_index(name, t, q.device)
+        check_index(name, t, q.device)
     if not isinstance(max_query_len, int) or isinstance(max_query_len, bool) or max_query_len < 0:
         raise ValueError(f"max_query_len: expected an int >= 0, got {max_query_len!r}")
-    if q.device.type != "cuda" and not _interpreted():
-        raise ValueError(f"q: on {q.device}; the kernel needs CUDA (or TRITON_INTERPRET=1)")
-
-
-def _interpreted() -> bool:
-    """Whether the kernel was decorated under TRITON_INTERPRET=1 (runs on CPU)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_paged_prefill_kernel, InterpretedFunction)
+    check_device("q", q, _paged_prefill_kernel)
 
 
 def default_prefill_blocks(
@@ -311,7 +276,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WIDEN=q.dtype == torch.bfloat16 and _interpreted(),
+        WIDEN=q.dtype == torch.bfloat16 and interpreted(_paged_prefill_kernel),
         num_warps=8 if q.dtype == torch.float32 or rows * block_d > 64 * 128 else 4,
     )
     return out
