@@ -20,10 +20,15 @@ Stages (the names the debugging tools report), median microseconds per frame:
 * ``wait``: until the device finishes (on CPU: the eager forward);
 * ``publish``: the completion built and encoded.
 
-``host`` is receive + validate + pack + launch + publish.  It also reports the
-spread of device time across the sampling variants of one shape (they share
-one cost entry).  The last line is one JSON object with every figure; the
-flat keys ``host_us_l64_ctx4k`` etc. are the 64-lane host medians.
+``host`` is receive + validate + pack + launch + publish.  On CPU the eager
+forward runs in the same thread between frames and evicts the caches the host
+stages use, which a GPU rank's forward does not; so the script also reports
+``host_only``: the same frames with the programs' device work skipped (a
+diagnostic of the host path alone, labelled as such, never a substitute for
+the figures above).  It also reports the spread of device time across the
+sampling variants of one shape (they share one cost entry).  The last line is
+one JSON object with every figure; the flat keys ``host_us_l64_ctx4k`` etc.
+are the 64-lane host medians.
 """
 
 from __future__ import annotations
@@ -142,6 +147,10 @@ class Driver:
         return stages
 
 
+def _skip(variant: str, width: int) -> None:
+    """A program body that does no device work (the host-only diagnostic)."""
+
+
 def measure(worker: RankWorker, lanes: int, frames: int, warmup: int) -> dict[str, float]:
     driver = Driver(worker, lanes, frames + warmup)
     driver.fill(SamplingParams())
@@ -201,11 +210,21 @@ def main() -> None:
             pages = max(args.lanes) * -(-(PROMPT + args.frames + args.warmup + 8) // PAGE)
             worker = RankWorker(model, capacity, num_pages=pages, page_size=PAGE, capture=use_cuda)
             for lanes in args.lanes:
+                if ctx == args.contexts[0] and lanes == args.lanes[0]:
+                    measure(worker, lanes, args.frames, args.warmup)  # the process's first run
                 m = measure(worker, lanes, args.frames, args.warmup)
                 rows.append((lanes, ctx, m))
                 for key, value in m.items():
                     results[f"l{lanes}_ctx{_label(ctx)}_{key}_us"] = round(value, 2)
                 results[f"host_us_l{lanes}_ctx{_label(ctx)}"] = round(m["host"], 2)
+            if not use_cuda:  # the host path alone: the forward skipped (see the docstring)
+                bodies = {key: program._body for key, program in worker.programs.items()}
+                for program in worker.programs.values():
+                    program._body = _skip
+                m = measure(worker, max(args.lanes), args.frames, args.warmup)
+                results[f"host_only_us_l{max(args.lanes)}_ctx{_label(ctx)}"] = round(m["host"], 2)
+                for key, program in worker.programs.items():
+                    program._body = bodies[key]
             if ctx == args.contexts[0]:
                 spread = variant_spread(worker, max(args.lanes), max(20, args.frames // 4))
                 low = min(spread.values())
@@ -229,6 +248,11 @@ def main() -> None:
         results[f"host_ratio_l{lanes}_{last}_over_{first}"] = round(ratio, 3)
         results[f"frame_ratio_l{lanes}_{last}_over_{first}"] = round(frame_ratio, 3)
         print(f"{lanes} lanes: host {last}/{first} = {ratio:.3f}, frame {frame_ratio:.3f}")
+    host_only = {k: v for k, v in results.items() if k.startswith("host_only")}
+    if host_only:
+        print("host path alone (forward skipped, diagnostic): " + ", ".join(
+            f"{k.split('_us_')[1]} {v:.1f} us" for k, v in host_only.items()
+        ))  # fmt: skip
     print("sampling variants (device us): " + ", ".join(
         f"{v} {results[f'variant_{v}_device_us']:.1f}" for v in ("argmax", "sample", "logprobs")
     ) + f"; spread {results['variant_cost_spread']:.1%}")  # fmt: skip
