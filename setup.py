@@ -18,12 +18,14 @@ setup(
         "pyzmq>=25",
         "msgpack>=1.0",
         "psutil>=5.9",
+        # The rank's host path: slot-table checks and packing as column operations.
+        "numpy>=1.24",
         "safetensors>=0.4",
         "tokenizers>=0.19",
         "tqdm>=4.60",
         "tomli>=2.0; python_version < '3.11'",
         # Triton ships for Linux x86-64/aarch64 only; the CPU path never imports
-        # it outside kernels/triton.
+        # it (its kernels' torch references are kernels/reference.py).
         "triton>=3.0; platform_system == 'Linux'",
         # The HTTP frontend and the load generator.
         "fastapi>=0.110",
