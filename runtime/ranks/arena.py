@@ -26,6 +26,7 @@ sampled token is committed (its slot when it commits one, else scratch);
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -66,10 +67,16 @@ class SlotArena:
         self.bias_ids, self.bias_values = ids.to(device), values.to(device)
         self.bias_width = bias_width
         self._biased: set[int] = set()  # rows holding bias entries
+        self._held: list[SamplingParams | None] = [None] * rows  # settings in each row
 
     def append_pages(self, slot: np.ndarray, base: np.ndarray, counts: np.ndarray, pages) -> None:
         """Append ``pages`` (flat, in lane order) to each lane's slot row at ``base``."""
         if not pages.size:
+            return
+        if counts.size == 1:  # one lane (every prefill frame): one slice write
+            row, first = int(slot[0]), int(base[0])
+            values = torch.from_numpy(np.ascontiguousarray(pages))
+            self.page_tables[row, first : first + pages.size].copy_(values)
             return
         lanes = np.nonzero(counts)[0]
         rows = np.repeat(slot[lanes], counts[lanes])
@@ -83,11 +90,12 @@ class SlotArena:
         self.page_tables.view(-1).index_copy_(0, index, values)
 
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
-        """A new generation's settings into the slot's rows."""
-        floats = torch.tensor(
-            [[getattr(params, name) for name in SLOT_FLOATS]], dtype=torch.float32
-        )
-        ints = torch.tensor([[getattr(params, name) for name in SLOT_INTS]], dtype=torch.int64)
+        """A new generation's settings into the slot's rows (nothing to write when
+        the slot's last settings were equal)."""
+        if self._held[slot] == params:
+            return
+        self._held[slot] = params
+        floats, ints = _settings_rows(params)
         self.floats[slot : slot + 1].copy_(floats)
         self.ints[slot : slot + 1].copy_(ints)
         if params.logit_bias or slot in self._biased:
@@ -109,6 +117,14 @@ class SlotArena:
         out["bias_ids"] = self.bias_ids.index_select(0, rows)
         out["bias_values"] = self.bias_values.index_select(0, rows)
         return out
+
+
+@lru_cache(maxsize=1024)
+def _settings_rows(params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, 5) float32 and (1, 3) int64 host rows of ``params`` (few distinct ones)."""
+    floats = torch.tensor([[getattr(params, name) for name in SLOT_FLOATS]], dtype=torch.float32)
+    ints = torch.tensor([[getattr(params, name) for name in SLOT_INTS]], dtype=torch.int64)
+    return floats, ints
 
 
 def int_size(tokens: int, lanes: int) -> int:
