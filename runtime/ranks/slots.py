@@ -121,6 +121,8 @@ class SlotTable:
         steady = self._steady(frame)
         if steady is not None:
             return steady
+        if len(frame.slot) == 1:  # every prefill frame: scalars beat column calls
+            return self._check_one(frame, vocab)
         slot = column(frame.slot)  # distinct, inside [0, MAX_SLOTS) by schema
         generation = column(frame.generation)
         position = column(frame.position)
@@ -138,46 +140,18 @@ class SlotTable:
             if not ok.all():
                 i = int(np.argmax(~ok))
                 raise FrameError(self._lane_error(frame, i, bool(known[i]), bool(prefill[i])))
+        prompt_tokens, pages = self._check_ids(frame, vocab)
         base = np.where(known, state[:, 3], 0)
         held = base + page_count
         context = position + query_len
-        prompt_tokens = column(frame.prompt_tokens)
-        if prompt_tokens.size and prompt_tokens.max() >= vocab:
-            raise FrameError(
-                f"fence {frame.fence}: prompt token {int(prompt_tokens.max())} is outside "
-                f"the vocabulary [0, {vocab})"
-            )
-        pages = column(frame.pages)
-        if pages.size and pages.max() >= self.num_pages:
-            raise FrameError(
-                f"fence {frame.fence}: page {int(pages.max())} is outside the "
-                f"rank's {self.num_pages} pages"
-            )
         bad = (context > held * self.page_size) | (held > self.max_pages)
         bad |= context > self.max_context
         if bad.any():
             i = int(np.argmax(bad))
-            raise FrameError(
-                f"fence {frame.fence}: lane {i}: slot {int(slot[i])} needs a context of "
-                f"{int(context[i])} tokens; it holds {int(held[i])} pages of "
-                f"{self.page_size} (at most {self.max_pages}), the context at most "
-                f"{self.max_context}"
-            )
+            raise FrameError(self._context_error(frame, i, int(context[i]), int(held[i])))
         full = bool((state[:, 4] & known).any())
         logprobs = int(np.where(known, state[:, 5], -1).max(initial=-1))
-        sampling = dict(frame.sampling)
-        full = bool(self.full[slot[known]].any())
-        logprobs = int(self.logprobs[slot[known]].max(initial=-1))
-        for i, params in sampling.items():
-            outside = [token for token, _ in params.logit_bias if token >= vocab]
-            if outside:
-                raise FrameError(
-                    f"fence {frame.fence}: lane {i}: logit_bias token id {outside[0]} is "
-                    f"outside the vocabulary [0, {vocab})"
-                )
-            if not known[i]:  # a new generation brings its settings
-                full = full or needs_full(params)
-                logprobs = max(logprobs, params.logprobs)
+        sampling, full, logprobs = self._settings(frame, known.tolist(), full, logprobs, vocab)
         return CheckedFrame(
             frame=frame,
             slot=slot,
@@ -196,6 +170,86 @@ class SlotTable:
             full=full,
             logprobs=logprobs,
         )
+
+    def _check_one(self, frame: Frame, vocab: int) -> CheckedFrame:
+        """:meth:`check` for a one-lane frame, the same rules on Python ints."""
+        slot, position = frame.slot[0], frame.position[0]
+        generation, held_before, step = self._state[slot, [0, 3, 6]].tolist()
+        known = generation == frame.generation[0]
+        prefill = frame.phase[0] == 1
+        ok = known and position == self.next_position[slot] and (prefill or self.pending[slot])
+        ok = ok or (not known and prefill and position == 0 and frame.prompt_start[0] == 0)
+        if not ok:
+            raise FrameError(self._lane_error(frame, 0, known, prefill))
+        prompt_tokens, pages = self._check_ids(frame, vocab)
+        base = held_before if known else 0
+        held = base + frame.page_count[0]
+        context = position + frame.query_len[0]
+        if context > min(held * self.page_size, self.max_context) or held > self.max_pages:
+            raise FrameError(self._context_error(frame, 0, context, held))
+        full = known and bool(self.full[slot])
+        logprobs = int(self.logprobs[slot]) if known else -1
+        sampling, full, logprobs = self._settings(frame, [known], full, logprobs, vocab)
+        return CheckedFrame(
+            frame=frame,
+            slot=column(frame.slot),
+            generation=column(frame.generation),
+            prefill=np.array([prefill]),
+            position=column(frame.position),
+            query_len=column(frame.query_len),
+            commits=column(frame.commits),
+            starts=np.array([not known]),
+            step=np.array([step if known else 0]),
+            page_base=np.array([base]),
+            page_count=column(frame.page_count),
+            pages=pages,
+            prompt_tokens=prompt_tokens,
+            sampling=sampling,
+            full=full,
+            logprobs=logprobs,
+        )
+
+    def _check_ids(self, frame: Frame, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt tokens inside the vocabulary, the pages inside the pool."""
+        prompt_tokens = column(frame.prompt_tokens)
+        if prompt_tokens.size and prompt_tokens.max() >= vocab:
+            raise FrameError(
+                f"fence {frame.fence}: prompt token {int(prompt_tokens.max())} is outside "
+                f"the vocabulary [0, {vocab})"
+            )
+        pages = column(frame.pages)
+        if pages.size and pages.max() >= self.num_pages:
+            raise FrameError(
+                f"fence {frame.fence}: page {int(pages.max())} is outside the "
+                f"rank's {self.num_pages} pages"
+            )
+        return prompt_tokens, pages
+
+    def _context_error(self, frame: Frame, i: int, context: int, held: int) -> str:
+        return (
+            f"fence {frame.fence}: lane {i}: slot {frame.slot[i]} needs a context of "
+            f"{context} tokens; it holds {held} pages of {self.page_size} (at most "
+            f"{self.max_pages}), the context at most {self.max_context}"
+        )
+
+    def _settings(
+        self, frame: Frame, known: list[bool], full: bool, logprobs: int, vocab: int
+    ) -> tuple[dict[int, SamplingParams], bool, int]:
+        """The prefill lanes' settings (bias ids checked), and whether the frame
+        needs the full sampler and how many log probabilities, new generations'
+        settings included."""
+        sampling = dict(frame.sampling)
+        for i, params in sampling.items():
+            outside = [token for token, _ in params.logit_bias if token >= vocab]
+            if outside:
+                raise FrameError(
+                    f"fence {frame.fence}: lane {i}: logit_bias token id {outside[0]} is "
+                    f"outside the vocabulary [0, {vocab})"
+                )
+            if not known[i]:  # a new generation brings its settings
+                full = full or needs_full(params)
+                logprobs = max(logprobs, params.logprobs)
+        return sampling, full, logprobs
 
     def _steady(self, frame: Frame) -> CheckedFrame | None:
         last = self._last
