@@ -61,6 +61,9 @@ class DeploymentConfig:
     # A rank reports a hung frame after multiple x its expected duration + margin.
     frame_timeout_multiple: float = 20.0
     frame_timeout_margin_s: float = 60.0
+    check_ranks: bool = False  # every rank reports a CRC of its sampled tokens; mismatch fails
+    log_level: str = "info"  # the ranks' log level
+    log_dir: str | None = None  # also one log file per rank there
     poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
     external_publication: bool = False  # a frontend reports publications
 
@@ -73,6 +76,10 @@ class DeploymentConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(
+                f"log_level must be debug, info, warning or error, got {self.log_level!r}"
+            )
         if not isinstance(self.mixed_prefill, bool):
             raise ValueError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
         for name in ("num_pages", "kv_cache_memory_bytes"):
@@ -122,6 +129,11 @@ class DeploymentConfig:
             args.append("--no-cuda-graphs")
         if self.mixed_prefill:
             args.append("--mixed-prefill")
+        if self.check_ranks:
+            args.append("--check-ranks")
+        args += ["--log-level", self.log_level]
+        if self.log_dir:
+            args += ["--log-dir", os.fspath(self.log_dir)]
         return args
 
 

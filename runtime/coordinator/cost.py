@@ -22,13 +22,24 @@ WINDOW = 9
 T = TypeVar("T")
 
 
-def cost_sample_ns(rank_device_ns: tuple[int, ...], readiness_delay_ns: int = 0) -> int:
-    """The cost sample of one execution: max positive rank interval minus exposed delay.
+def cost_sample_ns(
+    rank_device_ns: tuple[int, ...],
+    readiness_delay_ns: int = 0,
+    rank_launch_wait_ns: tuple[int, ...] = (),
+) -> int:
+    """The cost sample of one execution: the largest rank interval less that
+    rank's launch wait, minus the exposed readiness delay.
 
-    Returns 0 (no observation) when no rank reported a positive interval or the
-    correction leaves nothing positive.
+    ``rank_launch_wait_ns`` (per rank, or empty): the time a rank waited at
+    the frame's first collective for the others to launch.  That is a late
+    host, not the program's cost, so it leaves the sample (this runtime's
+    reading of the spec's readiness correction); raw intervals still feed
+    service accounting and the exploration ledgers.  Returns 0 (no
+    observation) when no rank reported a positive interval or the corrections
+    leave nothing positive.
     """
-    raw = max((ns for ns in rank_device_ns if ns > 0), default=0)
+    waits = rank_launch_wait_ns or (0,) * len(rank_device_ns)
+    raw = max((ns - w for ns, w in zip(rank_device_ns, waits) if ns > 0), default=0)
     if raw <= 0:
         return 0
     sample = raw - max(0, readiness_delay_ns)

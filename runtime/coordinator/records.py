@@ -36,14 +36,17 @@ class ExecutionTiming:
 
     ``rank_device_ns``: each rank's replay interval (CUDA events or perf counter).
     ``readiness_delay_ns``: exposed embedding-delivery delay, subtracted from the
-    cost sample only.  ``host_wall_ns``: dispatch to observed completion at the
-    coordinator.  ``queued``: the frame was dispatched behind another.
+    cost sample only.  ``rank_launch_wait_ns``: each rank's wait for the others
+    at the first collective, left out of the cost sample only.  ``host_wall_ns``:
+    dispatch to observed completion at the coordinator.  ``queued``: the frame
+    was dispatched behind another.
     """
 
     rank_device_ns: tuple[int, ...]
     readiness_delay_ns: int = 0
     host_wall_ns: int = 0
     queued: bool = False
+    rank_launch_wait_ns: tuple[int, ...] = ()  # per rank, or empty: left out of the cost sample
 
     @property
     def raw_device_ns(self) -> int:
@@ -77,9 +80,13 @@ def validate_timing(timing: ExecutionTiming) -> None:
         raise CompletionError(f"timing.queued must be a bool, got {timing.queued!r}")
     if not isinstance(ranks, tuple) or not ranks:
         raise CompletionError("timing.rank_device_ns must be a non-empty tuple")
+    waits = timing.rank_launch_wait_ns
+    if not isinstance(waits, tuple) or len(waits) not in (0, len(ranks)):
+        raise CompletionError("timing.rank_launch_wait_ns must be empty or one per rank")
     for name, value in [("rank_device_ns", v) for v in ranks] + [
         ("readiness_delay_ns", timing.readiness_delay_ns),
         ("host_wall_ns", timing.host_wall_ns),
+        *[("rank_launch_wait_ns", w) for w in waits],
     ]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CompletionError(f"timing.{name} must be non-negative integers, got {value!r}")

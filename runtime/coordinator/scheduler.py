@@ -448,7 +448,9 @@ class Scheduler:
 
         raw = timing.raw_device_ns
         credited = timing.credited_ns
-        sample = cost_sample_ns(timing.rank_device_ns, timing.readiness_delay_ns)
+        sample = cost_sample_ns(
+            timing.rank_device_ns, timing.readiness_delay_ns, timing.rank_launch_wait_ns
+        )
         self.catalog.observe(frame.plan.graph, sample, now)
         self._account_execution(frame.reason, raw, credited, timing.host_wall_ns)
 

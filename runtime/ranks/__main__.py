@@ -78,6 +78,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a frame hangs after this many times its expected duration + the margin",
     )
     p.add_argument("--frame-timeout-margin", type=float, default=60.0, help="seconds")
+    p.add_argument(
+        "--check-ranks",
+        action="store_true",
+        help="report a CRC of the sampled tokens every frame (the coordinator compares ranks)",
+    )
+    p.add_argument(
+        "--log-level", choices=["debug", "info", "warning", "error"], default="info"
+    )
+    p.add_argument(
+        "--log-dir", default=None, help="also write this rank's log to DIR/rank<r>.log (0600)"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--dtype",
@@ -126,12 +137,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def configure_logging(rank: int, level: str, log_dir: str | None) -> None:
+    """Every line names the rank and the pid; with ``log_dir``, a file per rank
+    too (``rank<r>.log``, created 0600 in a directory created 0700)."""
+    fmt = f"[rank {rank} pid {os.getpid()}] %(asctime)s %(levelname)s %(name)s: %(message)s"
+    handlers: list[logging.Handler] = [logging.StreamHandler()]
+    if log_dir:
+        os.makedirs(log_dir, mode=0o700, exist_ok=True)
+        path = os.path.join(log_dir, f"rank{rank}.log")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        handlers.append(logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8")))
+    logging.basicConfig(level=level.upper(), format=fmt, handlers=handlers, force=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    logging.basicConfig(level=logging.INFO, format=f"[rank {rank}] %(levelname)s %(message)s")
+    configure_logging(rank, args.log_level, args.log_dir)
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(local_rank)
@@ -219,6 +243,7 @@ def build_worker(
             max_model_len=args.max_model_len,
             frame_timeout_multiple=args.frame_timeout_multiple,
             frame_timeout_margin_s=args.frame_timeout_margin,
+            check_ranks=args.check_ranks,
         )
     except torch.cuda.OutOfMemoryError:
         raise KVCacheSizeError(

@@ -53,6 +53,7 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.arena import LANE_FIELDS, FrameInputs, SlotArena, int_size
 from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.llama import LlamaForCausalLM
+from runtime.ranks.model.parallel import RELEASE
 from runtime.ranks.sampling import (
     LogitAdjustments,
     PenaltyState,
@@ -171,7 +172,9 @@ class Launch:
     end: torch.cuda.Event | None = None
     done: torch.cuda.Event | None = None
     device_ns: int = 0
+    launch_wait_ns: int = 0  # waiting for the other ranks at the first collective (CPU)
     stages: dict[str, int] = field(default_factory=dict)  # host ns per stage
+    times: list[int] = field(default_factory=list)  # received, launched, ended (monotonic ns)
 
     def finished(self) -> bool:
         return self.done is None or self.done.query()
@@ -442,9 +445,11 @@ class PreparedProgram:
         r = checked.lanes
         self._ints[:used].copy_(packed[:used], non_blocking=True)
         if self.device.type != "cuda":
+            RELEASE.arm()
             t0 = time.perf_counter_ns()
             self._body(variant, width)
             launch.device_ns = time.perf_counter_ns() - t0
+            launch.launch_wait_ns = min(RELEASE.take(), launch.device_ns)
             host.tokens[:r].copy_(self.outputs.tokens[:r])
             if variant == "logprobs":
                 self._copy_logprobs(host, r)

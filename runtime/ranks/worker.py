@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import zlib
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -57,6 +58,7 @@ from runtime.ranks.slots import CheckedFrame, FrameError, SlotTable
 from runtime.ranks.watchdog import HANG_EXIT_CODE, Watchdog, frame_deadline_ns, hang_message
 from runtime.transport.schema import (
     MAX_SLOTS,
+    STAGE_NAMES,
     CatalogReport,
     Completion,
     Control,
@@ -67,7 +69,7 @@ from runtime.transport.schema import (
 
 log = logging.getLogger("runtime.ranks")
 
-STAGES = ("receive", "validate", "pack", "launch", "wait", "publish")
+STAGES = STAGE_NAMES
 STAGE_HISTORY = 4096  # frames whose stage times are kept
 
 
@@ -96,6 +98,7 @@ class RankWorker:
         max_model_len: int | None = None,
         frame_timeout_multiple: float = 20.0,
         frame_timeout_margin_s: float = 60.0,
+        check_ranks: bool = False,
     ) -> None:
         if frame_timeout_multiple <= 0 or frame_timeout_margin_s <= 0:
             raise ValueError("frame_timeout_multiple and frame_timeout_margin_s must be > 0")
@@ -143,6 +146,19 @@ class RankWorker:
         # frame it runs whose fence is at least that (a hang drill: CPU sleeps in
         # the call, CUDA spins on the device).
         self.debug_hang_fence = int(os.environ.get(f"FLARE_DEBUG_HANG_FENCE_RANK{rank}", "-1"))
+        # FLARE_DEBUG_LAUNCH_DELAY_NS_RANK<r>: this rank sleeps that long before
+        # each launch, outside its timed region (a slow host: the other ranks
+        # wait at the first collective, which their launch wait reports).
+        self.debug_launch_delay_ns = int(
+            os.environ.get(f"FLARE_DEBUG_LAUNCH_DELAY_NS_RANK{rank}", "0")
+        )
+        self.check_ranks = check_ranks
+        # FLARE_DEBUG_PERTURB_FENCE_RANK<r>: with check_ranks, this rank reports
+        # one token off in the first frame from that fence (a divergence drill).
+        self.debug_perturb_fence = int(
+            os.environ.get(f"FLARE_DEBUG_PERTURB_FENCE_RANK{rank}", "-1")
+        )
+        self._last_publish_ns = 0  # the previous frame's publish stage
 
     def report(self) -> CatalogReport:
         return CatalogReport(
@@ -169,7 +185,9 @@ class RankWorker:
             raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
         return program, self.slots.check(frame, self.vocab)
 
-    def start(self, frame: Frame, received_ns: int = 0) -> Launch | Completion:
+    def start(
+        self, frame: Frame, received_ns: int = 0, received_at: int = 0
+    ) -> Launch | Completion:
         """Check, pack and launch ``frame``; an empty frame answers at once.
 
         Raises FrameError / ProgramError with nothing changed.  The slot table
@@ -194,7 +212,11 @@ class RankWorker:
         if 0 <= self.debug_hang_fence <= frame.fence:
             self.debug_hang_fence = -1
             self._hang()
+        if self.debug_launch_delay_ns:  # a slow host: late to launch, not a slow device
+            time.sleep(self.debug_launch_delay_ns / 1e9)
+        launched_at = time.monotonic_ns()
         launch = program.launch(checked, tensor, used, width, host, variant)
+        launch.times = [received_at or launched_at, launched_at]
         self.slots.apply(checked)
         t3 = time.perf_counter_ns()
         # On CPU the program ran inside launch(): that time is the device's ("wait").
@@ -224,6 +246,7 @@ class RankWorker:
         t0 = time.perf_counter_ns()
         launch.wait()
         t1 = time.perf_counter_ns()
+        ended_at = time.monotonic_ns()
         checked = launch.checked
         device_ns = launch.elapsed_ns()
         if self.debug_delay_ns:  # a deliberately slow rank, for debugging and tests
@@ -248,6 +271,16 @@ class RankWorker:
                 values, ids = launch.logprobs(k)
                 sidecars["logprobs"] = tensor_from_torch(values)  # (R, 1 + k) float32
                 sidecars["logprob_token_ids"] = tensor_from_torch(ids)  # (R, k) int32
+        launch.stages["wait"] = t1 - t0 + launch.device_ns
+        stages = launch.stages
+        crc = -1
+        if self.check_ranks:  # every rank's sampled tokens, to compare across ranks
+            sampled = launch.tokens().astype("<i8")
+            if 0 <= self.debug_perturb_fence <= checked.frame.fence:
+                self.debug_perturb_fence = -1  # the drill: one token off, once
+                sampled = sampled.copy()
+                sampled[0] += 1
+            crc = zlib.crc32(sampled.tobytes())
         completion = Completion(
             fence=checked.frame.fence,
             rank=self.rank,
@@ -255,10 +288,23 @@ class RankWorker:
             device_ns=device_ns,
             readiness_delay_ns=0,
             sidecars=sidecars,
+            launch_wait_ns=min(launch.launch_wait_ns, device_ns),
+            host_times=(*launch.times[:2], ended_at, time.monotonic_ns())
+            if len(launch.times) >= 2
+            else (),
+            stage_ns=(
+                stages.get("receive", 0),
+                stages.get("validate", 0),
+                stages.get("pack", 0),
+                stages.get("launch", 0),
+                stages["wait"],
+                self._last_publish_ns,
+            ),
+            token_crc=crc,
             **columns,
         )
-        launch.stages["wait"] = t1 - t0 + launch.device_ns
-        launch.stages["publish"] = time.perf_counter_ns() - t1
+        stages["publish"] = time.perf_counter_ns() - t1
+        self._last_publish_ns = stages["publish"]
         return completion
 
     def execute(self, frame: Frame) -> Completion:
@@ -321,6 +367,7 @@ class RankWorker:
             received = time.perf_counter_ns() - t0
             if message is None:
                 continue
+            received_at = time.monotonic_ns()
             spin = 0
             if isinstance(message, Control):
                 if message.command == "shutdown":
@@ -334,7 +381,7 @@ class RankWorker:
             if watchdog is not None:
                 watchdog.arm(message.fence, self.deadline_ns(message), message.expected_ns)
             try:
-                item = self.start(message, received)
+                item = self.start(message, received, received_at)
             except (FrameError, ProgramError) as exc:
                 # A frame this rank cannot run is a coordinator bug: say so at once
                 # (the slot state is unchanged) so the coordinator fails fast.
@@ -360,6 +407,7 @@ class RankWorker:
         t0 = time.perf_counter_ns()
         channel.send(completion)
         item.stages["publish"] += time.perf_counter_ns() - t0
+        self._last_publish_ns = item.stages["publish"]
         self.stages.append(dict(item.stages))
 
     def _error(self, fence: int, reason: str) -> Completion:

@@ -76,7 +76,7 @@ from runtime.transport.sampling import (
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 MAX_WORLD_SIZE = 4096
 MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
@@ -230,6 +230,9 @@ class LaneResult:
 
 
 MAX_ERROR_CHARS = 4096  # an error completion's reason
+MAX_TIMESTAMP = (1 << 63) - 1
+# The rank's host stages, in order (Completion.stage_ns; the debugging tools' names).
+STAGE_NAMES = ("receive", "validate", "pack", "launch", "wait", "publish")
 
 RESULT_COLUMNS = ("slot", "generation", "token_count", "tokens", "finished")
 _RESULT_RANGES = LaneRanges(
@@ -274,6 +277,17 @@ class Completion:
     ``error``: the rank could not run the frame (it names why); such a
     completion carries no lanes, and the coordinator must not assume the ranks'
     state advanced.
+
+    Diagnostics, from every rank (issue 11): ``launch_wait_ns``, the part of
+    ``device_ns`` this rank spent waiting for the others at the frame's first
+    collective (its own launch to the moment that collective released it; 0
+    at TP=1 or when not measured), which the cost sample leaves out;
+    ``host_times``: (received, launched, ended, published) on the rank's
+    ``time.monotonic_ns`` clock, or empty; ``stage_ns``: the host time of the
+    stages receive, validate, pack, launch, wait and publish, or empty (the
+    previous frame's publish is reported, this one's is not over yet);
+    ``token_crc``: CRC-32 of the rank's sampled tokens (little-endian int64)
+    when the ranks check each other (``--check-ranks``), else -1.
     """
 
     fence: int
@@ -288,6 +302,10 @@ class Completion:
     finished: array = field(default_factory=_empty)
     sidecars: Mapping[str, Tensor] = field(default_factory=dict)
     error: str | None = None
+    launch_wait_ns: int = 0
+    host_times: tuple[int, ...] = ()
+    stage_ns: tuple[int, ...] = ()
+    token_crc: int = -1
 
     def __post_init__(self) -> None:
         check_int("fence", self.fence)
@@ -295,6 +313,18 @@ class Completion:
         rank = check_int("rank", self.rank, 0, world_size - 1)
         check_int("device_ns", self.device_ns)
         check_int("readiness_delay_ns", self.readiness_delay_ns)
+        wait = check_int("launch_wait_ns", self.launch_wait_ns)
+        if wait > self.device_ns:
+            raise ProtocolError("launch_wait_ns", f"{wait} exceeds device_ns {self.device_ns}")
+        times = check_ints("host_times", self.host_times, 0, MAX_TIMESTAMP, 4)
+        if len(times) not in (0, 4) or list(times) != sorted(times):
+            raise ProtocolError("host_times", "must be empty or 4 non-decreasing timestamps")
+        stages = check_ints("stage_ns", self.stage_ns, 0, MAX_TIMESTAMP, len(STAGE_NAMES))
+        if len(stages) not in (0, len(STAGE_NAMES)):
+            raise ProtocolError("stage_ns", f"must be empty or {len(STAGE_NAMES)} durations")
+        check_int("token_crc", self.token_crc, -1, 0xFFFFFFFF)
+        set_field(self, "host_times", times)
+        set_field(self, "stage_ns", stages)
         for name in RESULT_COLUMNS:
             value = getattr(self, name)
             if type(value) is not array or value.typecode != "q":
@@ -403,6 +433,10 @@ class Completion:
             "finished": column_to_wire(self.finished),
             "sidecars": {name: t.to_wire() for name, t in self.sidecars.items()},
             "error": self.error,
+            "launch_wait_ns": self.launch_wait_ns,
+            "host_times": list(self.host_times),
+            "stage_ns": list(self.stage_ns),
+            "token_crc": self.token_crc,
         }
 
     @classmethod

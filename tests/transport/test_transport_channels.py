@@ -25,7 +25,14 @@ from runtime.transport.channels import (
     RankChannel,
 )
 from runtime.transport.codec import encode
-from runtime.transport.schema import CatalogReport, Completion, Control, Frame, FrameLane
+from runtime.transport.schema import (
+    PROTOCOL_VERSION,
+    CatalogReport,
+    Completion,
+    Control,
+    Frame,
+    FrameLane,
+)
 from tests.transport import examples, rank_worker
 
 WAIT_MS = 9_000
@@ -203,7 +210,9 @@ MALFORMED = [
     pytest.param(
         [msgpack.packb({"v": 1, "t": "Control", "b": {}})], "protocol version 1", id="version"
     ),
-    pytest.param([msgpack.packb({"v": 2, "t": "Evil", "b": {}})], "unknown message", id="type"),
+    pytest.param(
+        [msgpack.packb({"v": PROTOCOL_VERSION, "t": "Evil", "b": {}})], "unknown message", id="type"
+    ),
     pytest.param([b"\x80\x04\x95\x00"], "malformed msgpack", id="pickle"),
     pytest.param([encode(Control("ready", 1, 1))[:-2]], "malformed msgpack", id="truncated"),
     pytest.param([encode(Control("ping")), b"x"], "multipart", id="multipart"),

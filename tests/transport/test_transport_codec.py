@@ -30,7 +30,7 @@ def _refused(data: Any, field: str, reason: str) -> None:
 
 def test_envelope_shape() -> None:
     assert msgpack.unpackb(encode(examples.control())) == {
-        "v": 2,
+        "v": PROTOCOL_VERSION,
         "t": "Control",
         "b": {"command": "ready", "rank": 1, "nonce": 12345},
     }
@@ -39,7 +39,19 @@ def test_envelope_shape() -> None:
     assert decode(memoryview(_envelope())) == examples.control()
 
 
-@pytest.mark.parametrize("version", [0, 1, 3, -1, "2", 2.0, True, None])
+@pytest.mark.parametrize(
+    "version",
+    [
+        0,
+        PROTOCOL_VERSION - 1,
+        PROTOCOL_VERSION + 1,
+        -1,
+        str(PROTOCOL_VERSION),
+        float(PROTOCOL_VERSION),
+        True,
+        None,
+    ],
+)
 def test_wrong_version_is_refused(version: Any) -> None:
     _refused(_envelope(v=version), "v", "protocol version")
 
@@ -53,8 +65,8 @@ def test_unknown_type_is_refused(name: Any) -> None:
     "envelope",
     [
         [1, "Control", {}],
-        {"v": 2, "t": "Control"},
-        {"v": 2, "t": "Control", "b": {}, "x": 0},
+        {"v": PROTOCOL_VERSION, "t": "Control"},
+        {"v": PROTOCOL_VERSION, "t": "Control", "b": {}, "x": 0},
         "Control",
         None,
     ],
@@ -89,7 +101,10 @@ def test_non_msgpack_is_refused(data: bytes) -> None:
 @pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
 @pytest.mark.parametrize(
     "payload",
-    [examples.control(), {"v": 2, "t": "Control", "b": examples.control().to_wire()}],
+    [
+        examples.control(),
+        {"v": PROTOCOL_VERSION, "t": "Control", "b": examples.control().to_wire()},
+    ],
     ids=["dataclass", "envelope-dict"],
 )
 def test_pickle_payload_is_refused(payload: Any, protocol: int) -> None:

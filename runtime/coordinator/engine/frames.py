@@ -10,7 +10,7 @@ from runtime.catalog import GraphKind
 from runtime.coordinator.engine.config import EngineError
 from runtime.coordinator.engine.stream import RequestStream
 from runtime.coordinator.plan import LanePhase, ScheduledPlan
-from runtime.coordinator.records import CompletionRecord
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import RequestHandle
 from runtime.transport.api import TokenLogprobs
 from runtime.transport.schema import (
@@ -198,3 +198,27 @@ def lane_logprobs(completion: Completion, asked: Sequence[int]) -> list[TokenLog
         top_ids = flat_ids[lane * k_max : lane * k_max + k]
         out[lane] = TokenLogprobs(row[0], tuple(top_ids), tuple(row[1 : 1 + k]))
     return out
+
+
+def execution_timing(dispatch: Dispatch, now_ns: int, world: int) -> ExecutionTiming:
+    """The scheduler's timing of a completed frame from every rank's answer:
+    intervals, launch waits (left out of the cost sample), the largest
+    readiness delay, the host wall since dispatch.
+
+    Raises EngineError when the ranks checked each other (``token_crc`` set)
+    and one disagrees with rank 0: which rank, which fence.
+    """
+    answers = dispatch.answers
+    rank_ns = tuple(answers[rank].device_ns for rank in range(world))
+    waits = tuple(answers[rank].launch_wait_ns for rank in range(world))
+    readiness = max(answer.readiness_delay_ns for answer in answers.values())
+    reference = answers[0].token_crc
+    if reference >= 0:
+        for rank in range(1, world):
+            if answers[rank].token_crc != reference:
+                raise EngineError(
+                    f"fence {dispatch.fence}: rank {rank} sampled different tokens than "
+                    f"rank 0 (token CRC {answers[rank].token_crc:#010x} against "
+                    f"{reference:#010x}): the tensor-parallel ranks disagree"
+                )
+    return ExecutionTiming(rank_ns, readiness, now_ns - dispatch.sent_ns, dispatch.queued, waits)

@@ -9,6 +9,7 @@ all-gather in ParallelLMHead. Model code reads like single-device code.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -35,6 +36,44 @@ __all__ = [
 
 
 # -- the group ------------------------------------------------------------------
+
+
+class ReleaseClock:
+    """How long a frame's first collective held this rank (``perf_counter_ns``).
+
+    The rank arms it just before running a program; the first collective
+    that runs afterwards records the time from entering it to its return.  A
+    synchronous collective (gloo on CPU) returns once every rank has reached
+    it, so that time is this rank waiting for the last one to launch: the
+    program's *launch wait* (the compute before the collective is not in it).
+    A captured CUDA graph's collectives run on the device, where the host
+    cannot see them: there it stays unarmed (0).
+    """
+
+    __slots__ = ("armed", "wait_ns")
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.wait_ns = 0
+
+    def arm(self) -> None:
+        self.armed, self.wait_ns = True, 0
+
+    def enter(self) -> int:
+        """The time a collective starts, when armed (else 0)."""
+        return time.perf_counter_ns() if self.armed else 0
+
+    def note(self, entered_ns: int) -> None:
+        if self.armed and entered_ns:
+            self.armed, self.wait_ns = False, time.perf_counter_ns() - entered_ns
+
+    def take(self) -> int:
+        """The first collective's wait in the last armed run (0: none ran), disarmed."""
+        self.armed = False
+        return self.wait_ns
+
+
+RELEASE = ReleaseClock()  # one tensor-parallel group per process
 
 
 @dataclass(frozen=True)
@@ -75,7 +114,9 @@ class TPGroup:
             return x
         import torch.distributed as dist
 
+        entered = RELEASE.enter()
         dist.all_reduce(x, group=self.group)
+        RELEASE.note(entered)
         return x
 
     def all_gather(self, x: Tensor) -> Tensor:
@@ -86,7 +127,9 @@ class TPGroup:
 
         out = x.new_empty((self.world_size * x.shape[0], *x.shape[1:]))  # concatenated
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        entered = RELEASE.enter()
         gather(out, x.contiguous(), group=self.group)
+        RELEASE.note(entered)
         return out.view(self.world_size, *x.shape)
 
 
