@@ -40,6 +40,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 import numpy as np
+import psutil
 import torch
 
 from runtime.catalog import GraphDescriptor
@@ -63,6 +64,7 @@ from runtime.transport.schema import (
     Completion,
     Control,
     Frame,
+    RankStatus,
     Tensor,
     tensor_from_torch,
 )
@@ -138,6 +140,7 @@ class RankWorker:
         self._host = [HostOutputs(lanes, self.outputs.max_logprobs, self.device) for _ in "ab"]
         self._next_host = 0
         self.frames = 0
+        self.last_fence = -1
         self.stages: deque[dict[str, int]] = deque(maxlen=STAGE_HISTORY)
         # FLARE_DEBUG_DELAY_NS_RANK<r>: this rank sleeps that long in every frame
         # and reports it as device time (a slow-rank drill).
@@ -170,6 +173,34 @@ class RankWorker:
             page_size=self.page_size,
             num_pages=self.num_pages,
             model_name=self.model_name,
+        )
+
+    def inspect(self, nonce: int = 0) -> RankStatus:
+        """This rank's state for ``Control("inspect")``: slots in use, programs and
+        their capture status, frames run, memory."""
+        table = self.slots
+        used = np.nonzero(table.generation)[0]
+        programs = sorted(self.programs.values(), key=lambda p: p.desc.describe())
+        cuda = self.device.type == "cuda"
+        return RankStatus(
+            rank=self.rank,
+            world_size=self.world_size,
+            nonce=nonce,
+            device=str(self.device),
+            frames=self.frames,
+            last_fence=self.last_fence,
+            rss_bytes=psutil.Process().memory_info().rss,
+            device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else 0,
+            device_reserved_bytes=torch.cuda.memory_reserved(self.device) if cuda else 0,
+            kv_cache_bytes=self.model.kv_cache.nbytes if self.model.kv_cache is not None else 0,
+            programs=tuple(p.desc.describe() for p in programs),
+            captured=[int(p.captured) for p in programs],
+            slot=_ints(used),
+            generation=_ints(table.generation[used]),
+            next_position=_ints(table.next_position[used]),
+            page_count=_ints(table.page_count[used]),
+            pending=_ints(table.pending[used]),
+            step=_ints(table.step[used]),
         )
 
     def deadline_ns(self, frame: Frame) -> int:
@@ -253,6 +284,7 @@ class RankWorker:
             time.sleep(self.debug_delay_ns / 1e9)
             device_ns += self.debug_delay_ns
         self.frames += 1
+        self.last_fence = checked.frame.fence
         columns: dict[str, array] = {}
         sidecars: dict[str, Tensor] = {}
         if self.rank == 0:
@@ -370,6 +402,9 @@ class RankWorker:
             received_at = time.monotonic_ns()
             spin = 0
             if isinstance(message, Control):
+                if message.command == "inspect":
+                    channel.send(self.inspect(message.nonce))
+                    continue
                 if message.command == "shutdown":
                     while queue:  # the frames in flight finish and are answered first
                         self._publish(channel, queue.popleft()[1])

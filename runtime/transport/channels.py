@@ -68,6 +68,7 @@ from runtime.transport.schema import (
     Frame,
     Message,
     ProtocolError,
+    RankStatus,
 )
 
 logger = logging.getLogger("runtime.transport")
@@ -376,7 +377,7 @@ class CoordinatorChannel(_Channel):
     port).  Ranks connect to :attr:`endpoints`.
     """
 
-    inbound = (Completion, CatalogReport, Control)
+    inbound = (Completion, CatalogReport, Control, RankStatus)
 
     def __init__(
         self,
@@ -493,7 +494,7 @@ class CoordinatorChannel(_Channel):
         if isinstance(message, Control) and not 0 <= message.rank < self.world_size:
             self._reject(f"Control from rank {message.rank} of world size {self.world_size}")
             return None
-        if isinstance(message, (Completion, CatalogReport)) and (
+        if isinstance(message, (Completion, CatalogReport, RankStatus)) and (
             message.world_size != self.world_size
         ):
             self._reject(
@@ -544,10 +545,12 @@ class RankChannel(_Channel):
             self.close()
             raise
 
-    def send(self, message: Completion | CatalogReport | Control) -> None:
+    def send(self, message: Completion | CatalogReport | Control | RankStatus) -> None:
         """Queue a message for the coordinator (never blocks: no high-water mark)."""
-        if not isinstance(message, (Completion, CatalogReport, Control)):
-            raise TypeError(f"a rank sends Completion, CatalogReport or Control, not {message!r}")
+        if not isinstance(message, (Completion, CatalogReport, Control, RankStatus)):
+            raise TypeError(
+                f"a rank sends Completion, CatalogReport, Control or RankStatus, not {message!r}"
+            )
         if message.rank != self.rank:
             raise ValueError(f"{self.name} cannot send a message for rank {message.rank}")
         if self._closed:

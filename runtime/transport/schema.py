@@ -65,6 +65,7 @@ from runtime.transport.frame import (
     Frame,
     FrameLane,
 )
+from runtime.transport.inspection import RankStatus
 from runtime.transport.sampling import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
@@ -85,7 +86,7 @@ MAX_SIDECARS = 16
 MAX_TENSOR_NDIM = 8
 
 FINISH_REASONS = ("stop",)
-CONTROL_COMMANDS = ("shutdown", "ping", "ready")
+CONTROL_COMMANDS = ("shutdown", "ping", "ready", "inspect")
 COORDINATOR_RANK = -1
 
 # Re-exported: the frame and sampling modules were split out of this one.
@@ -114,6 +115,7 @@ __all__ = [
     "LaneResult",
     "Message",
     "ProtocolError",
+    "RankStatus",
     "SamplingParams",
     "Tensor",
     "tensor_from_torch",
@@ -524,6 +526,8 @@ class Control:
     """Out-of-band commands.  ``rank`` is -1 from the coordinator.
 
     ``ping`` (coordinator, nonce) is answered by ``ready`` (rank, same nonce);
+    ``inspect`` (coordinator, nonce) by a
+    :class:`~runtime.transport.inspection.RankStatus` with the same nonce;
     ``shutdown`` asks the ranks to leave their loop.
     """
 
@@ -547,9 +551,10 @@ class Control:
         return cls(**check_fields(cls, data))
 
 
-Message = SamplingParams | Frame | Tensor | Completion | CatalogReport | Control
+Message = SamplingParams | Frame | Tensor | Completion | CatalogReport | Control | RankStatus
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.__name__: cls for cls in (SamplingParams, Frame, Tensor, Completion, CatalogReport, Control)
+    cls.__name__: cls
+    for cls in (SamplingParams, Frame, Tensor, Completion, CatalogReport, Control, RankStatus)
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.transport.columns import column
+from runtime.transport.inspection import RankStatus
 from runtime.transport.schema import (
     CatalogReport,
     Completion,
@@ -121,6 +122,16 @@ def control() -> Control:
     return Control("ready", rank=1, nonce=12345)
 
 
+def rank_status() -> RankStatus:
+    return RankStatus(
+        rank=1, world_size=2, nonce=9, device="cpu", frames=12, last_fence=40,
+        rss_bytes=1 << 28, device_allocated_bytes=0, device_reserved_bytes=0,
+        kv_cache_bytes=1 << 20, programs=("decode B=2", "prefill B=1 C=64"), captured=[0, 0],
+        slot=[3, 4], generation=[1, 2], next_position=[17, 5], page_count=[2, 1],
+        pending=[1, 0], step=[9, 0],
+    )  # fmt: skip
+
+
 ALL = {
     "SamplingParams": sampling,
     "Frame": frame,
@@ -128,4 +139,5 @@ ALL = {
     "Completion": completion,
     "CatalogReport": catalog_report,
     "Control": control,
+    "RankStatus": rank_status,
 }
