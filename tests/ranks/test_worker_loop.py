@@ -93,8 +93,8 @@ def test_the_next_frame_is_packed_while_the_first_runs(model_dir):
     log: list[tuple[str, int]] = []
     start = worker.start
 
-    def slow_start(frame, received_ns=0):
-        item = start(frame, received_ns)
+    def slow_start(frame, *args):
+        item = start(frame, *args)
         log.append(("started", frame.fence))
         if isinstance(item, Launch):
             item.done = SlowEvent(3)  # the "device" is still busy for three polls
@@ -118,8 +118,8 @@ def test_a_frame_past_its_deadline_is_reported_and_the_rank_stops(model_dir):
     worker.frame_timeout_multiple, worker.frame_timeout_margin_s = 2.0, 0.05
     start = worker.start
 
-    def hung_start(frame, received_ns=0):
-        item = start(frame, received_ns)
+    def hung_start(frame, *args):
+        item = start(frame, *args)
         if isinstance(item, Launch) and frame.fence == 2:
             item.done = SlowEvent(None)  # never finishes
         return item
