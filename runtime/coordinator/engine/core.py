@@ -35,6 +35,7 @@ from runtime.coordinator.engine.frames import (
     Live,
     build_frame,
     completion_records,
+    execution_timing,
     lane_logprobs,
     mark_pages_sent,
 )
@@ -48,11 +49,12 @@ from runtime.coordinator.engine.stream import (
     TokenEvent,
 )
 from runtime.coordinator.engine.submission import check_submission
+from runtime.coordinator.engine.trace import FrameTrace
 from runtime.coordinator.errors import CompletionError, SchedulerError
 from runtime.coordinator.plan import ScheduledPlan
-from runtime.coordinator.records import ExecutionTiming
 from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.scheduler import Scheduler
+from runtime.trace.writer import TraceOptions
 from runtime.transport.channels import (
     ChannelEndpoints,
     CoordinatorChannel,
@@ -126,6 +128,8 @@ class Engine:
         self._release: set[int] = set()  # retired slots not yet released on the ranks
         self._probes: deque[_Probe] = deque()
         self._next_fence = 1
+        self.trace: FrameTrace | None = None  # the live plan trace (enable_trace)
+        self._trace_options: TraceOptions | None = None
 
     # ------------------------------------------------------------------ start-up
     @property
@@ -179,6 +183,8 @@ class Engine:
                 SchedulerConfig(max_slots, facts.page_size, facts.num_pages),
                 cfg.policy,
             )
+            if self._trace_options is not None:  # an unwritable trace file fails the start
+                self.trace = self._new_trace(facts)
         except BaseException as exc:
             self._shutdown(ERROR, exc)
             raise
@@ -193,6 +199,29 @@ class Engine:
             facts.num_pages,
             facts.page_size,
         )
+
+    def enable_trace(self, options: TraceOptions) -> None:
+        """Trace every committed frame to ``options.path`` and a ring of recent lines.
+
+        Call it before :meth:`start` (the file opens then, with the model's
+        facts in its start line) or after; once per engine.  An unwritable path
+        raises OSError.  See :mod:`runtime.coordinator.engine.trace`.
+        """
+        if not isinstance(options, TraceOptions):
+            raise TypeError(f"enable_trace takes TraceOptions, got {options!r}")
+        with self._state_lock:
+            if self._trace_options is not None:
+                raise EngineError("the engine is already tracing")
+            if self.facts is not None and self.scheduler is not None:
+                self.scheduler.drain_trace()  # records of frames already applied
+                self.trace = self._new_trace(self.facts, options)
+            self._trace_options = options
+
+    def _new_trace(self, facts: ModelFacts, options: TraceOptions | None = None) -> FrameTrace:
+        options = options or self._trace_options
+        assert options is not None
+        programs = tuple(d.describe() for d in facts.descriptors)
+        return FrameTrace(options, self._world, facts.model_name, programs)
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -573,6 +602,8 @@ class Engine:
                 f"rank {message.rank} could not run frame {message.fence}: {message.error}"
             )
         dispatch.answers[message.rank] = message
+        if self.trace is not None:
+            self.trace.arrived(message.fence, message.rank, time.monotonic_ns())
         self.stats.add(completion_messages=1)
         applied = False
         while self._inflight and len(self._inflight[0].answers) == self._world:
@@ -588,15 +619,16 @@ class Engine:
             del self._by_fence[dispatch.fence]
             probe = self._probes[0]
             probe.round_trips_ns.append(now - dispatch.sent_ns)
+            if self.trace is not None:
+                self.trace.applied(dispatch, now, [])
             if len(probe.round_trips_ns) >= probe.count:
                 self._probes.popleft().done.set()
             return
         scheduler.advance_to(now)
         del self._by_fence[dispatch.fence]
         answers = dispatch.answers
-        rank_ns = tuple(answers[rank].device_ns for rank in range(self._world))
-        readiness = max(answer.readiness_delay_ns for answer in answers.values())
-        timing = ExecutionTiming(rank_ns, readiness, now - dispatch.sent_ns, dispatch.queued)
+        timing = execution_timing(dispatch, now, self._world)
+        rank_ns, readiness = timing.rank_device_ns, timing.readiness_delay_ns
         records = completion_records(answers[0], dispatch.ignore_eos)
         try:
             generated = scheduler.complete(dispatch.fence, records, timing)
@@ -604,6 +636,8 @@ class Engine:
             raise EngineError(
                 f"fence {dispatch.fence}: rank 0's results were refused: {exc}"
             ) from exc
+        if self.trace is not None:
+            self.trace.applied(dispatch, now, scheduler.drain_trace())
         lanes = dispatch.plan.lanes
         asked = [self._by_handle[lane.handle.id].stream.sampling.logprobs for lane in lanes]
         by_handle = {
@@ -674,6 +708,8 @@ class Engine:
         ``executions_total{class=ordinary}`` is ``executions_total:ordinary``.
         """
         out: dict[str, float] = dict(self.stats.counters())
+        if self.trace is not None:
+            out.update(self.trace.counters())
         for kind, (frames, device_ns) in self.stats.by_kind().items():
             out[f"frames_total:{kind}"] = frames
             out[f"device_nanoseconds_total:{kind}"] = device_ns
@@ -764,6 +800,8 @@ class Engine:
             except TransportError as err:
                 log.warning("could not send shutdown to the ranks: %s", err)
             channel.close()
+        if self.trace is not None:
+            self.trace.close()
 
     def __enter__(self) -> Engine:
         return self
