@@ -6,7 +6,8 @@ use, no download) over an OpenAI-compatible HTTP API: the frontend (this
 process), the coordinator and N rank processes on this machine.  With
 ``--prompt`` it instead generates one completion in-process, prints it and the
 run's figures, and exits.  ``flare bench`` drives an OpenAI-compatible endpoint
-with a load generator (``runtime.loadgen``).
+with a load generator (``runtime.loadgen``).  ``flare trace summary|timeline
+FILE`` reads a trace written by ``flare run --trace FILE`` (``runtime.trace``).
 
 Every flag and model-directory problem fails before any process starts, in one
 stderr line naming the flag or file (:func:`checked_run`).
@@ -38,6 +39,13 @@ from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.ranks.memory import KVCacheSizeError, KVPool
+from runtime.trace.cli import (
+    add_run_flags,
+    add_trace_command,
+    check_trace_path,
+    cmd_trace,
+    trace_options,
+)
 from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import SamplingParams
 
@@ -318,9 +326,11 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         help="--prompt: top-k sampling, -1 for all",
     )
     run.add_argument("--seed", metavar="N", type=int, default=0, help="--prompt: sampling seed")
+    add_run_flags(run)
     # Set by the frontend for its coordinator process (python -m runtime.coordinator).
     run.add_argument("--api-requests", help=argparse.SUPPRESS)
     run.add_argument("--api-outputs", help=argparse.SUPPRESS)
+    run.add_argument("--api-debug", help=argparse.SUPPRESS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -337,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(run)
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
+    add_trace_command(sub, Parser, HelpFormatter)
     return parser
 
 
@@ -389,7 +400,7 @@ def _apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser
     for key, value in run.items():
         action = actions.get(key) or actions.get(key.replace("_", "-"))
         dest = action.dest if action is not None else None
-        if action is None or dest in ("config", "api_requests", "api_outputs", "help"):
+        if action is None or dest in ("config", "api_requests", "api_outputs", "api_debug", "help"):
             parser.error(f"--config {args.config}: unknown [run] key {key!r}")
         if dest in seen:
             parser.error(f"--config {args.config}: [run] {seen[dest]} and {key} set the same flag")
@@ -481,6 +492,10 @@ def checked_run(
     if not 0 < args.startup_timeout < float("inf"):
         parser.error("--startup-timeout must be a finite number of seconds > 0")
     args.chat_template = _check_chat_template(args.chat_template, parser)
+    try:
+        args.trace = check_trace_path(args.trace)
+    except ValueError as exc:
+        parser.error(str(exc))
     model_dir, named = _model_dir(args, parser)
     if not os.path.exists(model_dir):
         parser.error(f"{named}: no such directory")
@@ -603,6 +618,9 @@ def generate_once(
     """``--prompt``: one completion in this process, printed with the run's figures."""
     started = time.monotonic()
     deployment = LocalDeployment(config)
+    tracing = trace_options(args)
+    if tracing is not None:
+        deployment.engine.enable_trace(tracing)
     try:
         deployment.start()
     except KeyboardInterrupt:
@@ -634,6 +652,14 @@ def generate_once(
         summary = engine.stats.summary()
     finally:
         deployment.stop()
+    trace = deployment.engine.trace
+    if trace is not None:
+        counters = trace.counters()
+        print(
+            f"trace: {counters['trace_lines']} frames written to {args.trace} "
+            f"({counters['trace_dropped']} dropped)",
+            file=sys.stderr,
+        )
     print(json.dumps({k: summary[k] for k in sorted(summary)}), file=sys.stderr)
     return 0
 
@@ -676,6 +702,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
             coordinator_args=_without_secrets(argv),
             chat_template=args.chat_template,
             max_choices_per_request=args.max_choices_per_request,
+            debug_endpoints=args.debug_endpoints,
         )
     )
 
@@ -690,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("run", "serve"):
         return cmd_run(args, parser, argv[1:])
+    if args.command == "trace":
+        return cmd_trace(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

@@ -15,7 +15,9 @@ import sys
 from dataclasses import replace
 
 from runtime.coordinator.bridge import ApiEndpoints, FrontendBridge, ServingInfo
+from runtime.coordinator.debug import DebugService
 from runtime.local import LocalDeployment
+from runtime.trace.cli import trace_options
 
 log = logging.getLogger("runtime.coordinator")
 
@@ -32,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     config = replace(deployment_config(args, parser, argv), external_publication=True)
     endpoints = ApiEndpoints(args.api_requests, args.api_outputs)
     deployment = LocalDeployment(config)
+    tracing = trace_options(args, debug=args.api_debug is not None)
+    if tracing is not None:
+        deployment.engine.enable_trace(tracing)
     bridge: FrontendBridge | None = None
+    debug: DebugService | None = None
     code = 0
 
     def stop(signum: int, frame: object) -> None:
@@ -59,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
             max_concurrency=config.max_concurrency,
             kv_tokens=facts.num_pages * facts.page_size,
         )
+        if args.api_debug is not None:
+            debug = DebugService(deployment.engine, args.api_debug).start()
         bridge = FrontendBridge(deployment.engine, endpoints, info)
         bridge.serve()
         if deployment.engine.error is not None:
@@ -68,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if bridge is not None:
             bridge.close()
+        if debug is not None:
+            debug.close()
         deployment.stop()
     return code
 

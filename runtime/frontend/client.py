@@ -31,7 +31,7 @@ from runtime.transport.schema import SamplingParams
 log = logging.getLogger("runtime.frontend")
 
 API_RUN_PREFIX = "flare-api-"
-API_RUN_FILES = ("requests", "outputs")
+API_RUN_FILES = ("requests", "outputs", "debug")  # debug: --debug-endpoints only
 
 
 class CoordinatorGone(RuntimeError):
@@ -45,7 +45,7 @@ class CoordinatorClient:
         self._async = zmq.asyncio.Context()
         self._push = make_socket(self._sync, zmq.PUSH)
         self._pull = make_socket(self._async, zmq.PULL)
-        requests, outputs = (os.path.join(self.run_dir, name) for name in API_RUN_FILES)
+        requests, outputs = (os.path.join(self.run_dir, name) for name in API_RUN_FILES[:2])
         self._push.bind(f"ipc://{requests}")
         self._pull.bind(f"ipc://{outputs}")
         self.endpoints = ApiEndpoints(

@@ -76,6 +76,16 @@ class _StatusCollector(Collector):
             if key.startswith("frames_total:"):
                 frames.add_metric([key.split(":", 1)[1]], value)
         yield frames
+        if "trace_lines" in v:  # the coordinator traces (--trace, --debug-endpoints)
+            yield CounterMetricFamily(
+                f"{PREFIX}_trace_lines", "Frames written to the live plan trace.",
+                value=v["trace_lines"],
+            )  # fmt: skip
+            yield CounterMetricFamily(
+                f"{PREFIX}_trace_dropped",
+                "Trace lines dropped because the trace writer fell behind.",
+                value=v.get("trace_dropped", 0.0),
+            )
         gauges = (
             ("num_requests_running", "Requests resident on the ranks.", "running"),
             ("num_requests_waiting", "Requests admitted but not yet resident.", "waiting"),

@@ -28,6 +28,7 @@ import uvicorn
 
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
 from runtime.frontend.protocol import ServingLimits
@@ -50,6 +51,7 @@ class ServeOptions:
     coordinator_args: tuple[str, ...]  # the run flags, passed on unchanged
     chat_template: str | None = None  # --chat-template FILE (None: the model's)
     max_choices_per_request: int = 1024  # --max-choices-per-request: prompts x n bound
+    debug_endpoints: bool = False  # --debug-endpoints: the /debug/* routes
 
 
 class StartupError(RuntimeError):
@@ -86,9 +88,13 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-async def _start_coordinator(client: CoordinatorClient, opts: ServeOptions):
+async def _start_coordinator(
+    client: CoordinatorClient, opts: ServeOptions, debug: DebugLink | None
+):
     endpoints = client.endpoints
     api = ["--api-requests", endpoints.requests, "--api-outputs", endpoints.outputs]
+    if debug is not None:
+        api += ["--api-debug", debug.endpoint]
     proc = spawn_coordinator([*opts.coordinator_args, *api])
     deadline = time.monotonic() + opts.startup_timeout_s
     while True:
@@ -120,10 +126,11 @@ async def _serve(
     opts: ServeOptions, tokenizer: ModelTokenizer, template, defaults: GenerationDefaults
 ) -> int:
     client = CoordinatorClient()
+    debug = DebugLink(client.run_dir) if opts.debug_endpoints else None
     proc = None
     try:
         started = time.monotonic()
-        proc, status = await _start_coordinator(client, opts)
+        proc, status = await _start_coordinator(client, opts, debug)
         limits = ServingLimits(
             status.model_name,
             status.vocab_size,
@@ -139,6 +146,7 @@ async def _serve(
             ServingMetrics(status.model_name),
             opts.api_key,
             defaults,
+            debug=debug,
         )
         app = create_app(frontend)
         config = uvicorn.Config(
@@ -160,6 +168,8 @@ async def _serve(
     finally:
         if proc is not None:
             await asyncio.get_running_loop().run_in_executor(None, _stop_coordinator, proc)
+        if debug is not None:
+            debug.close()
         await client.close()
 
 

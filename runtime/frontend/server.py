@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming as
 server-sent events in OpenAI's chunk format, ``data: [DONE]`` last),
 ``GET /v1/models``, ``GET /health`` (503 unless the engine serves),
 ``GET /metrics`` (Prometheus text), and vLLM's ``POST /tokenize``,
-``POST /detokenize`` and ``GET /version``.
+``POST /detokenize`` and ``GET /version``; with ``--debug-endpoints`` also
+``GET /debug/trace`` (:mod:`runtime.frontend.debug`).
 
 A request is validated (:mod:`runtime.frontend.protocol`), tokenized, and
 each of its ``n`` choices is submitted to the coordinator as its own request
@@ -42,6 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.frontend.chat import ChatTemplate
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.debug import DebugLink, add_debug_routes
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.detokenizer import IncrementalDetokenizer
 from runtime.frontend.metrics import ServingMetrics
@@ -88,6 +90,7 @@ class Frontend:
     api_key: str | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
+    debug: DebugLink | None = None  # --debug-endpoints: the /debug/* routes' link
 
 
 @dataclass
@@ -565,6 +568,9 @@ def create_app(fe: Frontend) -> FastAPI:
     @app.exception_handler(405)
     async def not_allowed(request: Request, exc: Exception):
         return _error(405, f"{request.method} is not allowed on {request.url.path}")
+
+    if fe.debug is not None:
+        add_debug_routes(app, fe.debug)
 
     @app.get("/health")
     async def health() -> Response:
