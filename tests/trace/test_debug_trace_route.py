@@ -1,0 +1,61 @@
+"""``GET /debug/trace`` on a real ``flare run`` (frontend, coordinator, rank processes):
+absent without ``--debug-endpoints``, behind the API key with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+
+from tests.server.harness import Server
+
+KEY = "trace-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def test_absent_without_the_flag_even_with_the_key():
+    server = Server("--api-key", KEY)
+    try:
+        assert httpx.get(f"{server.base}/debug/trace", headers=AUTH).status_code == 404
+        assert httpx.get(f"{server.base}/debug/trace").status_code == 401  # the key comes first
+    finally:
+        server.stop()
+
+
+def test_needs_the_key_and_returns_the_trace_lines(tmp_path):
+    path = tmp_path / "traces" / "run.jsonl"
+    server = Server("--debug-endpoints", "--api-key", KEY, "--trace", str(path))
+    url = f"{server.base}/debug/trace"
+    try:
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        body = {"prompt": "hello there", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
+        assert server.post("/v1/completions", body, headers=AUTH).status_code == 200
+        deadline = time.monotonic() + 10
+        while True:  # the writer thread renders within its poll period
+            answer = httpx.get(url, headers=AUTH, timeout=30).json()
+            if answer["written"] >= 6 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        frames = answer["frames"]
+        assert answer["dropped"] == 0 and len(frames) == answer["written"] >= 6
+        assert [f["fence"] for f in frames] == sorted(f["fence"] for f in frames)
+        assert answer["last_fence"] == frames[-1]["fence"]
+        assert all(len(f["ranks"]) == 1 and f["lanes"]["request"] for f in frames)
+        later = httpx.get(url, params={"since": frames[-3]["fence"]}, headers=AUTH).json()
+        assert [f["fence"] for f in later["frames"]] == [f["fence"] for f in frames[-2:]]
+        one = httpx.get(url, params={"limit": 1}, headers=AUTH).json()
+        assert [f["fence"] for f in one["frames"]] == [frames[-1]["fence"]]
+        bad = httpx.get(url, params={"since": "x"}, headers=AUTH)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
+        metrics = server.metrics_with(AUTH)
+        assert metrics["flare_trace_lines_total"] >= 6 and metrics["flare_trace_dropped_total"] == 0
+    finally:
+        assert server.stop() == 0
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert os.stat(path.parent).st_mode & 0o777 == 0o700
+    lines = [json.loads(text) for text in path.read_text().splitlines()]
+    assert lines[0]["event"] == "start" and lines[-1]["event"] == "end"
+    assert [line for line in lines if line["event"] == "frame"] == frames  # the same lines
