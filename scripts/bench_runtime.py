@@ -21,6 +21,18 @@ once and reports:
 * the loaded round trip: median host wall minus device interval of the
   isolated frames (what the host adds to a real frame).
 
+With ``--trace-cost`` it then measures what the live plan trace
+(``flare run --trace FILE``) costs, on the same deployment with a trace file:
+
+* the added host microseconds per frame: on the engine thread (the trace's
+  hooks: noting arrivals, handing the applied frame to the writer's queue),
+  and on the writer thread (rendering, JSON, the file), which runs beside the
+  engine loop rather than in it; both timed around the calls (wall and thread
+  CPU time), less the timer's own cost measured around an empty function;
+* output tokens/s with the trace attached and detached, ``--trace-runs``
+  interleaved runs each (on, off, on, off, ...) at ``--trace-concurrency``,
+  and the median of each: single runs move 10-20% on a shared machine.
+
 Then it runs transformers' ``generate`` on the same checkpoint, one request at a
 time and batched at each concurrency above 1, for comparison.  The last line
 is one JSON object with every figure printed.
@@ -30,8 +42,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +55,7 @@ import torch
 
 from runtime.local import DeploymentConfig, LocalDeployment
 from runtime.ranks.model import default_model_dir
+from runtime.trace.writer import TraceOptions
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -76,8 +91,8 @@ def frame_figures(frames) -> dict:
     return out
 
 
-def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
-    config = DeploymentConfig(
+def deployment_config(tp: int, args: argparse.Namespace) -> DeploymentConfig:
+    return DeploymentConfig(
         tensor_parallel_size=tp,
         max_concurrency=max(args.concurrency),
         max_prefill_tokens=max(64, -(-args.prompt_tokens // 64) * 64),
@@ -85,6 +100,10 @@ def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
         device=args.device,
         poll_spin_us=args.poll_spin_us,
     )
+
+
+def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
+    config = deployment_config(tp, args)
     results = {}
     with LocalDeployment(config) as deployment:
         engine = deployment.engine
@@ -124,6 +143,119 @@ def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
                 f"{figures['frames']} frames"
             )
     return results
+
+
+class Timed:
+    """Wraps a callable, summing the wall and the calling thread's CPU nanoseconds in it."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.ns, self.cpu_ns, self.calls = fn, 0, 0, 0
+
+    def __call__(self, *args):
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        try:
+            return self.fn(*args)
+        finally:
+            self.cpu_ns += time.thread_time_ns() - c0
+            self.ns += time.perf_counter_ns() - t0
+            self.calls += 1
+
+    @staticmethod
+    def overhead(calls: int = 20000) -> tuple[float, float]:
+        """The wrapper's own wall and CPU ns per call (timed around an empty function)."""
+        empty = Timed(lambda *args: None)
+        for _ in range(calls):
+            empty(0)
+        return empty.ns / calls, empty.cpu_ns / calls
+
+    def net(self, overhead: tuple[float, float]) -> tuple[float, float]:
+        """Wall and CPU ns spent in the function, less the wrapper's overhead."""
+        return (max(0.0, self.ns - overhead[0] * self.calls),
+                max(0.0, self.cpu_ns - overhead[1] * self.calls))  # fmt: skip
+
+
+def trace_cost(tp: int, args: argparse.Namespace, vocab: int) -> dict:
+    """Tracing's host cost per frame, and tokens/s with the trace attached and detached."""
+    tmp = tempfile.mkdtemp(prefix="flare-bench-trace-")
+    deployment = LocalDeployment(deployment_config(tp, args))
+    deployment.engine.enable_trace(TraceOptions(str(Path(tmp) / "trace.jsonl")))
+    c = args.trace_concurrency
+    try:
+        deployment.start()
+        engine = deployment.engine
+        trace = engine.trace
+        assert trace is not None
+        # Timers around the engine thread's hooks and the writer thread's batches.
+        arrived, applied = Timed(trace.arrived), Timed(trace.applied)
+        trace.arrived, trace.applied = arrived, applied
+        writer = trace.writer
+        drain = Timed(writer._drain)
+        writer._drain = drain
+        for s in [
+            engine.submit(p, 4, ignore_eos=True) for p in prompts(8, args.prompt_tokens, vocab)
+        ]:
+            s.result(timeout=600)  # warm-up: every program measured once
+
+        def one_run() -> tuple[float, int]:
+            before = engine.stats.frames_completed
+            start = time.perf_counter()
+            streams = [engine.submit(p, args.output_tokens, ignore_eos=True)
+                       for p in prompts(c, args.prompt_tokens, vocab)]  # fmt: skip
+            generated = sum(len(s.result(timeout=600).token_ids) for s in streams)
+            return generated / (time.perf_counter() - start), engine.stats.frames_completed - before
+
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        traced_frames = 0
+        for _ in range(args.trace_runs):
+            for mode in ("on", "off"):
+                engine.trace = trace if mode == "on" else None  # idle engine: a plain swap
+                rate, frames = one_run()
+                rates[mode].append(rate)
+                if mode == "on":
+                    traced_frames += frames
+        engine.trace = trace
+        writer.flush()
+        on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+        per_frame, per_line = max(1, applied.calls), max(1, writer.written)
+        overhead = Timed.overhead()
+        (arrived_ns, arrived_cpu), (applied_ns, applied_cpu) = (
+            arrived.net(overhead),
+            applied.net(overhead),
+        )
+        drain_ns, drain_cpu = drain.net(overhead)
+        out = {
+            "trace_engine_us_per_frame": (arrived_ns + applied_ns) / 1e3 / per_frame,
+            "trace_engine_cpu_us_per_frame": (arrived_cpu + applied_cpu) / 1e3 / per_frame,
+            "trace_writer_cpu_us_per_frame": drain_cpu / 1e3 / per_line,
+            "trace_writer_us_per_frame": drain_ns / 1e3 / per_line,
+            "trace_timer_overhead_us_per_call": overhead[0] / 1e3,
+            "trace_on_tokens_per_s": on,
+            "trace_off_tokens_per_s": off,
+            "trace_slowdown_pct": 100 * (off - on) / off,
+            "trace_on_runs": len(rates["on"]),
+            "trace_frames": traced_frames,
+            "trace_dropped": writer.dropped,
+        }
+        spread = {m: f"{min(r):.0f}..{max(r):.0f}" for m, r in rates.items()}
+        rows = [
+            ("engine thread (hooks), wall us/frame", f"{out['trace_engine_us_per_frame']:.1f}"),
+            ("engine thread (hooks), CPU us/frame", f"{out['trace_engine_cpu_us_per_frame']:.1f}"),
+            ("writer thread, CPU us/frame", f"{out['trace_writer_cpu_us_per_frame']:.1f}"),
+            ("writer thread, wall us/frame", f"{out['trace_writer_us_per_frame']:.1f}"),
+            ("(timer overhead subtracted, wall us/call)", f"{overhead[0] / 1e3:.2f}"),
+            (f"tok/s traced, median of {len(rates['on'])} ({spread['on']})", f"{on:.1f}"),
+            (f"tok/s untraced, median of {len(rates['off'])} ({spread['off']})", f"{off:.1f}"),
+            ("slowdown, % of untraced", f"{out['trace_slowdown_pct']:+.2f}"),
+            ("frames traced in the timed runs, dropped", f"{traced_frames}, {writer.dropped}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        print(f"TP={tp} trace cost (concurrency {c}, interleaved on/off runs):")
+        for name, value in rows:
+            print(f"  {name:<{width}}  {value:>10}")
+        return out
+    finally:
+        deployment.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run_transformers(args: argparse.Namespace, vocab: int) -> dict:
@@ -174,16 +306,28 @@ def main(argv: list[str] | None = None) -> int:
         "--poll-spin-us", type=int, default=None, help="busy-poll budget (default: automatic)"
     )
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--trace-cost", action="store_true", help="also measure the live plan trace's cost"
+    )
+    p.add_argument("--trace-runs", type=int, default=5, help="runs each, traced and untraced")
+    p.add_argument("--trace-concurrency", type=int, default=8, help="requests per trace run")
+    p.add_argument(
+        "--skip-frames", action="store_true", help="skip the round-trip and concurrency figures"
+    )
     args = p.parse_args(argv)
     from runtime.ranks.model.config import ModelConfig
 
     vocab = ModelConfig.from_dir(default_model_dir()).vocab_size
     result: dict = {"prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens}
     for tp in args.tp:
-        for c, figures in run_engine(tp, args, vocab).items():
-            label = "empty" if c == "empty" else f"c{c}"
-            for key, value in figures.items():
-                result[f"tp{tp}_{label}_{key}"] = round(value, 3)
+        if not args.skip_frames:
+            for c, figures in run_engine(tp, args, vocab).items():
+                label = "empty" if c == "empty" else f"c{c}"
+                for key, value in figures.items():
+                    result[f"tp{tp}_{label}_{key}"] = round(value, 3)
+        if args.trace_cost:
+            for key, value in trace_cost(tp, args, vocab).items():
+                result[f"tp{tp}_{key}"] = round(value, 3)
     if not args.skip_transformers:
         for key, value in run_transformers(args, vocab).items():
             result[f"transformers_{key}"] = round(value, 1)

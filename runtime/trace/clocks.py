@@ -57,6 +57,7 @@ class RankClocks:
             raise ValueError(f"world and window must be >= 1, got {world} and {window}")
         # Per rank: (delay, offset) of the recent samples.
         self._samples: list[deque[tuple[int, int]]] = [deque(maxlen=window) for _ in range(world)]
+        self._best_sample: list[tuple[int, int] | None] = [None] * world  # (delay, offset)
         self._best: list[ClockEstimate] = [ASSUMED] * world
 
     def observe(self, rank: int, sent_ns: int, received_ns: int, published_ns: int,
@@ -65,9 +66,15 @@ class RankClocks:
         delay = max(0, (arrived_ns - sent_ns) - (published_ns - received_ns))
         offset = ((received_ns - sent_ns) + (published_ns - arrived_ns)) // 2
         samples = self._samples[rank]
+        evicted = samples[0] if len(samples) == samples.maxlen else None
         samples.append((delay, offset))
-        best_delay, best_offset = min(samples)
-        self._best[rank] = ClockEstimate(best_offset, best_delay // 2, len(samples), ROUND_TRIPS)
+        best = self._best_sample[rank]
+        if best is None or (delay, offset) <= best:
+            best = (delay, offset)
+        elif evicted == best:  # the best sample left the window
+            best = min(samples)
+        self._best_sample[rank] = best
+        self._best[rank] = ClockEstimate(best[1], best[0] // 2, len(samples), ROUND_TRIPS)
 
     def estimate(self, rank: int) -> ClockEstimate:
         return self._best[rank]

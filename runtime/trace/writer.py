@@ -91,8 +91,11 @@ def open_private(path: str) -> int:
     return fd
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # lines are trees
+
+
 def dumps(obj: dict) -> str:
-    return json.dumps(obj, separators=(",", ":"))
+    return _ENCODER.encode(obj)
 
 
 class TraceWriter:

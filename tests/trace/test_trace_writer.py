@@ -179,6 +179,12 @@ def test_the_clock_offset_is_the_least_delay_round_trip():
     assert estimate.source == ROUND_TRIPS and estimate.samples == 2
     assert estimate.offset_ns == offset and estimate.error_ns == 100
     assert clocks.estimate(0).source == SAME_HOST
+    # The window slides: once the good sample leaves it, the best remaining one counts.
+    small = RankClocks(1, window=2)
+    small.observe(0, 0, 10, 20, 30)  # delay 20
+    small.observe(0, 100, 150, 160, 200)  # delay 90
+    small.observe(0, 300, 340, 350, 400)  # delay 90, the first sample leaves
+    assert small.estimate(0).error_ns == 45 and small.estimate(0).samples == 2
 
 
 # ------------------------------------------------------------------ readers
