@@ -18,6 +18,9 @@ from runtime.coordinator.engine import Engine, EngineConfig, EngineError
 from runtime.launch import spawn_ranks, stop_ranks
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
+from runtime.ranks.model.default import default_model_dir
+from runtime.transport.recording import model_digest, write_meta
+from runtime.transport.schema import PROTOCOL_VERSION
 
 DEFAULT_SPIN_US = 200
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
@@ -64,6 +67,7 @@ class DeploymentConfig:
     check_ranks: bool = False  # every rank reports a CRC of its sampled tokens; mismatch fails
     log_level: str = "info"  # the ranks' log level
     log_dir: str | None = None  # also one log file per rank there
+    record_frames: str | None = None  # record every frame from start-up there (flare replay)
     poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
     external_publication: bool = False  # a frontend reports publications
 
@@ -150,12 +154,15 @@ class LocalDeployment:
                 handshake_timeout_s=cfg.startup_timeout_s,
                 poll_spin_us=cfg.spin_us,
                 external_publication=cfg.external_publication,
+                record_dir=cfg.record_frames,
             )
         )
         self.ranks: list = []
         self._stopping = threading.Event()
 
     def start(self) -> LocalDeployment:
+        if self.config.record_frames:
+            write_meta(self.config.record_frames, self.recording_meta())
         endpoints = self.engine.bind()
         self.ranks = spawn_ranks(
             endpoints, self.config.tensor_parallel_size, self.config.rank_args()
@@ -189,6 +196,18 @@ class LocalDeployment:
             raise
         threading.Thread(target=self._watch_ranks, name="flare-rank-watch", daemon=True).start()
         return self
+
+    def recording_meta(self) -> dict:
+        """What a frame recording needs to start the same ranks again."""
+        cfg = self.config
+        model = cfg.model or str(default_model_dir())
+        return {
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "rank_args": cfg.rank_args(),
+            "model": os.fspath(model),
+            "model_digest": model_digest(model),
+            "protocol_version": PROTOCOL_VERSION,
+        }
 
     def _watch_ranks(self) -> None:
         """A rank that exits while serving fails the engine at once: its requests

@@ -83,9 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="report a CRC of the sampled tokens every frame (the coordinator compares ranks)",
     )
-    p.add_argument(
-        "--log-level", choices=["debug", "info", "warning", "error"], default="info"
-    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument(
         "--log-dir", default=None, help="also write this rank's log to DIR/rank<r>.log (0600)"
     )

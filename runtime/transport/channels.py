@@ -59,6 +59,7 @@ from typing import TypeVar
 import zmq
 
 from runtime.transport.codec import decode, encode
+from runtime.transport.recording import FrameRecorder
 from runtime.transport.schema import (
     COORDINATOR_RANK,
     MAX_WORLD_SIZE,
@@ -390,6 +391,7 @@ class CoordinatorChannel(_Channel):
         allow_remote: bool = False,
         run_dir: str | None = None,
         context: zmq.Context | None = None,
+        record_dir: str | None = None,
     ) -> None:
         if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world_size must lie in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
@@ -426,6 +428,9 @@ class CoordinatorChannel(_Channel):
             self.close()
             raise
         self.name = f"coordinator channel ({self.endpoints.completions})"
+        # Frame recording (``flare run --record-frames``): published frames, rank
+        # 0's catalog and completions, in channel order.
+        self.recorder = FrameRecorder(record_dir) if record_dir else None
 
     def publish(self, message: Frame | Control) -> None:
         """Send a frame or a control message to every rank."""
@@ -435,7 +440,10 @@ class CoordinatorChannel(_Channel):
             raise ValueError(f"coordinator control messages carry rank {COORDINATOR_RANK}")
         if self._closed:
             raise TransportError(f"{self.name} is closed")
-        self._pub.send(encode(message))
+        data = encode(message)
+        self._pub.send(data)
+        if self.recorder is not None and isinstance(message, Frame):
+            self.recorder.write("frame", data)
 
     def shutdown_ranks(self) -> None:
         self.publish(Control("shutdown"))
@@ -491,6 +499,13 @@ class CoordinatorChannel(_Channel):
             return message  # type: ignore[return-value]
 
     def _admit(self, message: Message) -> Message | None:
+        if (
+            self.recorder is not None
+            and isinstance(message, (Completion, CatalogReport))
+            and message.rank == 0
+        ):
+            self.recorder.write("report" if isinstance(message, CatalogReport) else "completion",
+                                encode(message))  # fmt: skip
         if isinstance(message, Control) and not 0 <= message.rank < self.world_size:
             self._reject(f"Control from rank {message.rank} of world size {self.world_size}")
             return None
@@ -506,6 +521,8 @@ class CoordinatorChannel(_Channel):
 
     def close(self) -> None:
         """Close the sockets and remove the ipc run directory."""
+        if getattr(self, "recorder", None) is not None:
+            self.recorder.close()
         super().close()
         if self._finalizer is not None:
             self._finalizer()

@@ -77,6 +77,7 @@ class EngineConfig:
     completion_timeout_s: float | None = 300.0
     shutdown_grace_s: float = 0.05
     run_dir: str | None = None
+    record_dir: str | None = None  # record frames and rank 0's answers there (flare replay)
     allow_remote: bool = False
     frame_stats: int = 100_000
     poll_spin_us: int = 0
@@ -125,7 +126,7 @@ class EngineConfig:
     def channel_kwargs(self) -> dict[str, object]:
         """Keyword arguments of :class:`CoordinatorChannel` for these endpoints."""
         if self.endpoints is None:
-            return {"transport": "ipc", "run_dir": self.run_dir}
+            return {"transport": "ipc", "run_dir": self.run_dir, "record_dir": self.record_dir}
         frames, completions = self.endpoints.frames, self.endpoints.completions
         if not (frames.startswith("tcp://") and completions.startswith("tcp://")):
             raise ConfigError(
@@ -146,4 +147,5 @@ class EngineConfig:
             "frame_port": frame_port,
             "completion_port": completion_port,
             "allow_remote": self.allow_remote,
+            "record_dir": self.record_dir,
         }
