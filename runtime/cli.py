@@ -34,6 +34,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT
+from runtime.cli_debug import add_debug_flags, add_replay_command, cmd_replay, debug_config
 from runtime.cli_memory import add_kv_flags, kv_pool
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
@@ -327,6 +328,7 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument("--seed", metavar="N", type=int, default=0, help="--prompt: sampling seed")
     add_run_flags(run)
+    add_debug_flags(run)
     # Set by the frontend for its coordinator process (python -m runtime.coordinator).
     run.add_argument("--api-requests", help=argparse.SUPPRESS)
     run.add_argument("--api-outputs", help=argparse.SUPPRESS)
@@ -348,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     add_trace_command(sub, Parser, HelpFormatter)
+    add_replay_command(sub, Parser, HelpFormatter)
     return parser
 
 
@@ -546,6 +549,7 @@ def checked_run(
             startup_timeout_s=args.startup_timeout,
             frame_timeout_multiple=args.frame_timeout_multiple,
             frame_timeout_margin_s=args.frame_timeout_margin,
+            **debug_config(args),
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -719,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_run(args, parser, argv[1:])
     if args.command == "trace":
         return cmd_trace(args)
+    if args.command == "replay":
+        return cmd_replay(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

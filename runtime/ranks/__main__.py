@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             worker = build_worker(args, model, model_dir, use_cuda, progress)
+            captured = sum(p.captured for p in worker.programs.values())
+            log.info(
+                "%d programs prepared (%d captured) on %s; %d KV pages",
+                len(worker.programs), captured, worker.device, worker.num_pages,
+            )  # fmt: skip
         except KVCacheSizeError as exc:  # one line, not a traceback per rank
             print(f"rank {rank}: {exc}", file=sys.stderr)
             return 1
