@@ -22,7 +22,7 @@ def add_debug_flags(run: argparse.ArgumentParser) -> None:
         metavar="DIR",
         default=None,
         help="record every frame from start-up, with rank 0's answers, for `flare replay DIR` "
-        "(DIR is created 0700, its files 0600: they hold prompts)",
+        "(DIR is created 0700, its files 0600: they hold prompts; default: off)",
     )
     run.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="the rank processes' log level"
