@@ -28,7 +28,10 @@ def add_debug_flags(run: argparse.ArgumentParser) -> None:
         "--log-level", choices=LOG_LEVELS, default="info", help="the rank processes' log level"
     )
     run.add_argument(
-        "--log-dir", metavar="DIR", default=None, help="also one log file per rank in DIR (0600)"
+        "--log-dir",
+        metavar="DIR",
+        default=None,
+        help="also one log file per rank in DIR (0600; default: stderr only)",
     )
 
 
