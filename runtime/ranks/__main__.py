@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from runtime.private_files import make_private_dirs, open_private
 from runtime.ranks import memory
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY, CapacityConfig, CapacityError
 from runtime.ranks.memory import DeviceMemory, KVCacheSizeError, KVPool
@@ -141,9 +142,8 @@ def configure_logging(rank: int, level: str, log_dir: str | None) -> None:
     fmt = f"[rank {rank} pid {os.getpid()}] %(asctime)s %(levelname)s %(name)s: %(message)s"
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     if log_dir:
-        os.makedirs(log_dir, mode=0o700, exist_ok=True)
-        path = os.path.join(log_dir, f"rank{rank}.log")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        make_private_dirs(log_dir)
+        fd = open_private(os.path.join(log_dir, f"rank{rank}.log"), truncate=False)
         handlers.append(logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8")))
     logging.basicConfig(level=level.upper(), format=fmt, handlers=handlers, force=True)
 

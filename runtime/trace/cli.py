@@ -15,7 +15,8 @@ import json
 import os
 import sys
 
-from runtime.trace.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, TraceOptions, make_private_dirs
+from runtime.private_files import make_private_dirs
+from runtime.trace.writer import DEFAULT_KEEP, DEFAULT_MAX_BYTES, TraceOptions
 
 UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 MIN_TRACE_BYTES = 4096

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.coordinator.config import ConfigError
+from runtime.private_files import make_private_dirs, open_private
 
 log = logging.getLogger("runtime.trace")
 
@@ -39,8 +40,6 @@ DEFAULT_KEEP = 3
 DEFAULT_QUEUE_LIMIT = 65536
 DEFAULT_RING_LINES = 4096
 POLL_S = 0.05  # the writer thread's wake-up period
-FILE_MODE = 0o600
-DIR_MODE = 0o700
 
 
 @dataclass(frozen=True)
@@ -67,28 +66,6 @@ class TraceOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-
-
-def make_private_dirs(directory: str) -> None:
-    """Create ``directory`` and any missing parents, each mode 0700 (existing ones untouched)."""
-    missing = []
-    path = os.path.abspath(directory)
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for path in reversed(missing):
-        os.mkdir(path, DIR_MODE)
-        os.chmod(path, DIR_MODE)  # the umask may have narrowed it; never widen beyond 0700
-
-
-def open_private(path: str) -> int:
-    """``path`` truncated (or created) for appending, mode 0600: a file descriptor."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, FILE_MODE)
-    os.fchmod(fd, FILE_MODE)  # an existing file keeps its mode on open: narrow it
-    return fd
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), check_circular=False)  # lines are trees

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from runtime.private_files import make_private_dirs, open_private
 from runtime.transport.codec import MAX_MESSAGE_BYTES, decode
 from runtime.transport.schema import CatalogReport, Completion, Frame
 
@@ -39,25 +40,13 @@ class RecordingError(ValueError):
     """A recording that cannot be read (its path and why)."""
 
 
-def _private_dir(path: Path) -> None:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
-
-
-def _private_file(path: Path, mode: str):
-    fd = os.open(
-        path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC), 0o600
-    )
-    return os.fdopen(fd, mode)
-
-
 class FrameRecorder:
     """Appends entries to ``DIR/log.msgpack`` (the channel calls it; one thread)."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
-        _private_dir(self.directory)
-        self._file = _private_file(self.directory / LOG, "ab")
+        make_private_dirs(self.directory)
+        self._file = os.fdopen(open_private(self.directory / LOG, truncate=False), "ab")
         self._packer = msgpack.Packer(use_bin_type=True)
 
     def write(self, kind: str, data: bytes) -> None:
@@ -90,8 +79,8 @@ def model_digest(model_dir: str | os.PathLike) -> str:
 def write_meta(directory: str | os.PathLike, meta: dict[str, Any]) -> None:
     """``meta.json`` of a recording (the deployment's identity)."""
     path = Path(directory)
-    _private_dir(path)
-    with _private_file(path / META, "w") as f:
+    make_private_dirs(path)
+    with os.fdopen(open_private(path / META), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1, sort_keys=True)
 
 
