@@ -34,7 +34,14 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT
-from runtime.cli_debug import add_debug_flags, add_replay_command, cmd_replay, debug_config
+from runtime.cli_debug import (
+    add_debug_flags,
+    add_ranks_command,
+    add_replay_command,
+    cmd_ranks,
+    cmd_replay,
+    debug_config,
+)
 from runtime.cli_memory import add_kv_flags, kv_pool
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
@@ -351,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER)
     add_trace_command(sub, Parser, HelpFormatter)
     add_replay_command(sub, Parser, HelpFormatter)
+    add_ranks_command(sub, Parser, HelpFormatter)
     return parser
 
 
@@ -725,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_trace(args)
     if args.command == "replay":
         return cmd_replay(args)
+    if args.command == "ranks":
+        return cmd_ranks(args)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

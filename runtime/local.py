@@ -68,8 +68,10 @@ class DeploymentConfig:
     log_level: str = "info"  # the ranks' log level
     log_dir: str | None = None  # also one log file per rank there
     record_frames: str | None = None  # record every frame from start-up there (flare replay)
+    profile_dir: str | None = None  # Control("profile") traces there (POST /debug/profile)
     poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
     external_publication: bool = False  # a frontend reports publications
+    direct: bool = False  # the diagnostic direct-mode scheduler (runtime/direct)
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -138,6 +140,8 @@ class DeploymentConfig:
         args += ["--log-level", self.log_level]
         if self.log_dir:
             args += ["--log-dir", os.fspath(self.log_dir)]
+        if self.profile_dir:
+            args += ["--profile-dir", os.path.abspath(self.profile_dir)]
         return args
 
 
@@ -155,6 +159,7 @@ class LocalDeployment:
                 poll_spin_us=cfg.spin_us,
                 external_publication=cfg.external_publication,
                 record_dir=cfg.record_frames,
+                direct=cfg.direct,
             )
         )
         self.ranks: list = []

@@ -10,6 +10,7 @@ stops the ranks on the way out.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from dataclasses import replace
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_tokens=facts.num_pages * facts.page_size,
         )
         if args.api_debug is not None:
-            debug = DebugService(deployment.engine, args.api_debug).start()
+            profile_dir = config.profile_dir and os.path.abspath(config.profile_dir)
+            debug = DebugService(deployment.engine, args.api_debug, profile_dir).start()
         bridge = FrontendBridge(deployment.engine, endpoints, info)
         bridge.serve()
         if deployment.engine.error is not None:

@@ -8,12 +8,19 @@ the request bridge, so a large answer never delays a token.
 
 Messages are JSON objects, one per ZeroMQ message, versioned by ``"v"``:
 
-* query: ``{"v": 1, "nonce": N, "query": "trace", "since": FENCE, "limit": L}``
-  (``limit`` optional: the most lines, the newest kept);
-* answer: ``{"v": 1, "nonce": N, "ok": true, "written": W, "dropped": D,
+* ``{"v": 1, "nonce": N, "query": "trace", "since": FENCE, "limit": L}``
+  (``limit`` optional: the most lines, the newest kept) is answered by
+  ``{"v": 1, "nonce": N, "ok": true, "written": W, "dropped": D,
   "frames": [LINE, ...]}`` where each ``LINE`` is a trace line (an object) of a
   frame after ``FENCE``, oldest first, from the engine's ring of recent lines;
-  or ``{"v": 1, "nonce": N, "ok": false, "error": "..."}``.
+* ``{"v": 1, "nonce": N, "query": "ranks"}`` by ``{..., "ok": true, "ranks":
+  [STATUS, ...]}``, every rank's answer to ``Control("inspect")``
+  (:meth:`RankStatus.to_json`), by rank;
+* ``{"v": 1, "nonce": N, "query": "profile", "frames": F, "timeout": S}`` by
+  ``{..., "ok": true, "directory": DIR, "frames": {RANK: COUNT}, "files":
+  [PATH, ...]}`` once every rank profiled its next ``F`` frames (``COUNT`` 0:
+  that rank could not write its trace);
+* a failure by ``{"v": 1, "nonce": N, "ok": false, "error": "..."}``.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import threading
 
 import zmq
 
-from runtime.coordinator.engine import Engine
+from runtime.coordinator.engine import Engine, EngineError
+from runtime.ranks.profiling import profile_path
 from runtime.transport.channels import make_socket
 
 log = logging.getLogger("runtime.coordinator.debug")
@@ -32,6 +40,9 @@ log = logging.getLogger("runtime.coordinator.debug")
 LINK_VERSION = 1
 POLL_MS = 100
 MAX_QUERY_BYTES = 4096
+QUERIES = ("trace", "ranks", "profile")
+MAX_PROFILE_TIMEOUT_S = 600
+INSPECT_TIMEOUT_S = 5.0
 
 
 def parse_query(data: bytes) -> dict:
@@ -44,9 +55,9 @@ def parse_query(data: bytes) -> dict:
     nonce = query.get("nonce")
     if isinstance(nonce, bool) or not isinstance(nonce, int):
         raise ValueError("nonce must be an integer")
-    if query.get("query") != "trace":
+    if query.get("query") not in QUERIES:
         raise ValueError(f"unknown query {query.get('query')!r}")
-    for name in ("since", "limit"):
+    for name in ("since", "limit", "frames", "timeout"):
         value = query.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -68,6 +79,38 @@ def trace_answer(engine: Engine, nonce: int, since: int, limit: int | None) -> b
     return f'{head[:-1]},"frames":[{",".join(lines)}]}}'.encode()
 
 
+def ranks_answer(engine: Engine, nonce: int) -> bytes:
+    try:
+        statuses = engine.inspect_ranks(INSPECT_TIMEOUT_S)
+    except EngineError as exc:
+        return error_answer(nonce, str(exc))
+    ranks = [status.to_json() for status in statuses]
+    return json.dumps({"v": LINK_VERSION, "nonce": nonce, "ok": True, "ranks": ranks}).encode()
+
+
+def profile_answer(
+    engine: Engine, nonce: int, directory: str | None, frames: int, timeout_s: int
+) -> bytes:
+    if directory is None:
+        return error_answer(nonce, "the ranks have no profile directory (--profile-dir)")
+    if not 1 <= frames <= 4096:
+        return error_answer(nonce, f"frames must lie in [1, 4096], got {frames}")
+    if not 1 <= timeout_s <= MAX_PROFILE_TIMEOUT_S:
+        return error_answer(
+            nonce, f"timeout must lie in [1, {MAX_PROFILE_TIMEOUT_S}] seconds, got {timeout_s}"
+        )
+    try:
+        profiled, profile = engine.profile_ranks(frames, float(timeout_s))
+    except EngineError as exc:
+        return error_answer(nonce, str(exc))
+    files = [profile_path(directory, profile, rank) for rank, n in profiled.items() if n > 0]
+    answer = {
+        "v": LINK_VERSION, "nonce": nonce, "ok": True, "directory": directory,
+        "frames": {str(rank): n for rank, n in profiled.items()}, "files": files,
+    }  # fmt: skip
+    return json.dumps(answer).encode()
+
+
 def error_answer(nonce: int, error: str) -> bytes:
     return json.dumps({"v": LINK_VERSION, "nonce": nonce, "ok": False, "error": error}).encode()
 
@@ -75,10 +118,11 @@ def error_answer(nonce: int, error: str) -> bytes:
 class DebugService:
     """Answers the frontend's debug queries from a thread of its own until :meth:`close`."""
 
-    def __init__(self, engine: Engine, endpoint: str) -> None:
+    def __init__(self, engine: Engine, endpoint: str, profile_dir: str | None = None) -> None:
         if not endpoint.startswith(("ipc://", "tcp://")):
             raise ValueError(f"the debug endpoint must be ipc:// or tcp://, got {endpoint!r}")
         self.engine = engine
+        self.profile_dir = profile_dir
         self._context = zmq.Context()
         self._socket = make_socket(self._context, zmq.REP)
         self._socket.connect(endpoint)
@@ -107,5 +151,14 @@ class DebugService:
                 log.warning("debug link: refused a query: %s", exc)
                 self._socket.send(error_answer(-1, f"bad query: {exc}"))
                 continue
-            limit = query.get("limit") or None
-            self._socket.send(trace_answer(self.engine, query["nonce"], query["since"], limit))
+            self._socket.send(self._answer(query))
+
+    def _answer(self, query: dict) -> bytes:
+        nonce = query["nonce"]
+        if query["query"] == "ranks":
+            return ranks_answer(self.engine, nonce)
+        if query["query"] == "profile":
+            frames, timeout = query.get("frames", 1), query.get("timeout", 60)
+            return profile_answer(self.engine, nonce, self.profile_dir, frames, timeout)
+        limit = query.get("limit") or None
+        return trace_answer(self.engine, nonce, query.get("since", 0), limit)

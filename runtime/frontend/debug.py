@@ -7,6 +7,17 @@ most the newest ``N``: ``{"frames": [...], "written": W, "dropped": D,
 pass it as the next ``since`` to follow the trace).  Without ``--trace FILE``
 the coordinator still keeps its ring of recent lines for this route.
 
+``GET /debug/ranks``: ``{"ranks": [STATUS, ...]}``, every rank's answer to
+``Control("inspect")`` (slots in use, pending tokens, pages held, programs and
+their capture status, frames run, last fence, memory); ``flare ranks status``
+prints it.
+
+``POST /debug/profile?frames=N&timeout=S``: every rank runs ``torch.profiler``
+over its next ``N`` frames (default 1) and writes its trace under the
+``--profile-dir``; answered once all have, within ``S`` seconds (default 60;
+a server without traffic answers 409 after it, and the traces appear once the
+frames have run): ``{"directory": DIR, "frames": {RANK: N}, "files": [...]}``.
+
 The API key guards these routes like every other (``ApiKeyMiddleware``).  The
 frontend asks the coordinator over the debug link (:mod:`runtime.coordinator.debug`).
 """
@@ -30,6 +41,7 @@ from runtime.transport.channels import make_socket
 
 DEBUG_SOCKET = "debug"  # in the frontend's run directory
 QUERY_TIMEOUT_S = 5.0
+INSPECT_TIMEOUT_S = 10.0  # the coordinator gives the ranks 5 s
 
 
 class DebugLink:
@@ -83,6 +95,19 @@ def _int_param(request: Request, name: str, default: int) -> int:
     return value
 
 
+async def _ask(link: DebugLink, timeout_s: float = QUERY_TIMEOUT_S, **fields: int | str):
+    """The coordinator's answer, or the error response to return instead."""
+    try:
+        answer = await link.query(timeout_s, **fields)
+    except CoordinatorGone as exc:
+        error = RequestError(503, str(exc), None, "service_unavailable")
+        return JSONResponse(error.to_json(), status_code=503)
+    if not answer.get("ok"):
+        error = RequestError(409, answer.get("error", "refused"), None, "server_error")
+        return JSONResponse(error.to_json(), status_code=409)
+    return answer
+
+
 def add_debug_routes(app: FastAPI, link: DebugLink) -> None:
     """The ``/debug/*`` routes on ``app``, answered through ``link``."""
 
@@ -93,14 +118,9 @@ def add_debug_routes(app: FastAPI, link: DebugLink) -> None:
             limit = _int_param(request, "limit", 0)
         except RequestError as exc:
             return JSONResponse(exc.to_json(), status_code=exc.status)
-        try:
-            answer = await link.query(query="trace", since=since, limit=limit)
-        except CoordinatorGone as exc:
-            error = RequestError(503, str(exc), None, "service_unavailable")
-            return JSONResponse(error.to_json(), status_code=503)
-        if not answer.get("ok"):
-            error = RequestError(409, answer.get("error", "refused"), None, "server_error")
-            return JSONResponse(error.to_json(), status_code=409)
+        answer = await _ask(link, query="trace", since=since, limit=limit)
+        if isinstance(answer, Response):
+            return answer
         frames = answer["frames"]
         return JSONResponse(
             {
@@ -110,3 +130,26 @@ def add_debug_routes(app: FastAPI, link: DebugLink) -> None:
                 "last_fence": frames[-1]["fence"] if frames else since,
             }
         )
+
+    @app.get("/debug/ranks")
+    async def debug_ranks() -> Response:
+        answer = await _ask(link, INSPECT_TIMEOUT_S, query="ranks")
+        if isinstance(answer, Response):
+            return answer
+        return JSONResponse({"ranks": answer["ranks"]})
+
+    @app.post("/debug/profile")
+    async def debug_profile(request: Request) -> Response:
+        try:
+            frames = _int_param(request, "frames", 1)
+            timeout = _int_param(request, "timeout", 60)
+        except RequestError as exc:
+            return JSONResponse(exc.to_json(), status_code=exc.status)
+        for name, value, high in (("frames", frames, 4096), ("timeout", timeout, 600)):
+            if not 1 <= value <= high:
+                error = RequestError(400, f"{name} must lie in [1, {high}], got {value}", name)
+                return JSONResponse(error.to_json(), status_code=400)
+        answer = await _ask(link, timeout + 5.0, query="profile", frames=frames, timeout=timeout)
+        if isinstance(answer, Response):
+            return answer
+        return JSONResponse({key: answer[key] for key in ("directory", "frames", "files")})

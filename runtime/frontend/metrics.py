@@ -11,15 +11,19 @@ Two sources:
   ``flare_scheduler_executions_total`` by ``class`` (ordinary, discovery,
   timing-refresh, acceptance-learning), ``flare_speculative_*`` for complete
   speculative programs, running and waiting requests, KV pages, and each
-  prepared program's estimated duration.
+  prepared program's estimated duration; and per rank (:func:`rank_families`):
+  device seconds by selection class, host seconds by stage, the last completed
+  fence, RSS and device memory, and a histogram of each frame's skew (the
+  largest minus the smallest rank interval).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from runtime.transport.api import Status
@@ -113,6 +117,56 @@ class _StatusCollector(Collector):
         for graph, ns in sorted(status.graph_estimates_ns.items()):
             estimates.add_metric([graph], ns / 1e9)
         yield estimates
+        yield from rank_families(v)
+
+
+RANK_GAUGES = (
+    ("rank_last_fence", "The last fence each rank completed (-1: none yet)."),
+    ("rank_rss_bytes", "Each rank process's resident set size."),
+    ("rank_device_allocated_bytes", "Device memory each rank's tensors hold."),
+    ("rank_device_reserved_bytes", "Device memory each rank's allocator reserved."),
+)
+
+
+def rank_families(v: dict[str, float]) -> Iterator:
+    """The per-rank families from the coordinator's flat ``name:label:...`` values
+    (see ``runtime.coordinator.engine.ranks.RankMetrics.values``)."""
+    device = CounterMetricFamily(
+        f"{PREFIX}_rank_device_seconds",
+        "Each rank's device (replay) seconds by selection class.",
+        labels=["rank", "class"],
+    )
+    host = CounterMetricFamily(
+        f"{PREFIX}_rank_host_seconds",
+        "Each rank's host seconds by stage (receive, validate, pack, launch, wait, publish).",
+        labels=["rank", "stage"],
+    )
+    gauges = {
+        name: GaugeMetricFamily(f"{PREFIX}_{name}", doc, labels=["rank"])
+        for name, doc in RANK_GAUGES
+    }
+    buckets = []
+    for key, value in v.items():
+        name, _, labels = key.partition(":")
+        if name == "rank_device_seconds_total":
+            device.add_metric(labels.split(":", 1), value)
+        elif name == "rank_host_seconds_total":
+            host.add_metric(labels.split(":", 1), value)
+        elif name in gauges:
+            gauges[name].add_metric([labels], value)
+        elif name == "rank_skew_seconds_bucket":
+            buckets.append((float(labels), value))
+    yield device
+    yield host
+    yield from gauges.values()
+    if buckets:
+        buckets.sort()
+        yield HistogramMetricFamily(
+            f"{PREFIX}_rank_skew_seconds",
+            "Per frame, the largest minus the smallest rank interval.",
+            buckets=[("+Inf" if math.isinf(le) else f"{le:g}", count) for le, count in buckets],
+            sum_value=v.get("rank_skew_seconds_sum", 0.0),
+        )
 
 
 class ServingMetrics:

@@ -88,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--log-dir", default=None, help="also write this rank's log to DIR/rank<r>.log (0600)"
     )
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="where Control('profile') writes DIR/profile-<nonce>/rank<r>.json (default: refused)",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument(
         "--dtype",
@@ -247,6 +252,7 @@ def build_worker(
             frame_timeout_multiple=args.frame_timeout_multiple,
             frame_timeout_margin_s=args.frame_timeout_margin,
             check_ranks=args.check_ranks,
+            profile_dir=args.profile_dir,
         )
     except torch.cuda.OutOfMemoryError:
         raise KVCacheSizeError(

@@ -11,7 +11,9 @@ A frame goes through host stages, timed per frame (:attr:`RankWorker.stages`,
 the names the debugging tools report): ``receive`` (socket, decode, schema
 validation), ``validate`` (against the slot table), ``pack`` (the lane columns
 into the host arena), ``launch`` (copies and the replay), ``wait`` (until the
-device finishes) and ``publish`` (the completion built and sent).  The slot
+device finishes) and ``publish`` (the completion built and sent); while
+``Control("profile")`` runs, :class:`~runtime.ranks.profiling.RankProfiler`
+records them as named ranges (NVTX on CUDA).  The slot
 table is updated at launch, so on CUDA the loop checks and packs frame N+1
 while frame N runs (the spec's two-slot queue, seen from the rank; a third
 waits in the socket until the first is answered, since the host buffers are
@@ -47,6 +49,7 @@ from runtime.catalog import GraphDescriptor
 from runtime.ranks.arena import HostStaging, SlotArena
 from runtime.ranks.capacity import CapacityConfig, build_catalog
 from runtime.ranks.model.llama import LlamaForCausalLM
+from runtime.ranks.profiling import RankProfiler
 from runtime.ranks.programs import (
     HostOutputs,
     Launch,
@@ -101,6 +104,7 @@ class RankWorker:
         frame_timeout_multiple: float = 20.0,
         frame_timeout_margin_s: float = 60.0,
         check_ranks: bool = False,
+        profile_dir: str | None = None,
     ) -> None:
         if frame_timeout_multiple <= 0 or frame_timeout_margin_s <= 0:
             raise ValueError("frame_timeout_multiple and frame_timeout_margin_s must be > 0")
@@ -162,6 +166,8 @@ class RankWorker:
             os.environ.get(f"FLARE_DEBUG_PERTURB_FENCE_RANK{rank}", "-1")
         )
         self._last_publish_ns = 0  # the previous frame's publish stage
+        # Control("profile"): torch.profiler over the next frames (runtime/ranks/profiling.py).
+        self.profiler = RankProfiler(rank, self.device, profile_dir)
 
     def report(self) -> CatalogReport:
         return CatalogReport(
@@ -230,11 +236,13 @@ class RankWorker:
             for slot in frame.release_slots:
                 self.slots.release(slot)
             return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
+        profiler = self.profiler
         t0 = time.perf_counter_ns()
-        program, checked = self.check(frame)
-        t1 = time.perf_counter_ns()
-        tensor, array_ = self.staging.take()
-        used, width = program.pack(checked, array_, self.staging.memo)  # may refuse
+        with profiler.range("check+pack"):
+            program, checked = self.check(frame)
+            t1 = time.perf_counter_ns()
+            tensor, array_ = self.staging.take()
+            used, width = program.pack(checked, array_, self.staging.memo)  # may refuse
         t2 = time.perf_counter_ns()
         self._update_rows(checked)
         host = self._host[self._next_host]
@@ -246,7 +254,8 @@ class RankWorker:
         if self.debug_launch_delay_ns:  # a slow host: late to launch, not a slow device
             time.sleep(self.debug_launch_delay_ns / 1e9)
         launched_at = time.monotonic_ns()
-        launch = program.launch(checked, tensor, used, width, host, variant)
+        with profiler.range("launch"):
+            launch = program.launch(checked, tensor, used, width, host, variant)
         launch.times = [received_at or launched_at, launched_at]
         self.slots.apply(checked)
         t3 = time.perf_counter_ns()
@@ -275,7 +284,8 @@ class RankWorker:
     def finish(self, launch: Launch) -> Completion:
         """The completion of a finished launch (waits for it if needed)."""
         t0 = time.perf_counter_ns()
-        launch.wait()
+        with self.profiler.range("wait"):
+            launch.wait()
         t1 = time.perf_counter_ns()
         ended_at = time.monotonic_ns()
         checked = launch.checked
@@ -405,9 +415,16 @@ class RankWorker:
                 if message.command == "inspect":
                     channel.send(self.inspect(message.nonce))
                     continue
+                if message.command == "profile":
+                    refused = self.profiler.start(message.nonce, message.count)
+                    if refused is not None:
+                        channel.send(refused)
+                    continue
                 if message.command == "shutdown":
                     while queue:  # the frames in flight finish and are answered first
                         self._publish(channel, queue.popleft()[1])
+                    if self.profiler.active:  # the frames profiled so far
+                        channel.send(self.profiler.finish())
                     return
                 continue
             if not isinstance(message, Frame):
@@ -438,12 +455,16 @@ class RankWorker:
         if isinstance(item, Completion):
             channel.send(item)
             return
-        completion = self.finish(item)
-        t0 = time.perf_counter_ns()
-        channel.send(completion)
+        with self.profiler.range("publish"):
+            completion = self.finish(item)
+            t0 = time.perf_counter_ns()
+            channel.send(completion)
         item.stages["publish"] += time.perf_counter_ns() - t0
         self._last_publish_ns = item.stages["publish"]
         self.stages.append(dict(item.stages))
+        profiled = self.profiler.frame_done()
+        if profiled is not None:
+            channel.send(profiled)
 
     def _error(self, fence: int, reason: str) -> Completion:
         return Completion(

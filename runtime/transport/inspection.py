@@ -93,6 +93,22 @@ class RankStatus:
             {name: getattr(self, name)[i] for name in SLOT_COLUMNS} for i in range(len(self.slot))
         ]
 
+    def to_json(self) -> dict[str, Any]:
+        """A JSON object (``GET /debug/ranks``, ``flare ranks status``)."""
+        out: dict[str, Any] = {
+            name: getattr(self, name)
+            for name in (
+                "rank", "world_size", "device", "frames", "last_fence", "rss_bytes",
+                "device_allocated_bytes", "device_reserved_bytes", "kv_cache_bytes",
+            )
+        }  # fmt: skip
+        out["programs"] = [
+            {"program": name, "captured": bool(flag)}
+            for name, flag in zip(self.programs, self.captured)
+        ]
+        out["slots"] = self.slots()
+        return out
+
     def to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             name: getattr(self, name)

@@ -77,7 +77,7 @@ from runtime.transport.sampling import (
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 MAX_WORLD_SIZE = 4096
 MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
@@ -86,7 +86,9 @@ MAX_SIDECARS = 16
 MAX_TENSOR_NDIM = 8
 
 FINISH_REASONS = ("stop",)
-CONTROL_COMMANDS = ("shutdown", "ping", "ready", "inspect")
+CONTROL_COMMANDS = ("shutdown", "ping", "ready", "inspect", "profile", "profiled")
+RANK_COMMANDS = ("ready", "profiled")  # sent by a rank
+MAX_PROFILE_FRAMES = 1 << 16
 COORDINATOR_RANK = -1
 
 # Re-exported: the frame and sampling modules were split out of this one.
@@ -528,23 +530,35 @@ class Control:
     ``ping`` (coordinator, nonce) is answered by ``ready`` (rank, same nonce);
     ``inspect`` (coordinator, nonce) by a
     :class:`~runtime.transport.inspection.RankStatus` with the same nonce;
+    ``profile`` (coordinator, nonce, ``count`` frames) asks every rank to run
+    ``torch.profiler`` over its next ``count`` frames and write the trace
+    (:mod:`runtime.ranks.profiling`); each answers ``profiled`` (rank, same
+    nonce, ``count``: the frames profiled, 0 if the trace could not be written);
     ``shutdown`` asks the ranks to leave their loop.
     """
 
     command: str
     rank: int = COORDINATOR_RANK
     nonce: int = 0
+    count: int = 0  # profile: frames to profile; profiled: frames profiled
 
     def __post_init__(self) -> None:
         command = check_choice("command", self.command, CONTROL_COMMANDS)
         rank = check_int("rank", self.rank, COORDINATOR_RANK, MAX_WORLD_SIZE - 1)
-        if command == "ready" and rank < 0:
-            raise ProtocolError("rank", "'ready' comes from a rank (>= 0)")
+        if command in RANK_COMMANDS and rank < 0:
+            raise ProtocolError("rank", f"{command!r} comes from a rank (>= 0)")
         check_int("nonce", self.nonce)
+        low = 1 if command == "profile" else 0
+        check_int("count", self.count, low, MAX_PROFILE_FRAMES)
         set_field(self, "command", command)
 
     def to_wire(self) -> dict[str, Any]:
-        return {"command": self.command, "rank": self.rank, "nonce": self.nonce}
+        return {
+            "command": self.command,
+            "rank": self.rank,
+            "nonce": self.nonce,
+            "count": self.count,
+        }
 
     @classmethod
     def from_wire(cls, data: Any) -> Control:

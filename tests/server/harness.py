@@ -128,13 +128,13 @@ def body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
 
 
 async def stream_times(
-    base: str, request: dict, times: list[float] | None = None
+    base: str, request: dict, times: list[float] | None = None, headers: dict | None = None
 ) -> tuple[list[float], dict]:
     """Arrival time of every content chunk (appended to ``times`` as they come), and usage."""
     times = [] if times is None else times
     usage: dict = {}
     async with (
-        httpx.AsyncClient(timeout=300) as http,
+        httpx.AsyncClient(timeout=300, headers=headers) as http,
         http.stream("POST", f"{base}/v1/completions", json=request) as response,
     ):
         assert response.status_code == 200

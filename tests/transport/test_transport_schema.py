@@ -345,6 +345,8 @@ BAD = [
     _case("Control", "rank", -2, "rank"),
     _case("Control", "nonce", -1, "nonce"),
     _case("Control", "nonce", BIG, "nonce"),
+    _case("Control", "count", -1, "count"),
+    _case("Control", "count", 1 << 17, "count"),  # beyond MAX_PROFILE_FRAMES
 ]
 
 
@@ -383,6 +385,8 @@ def test_validation_names_the_field(name: str, path: str, value: Any, field: str
     [
         (lambda: SamplingParams(temperature=-1.0), "temperature"),
         (lambda: Control("ping", rank=0, nonce=-5), "nonce"),
+        (lambda: Control("profile", nonce=1, count=0), "count"),  # at least one frame
+        (lambda: Control("profiled", nonce=1, count=3), "rank"),  # comes from a rank
         (lambda: Completion(0, 1, 2, 5, sidecars={"c": examples.confidence()}), "sidecars"),
         (lambda: Completion.from_results(0, 0, 1, 5, lanes=[examples.decode_lane()]), "lanes[0]"),
         (lambda: Completion(0, 0, 1, 5, sidecars={"": examples.confidence()}), "sidecars"),

@@ -66,6 +66,10 @@ class EngineConfig:
     * ``external_publication``: a frontend reports when output became visible
       (``Engine.publish``); otherwise the engine publishes every committed
       token the moment it is applied.
+    * ``direct``: schedule with the diagnostic direct-mode scheduler
+      (:mod:`runtime.direct`, ``flare run --direct``) instead of the
+      coordinator's: it shares no selection code, so a fault that persists
+      under it lies in the ranks, not in the scheduler.
     """
 
     world_size: int = 1
@@ -82,6 +86,7 @@ class EngineConfig:
     frame_stats: int = 100_000
     poll_spin_us: int = 0
     external_publication: bool = False
+    direct: bool = False
 
     def __post_init__(self) -> None:
         ws = self.world_size
@@ -119,6 +124,8 @@ class EngineConfig:
             raise ConfigError(
                 f"external_publication must be a bool, got {self.external_publication!r}"
             )
+        if not isinstance(self.direct, bool):
+            raise ConfigError(f"direct must be a bool, got {self.direct!r}")
         n = self.frame_stats
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"frame_stats must be a non-negative integer, got {n!r}")

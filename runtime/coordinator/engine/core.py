@@ -39,6 +39,7 @@ from runtime.coordinator.engine.frames import (
     lane_logprobs,
     mark_pages_sent,
 )
+from runtime.coordinator.engine.ranks import RankAsk, RankMetrics, RankQueries
 from runtime.coordinator.engine.startup import ModelFacts, agree, collect_reports
 from runtime.coordinator.engine.stats import EngineStats, FrameStat
 from runtime.coordinator.engine.stream import (
@@ -61,6 +62,7 @@ from runtime.transport.channels import (
     HandshakeTimeout,
     TransportError,
 )
+from runtime.transport.inspection import RankStatus
 from runtime.transport.schema import (
     MAX_SLOTS,
     CatalogReport,
@@ -127,6 +129,8 @@ class Engine:
         self._by_fence: dict[int, Dispatch] = {}
         self._release: set[int] = set()  # retired slots not yet released on the ranks
         self._probes: deque[_Probe] = deque()
+        self._queries = RankQueries(self._world)  # inspect / profile questions to every rank
+        self.rank_metrics = RankMetrics(self._world)
         self._next_fence = 1
         self.trace: FrameTrace | None = None  # the live plan trace (enable_trace)
         self._trace_options: TraceOptions | None = None
@@ -178,11 +182,13 @@ class Engine:
             reports = collect_reports(channel, self._world, cfg.catalog_timeout_s)
             facts = agree(reports)
             max_slots = cfg.max_slots or min(MAX_SLOTS, facts.max_decode_batch)
-            scheduler = Scheduler(
-                facts.descriptors,
-                SchedulerConfig(max_slots, facts.page_size, facts.num_pages),
-                cfg.policy,
-            )
+            scheduler_config = SchedulerConfig(max_slots, facts.page_size, facts.num_pages)
+            if cfg.direct:  # flare run --direct: the diagnostic scheduler of runtime/direct
+                from runtime.direct import DirectScheduler
+
+                scheduler = DirectScheduler(facts.descriptors, scheduler_config)
+            else:
+                scheduler = Scheduler(facts.descriptors, scheduler_config, cfg.policy)
             if self._trace_options is not None:  # an unwritable trace file fails the start
                 self.trace = self._new_trace(facts)
         except BaseException as exc:
@@ -334,6 +340,45 @@ class Engine:
                 self._check_open()
         return list(probe.round_trips_ns)
 
+    def inspect_ranks(self, timeout_s: float = 5.0) -> list[RankStatus]:
+        """Every rank's :class:`RankStatus` (any thread): slots in use, programs,
+        frames, memory.  Raises EngineError naming the ranks that did not answer."""
+        ask = self._ask_ranks(RankAsk("inspect", timeout_ns=int(timeout_s * 1e9)), timeout_s)
+        return [ask.answers[rank] for rank in range(self._world)]  # type: ignore[misc]
+
+    def profile_ranks(self, frames: int, timeout_s: float = 60.0) -> tuple[dict[int, int], int]:
+        """Have every rank run ``torch.profiler`` over its next ``frames`` frames
+        (any thread).  Returns the frames profiled by rank (0: the rank could not
+        write its trace) and the profile's number, which names its traces
+        (``runtime.ranks.profiling.profile_path``).  Raises EngineError naming the
+        ranks that did not answer in time (say, no frames ran; their traces come
+        once the frames have)."""
+        ask = RankAsk("profile", count=frames, timeout_ns=int(timeout_s * 1e9))
+        ask = self._ask_ranks(ask, timeout_s)
+        counts = {rank: answer.count for rank, answer in sorted(ask.answers.items())}
+        return counts, ask.nonce  # type: ignore[return-value]
+
+    def _ask_ranks(self, ask: RankAsk, timeout_s: float) -> RankAsk:
+        if not self.started:
+            raise EngineError("the engine is not started: call start() first")
+        with self._command_lock:
+            self._check_open()
+            self._commands.append(("ask", ask))
+        self._wake.set()
+        deadline = time.monotonic() + timeout_s + 1.0  # the engine thread expires it first
+        while not ask.done.wait(0.05):
+            if self._thread is None:
+                self.step(MAX_WAIT_MS)
+            elif time.monotonic() > deadline:
+                break
+        if len(ask.answers) < self._world:
+            missing = sorted(set(range(self._world)) - set(ask.answers))
+            self._check_open()
+            raise EngineError(
+                f"{ask.command}: no answer from rank(s) {missing} within {timeout_s:g} s"
+            )
+        return ask
+
     def _check_open(self) -> None:
         if self.error is not None:
             raise EngineError(f"the engine failed: {self.error}")
@@ -386,10 +431,11 @@ class Engine:
         with self._state_lock:
             progressed = self._drain_commands()
             progressed |= self._dispatch()
+            self._expire_queries()
         while not self._stopping.is_set():
             remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
             wait_ms = 0 if progressed else min(MAX_WAIT_MS, remaining_ms)
-            if self._inflight:
+            if self._inflight or self._queries:
                 message = self._await_message(wait_ms)
                 with self._state_lock:
                     if message is not None:  # publications first, then completions
@@ -400,6 +446,7 @@ class Engine:
                     progressed |= self._drain_commands()
                     progressed |= self._dispatch()
                     self._check_overdue()
+                    self._expire_queries()
             elif wait_ms > 0:
                 self._wake.wait(wait_ms / 1000)
                 self._wake.clear()
@@ -420,7 +467,7 @@ class Engine:
         channel = self._channel
         assert channel is not None
         spin_us = self.config.poll_spin_us
-        if not spin_us or wait_ms == 0:
+        if not spin_us or wait_ms == 0 or not self._inflight:
             return channel.recv(timeout_ms=wait_ms)
         deadline_ns = time.monotonic_ns() + wait_ms * 1_000_000
         lead_ms = (self._inflight[0].expected_end_ns - spin_us * 1000 - time.monotonic_ns()) // (
@@ -446,6 +493,8 @@ class Engine:
                 raise item
             if isinstance(item, _Probe):
                 self._probes.append(item)
+            elif isinstance(item, RankAsk):
+                self._send_ask(item)
             elif kind == "publish":
                 self._publish(*item)
             elif kind == "submit":
@@ -501,6 +550,26 @@ class Engine:
         if live.slot >= 0:
             self._release.add(live.slot)
 
+    # ------------------------------------------------------------------ rank questions
+    def _send_ask(self, ask: RankAsk) -> None:
+        channel = self._channel
+        assert channel is not None
+        channel.publish(self._queries.open(ask, time.monotonic_ns()))
+
+    def _answered(self, message: object) -> None:
+        ask = self._queries.take(message)
+        if ask is not None and ask.internal:
+            self.rank_metrics.refreshed(ask.answers, time.monotonic_ns())  # type: ignore[arg-type]
+
+    def _expire_queries(self) -> None:
+        now = time.monotonic_ns()
+        for ask in self._queries.expire(now):
+            if ask.internal:
+                self.rank_metrics.refreshed(ask.answers, now)  # type: ignore[arg-type]
+        if self.rank_metrics.refresh_due(now):  # someone reads the ranks' memory
+            self.rank_metrics.refreshing = True
+            self._send_ask(RankAsk("inspect", internal=True))
+
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self) -> bool:
         scheduler, channel = self.scheduler, self._channel
@@ -513,6 +582,8 @@ class Engine:
             scheduler.advance_to(plan_ns)
             plan = scheduler.plan()
             if plan is None:
+                if self._release and not self._inflight:  # idle: free the ranks' slots now
+                    return self._send_empty(probe=False) or sent
                 return sent
             fence = self._next_fence
             frame, lives = self._frame(plan, fence)
@@ -540,8 +611,10 @@ class Engine:
 
     def _send_probe(self) -> bool:
         """Publish the next empty frame of the head probe once nothing is in flight."""
-        if self._inflight:
-            return False
+        return False if self._inflight else self._send_empty(probe=True)
+
+    def _send_empty(self, probe: bool) -> bool:
+        """An empty frame: a probe's, or one that carries slot releases only."""
         channel, facts = self._channel, self.facts
         assert channel is not None and facts is not None
         fence = self._next_fence
@@ -550,7 +623,7 @@ class Engine:
         frame = Frame(fence, program, release_slots=tuple(sorted(self._release)))
         self._release.clear()
         now = time.monotonic_ns()
-        dispatch = Dispatch(fence, None, (), False, now, time.monotonic_ns(), now)
+        dispatch = Dispatch(fence, None, (), False, now, time.monotonic_ns(), now, probe=probe)
         channel.publish(frame)
         self._inflight.append(dispatch)
         self._by_fence[fence] = dispatch
@@ -571,6 +644,9 @@ class Engine:
 
     # ------------------------------------------------------------------ completions
     def _on_message(self, message: object) -> bool:
+        if self._queries.is_answer(message):
+            self._answered(message)
+            return False
         if not isinstance(message, Completion):
             kind = type(message).__name__
             if isinstance(message, (CatalogReport, Control)):
@@ -615,8 +691,11 @@ class Engine:
         scheduler = self.scheduler
         assert scheduler is not None
         now = time.monotonic_ns()
-        if dispatch.plan is None:  # an empty frame of a round-trip probe
+        if dispatch.plan is None:  # an empty frame
+            self.rank_metrics.record(dispatch.answers, None)
             del self._by_fence[dispatch.fence]
+            if not dispatch.probe:  # releases only
+                return
             probe = self._probes[0]
             probe.round_trips_ns.append(now - dispatch.sent_ns)
             if self.trace is not None:
@@ -636,6 +715,7 @@ class Engine:
             raise EngineError(
                 f"fence {dispatch.fence}: rank 0's results were refused: {exc}"
             ) from exc
+        self.rank_metrics.record(answers, dispatch.plan.reason.value)
         if self.trace is not None:
             self.trace.applied(dispatch, now, scheduler.drain_trace())
         lanes = dispatch.plan.lanes
@@ -710,6 +790,8 @@ class Engine:
         out: dict[str, float] = dict(self.stats.counters())
         if self.trace is not None:
             out.update(self.trace.counters())
+        out.update(self.rank_metrics.values())
+        self.rank_metrics.wanted(time.monotonic_ns())
         for kind, (frames, device_ns) in self.stats.by_kind().items():
             out[f"frames_total:{kind}"] = frames
             out[f"device_nanoseconds_total:{kind}"] = device_ns
@@ -785,6 +867,7 @@ class Engine:
             streams = pending + [live.stream for live in self._by_request.values()]
             self._by_request.clear()
             self._by_handle.clear()
+            self._queries.close()
         for stream in streams:
             if exc is not None and stream.error is None:
                 stream.error = exc

@@ -53,7 +53,8 @@ class Live:
 class Dispatch:
     """A published frame awaiting every rank's completion.
 
-    ``plan`` is None for an empty frame sent to measure the round trip.
+    ``plan`` is None for an empty frame: sent to measure the round trip
+    (``probe``), or to release retired slots on the ranks when nothing else runs.
     ``expected_end_ns``: when the ranks should finish it (its expected start,
     the dispatch or the previous frame's expected end, plus its estimate).
     """
@@ -66,6 +67,7 @@ class Dispatch:
     sent_ns: int
     expected_end_ns: int
     answers: dict[int, Completion] = field(default_factory=dict)  # by rank
+    probe: bool = False  # an empty frame of a round-trip probe (else, without plan: releases)
 
 
 def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release: set[int]) -> Frame:
