@@ -673,6 +673,9 @@ def generate_once(
             file=sys.stderr,
         )
     print(json.dumps({k: summary[k] for k in sorted(summary)}), file=sys.stderr)
+    if stream.finish_reason == "error":  # the engine failed: the log above says why
+        print(f"flare: the engine failed: {stream.error}", file=sys.stderr)
+        return 1
     return 0
 
 

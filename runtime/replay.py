@@ -8,7 +8,12 @@ rank 0's results with the recorded ones.  The first difference is reported
 with its fence and lane.  At another tensor-parallel size the reductions run in
 another order, so a difference is reported as a numeric divergence, not an
 error.  ``--rank R`` prints rank R's interval (every rank of the group still
-runs: a tensor-parallel shard cannot run alone).
+runs: a tensor-parallel shard cannot run alone).  When the recording ran with
+``--check-ranks``, every rank reports a CRC of its sampled tokens, and the
+first frame where a rank's differs from rank 0's is reported too (the ranks
+disagree: a failure at any tensor-parallel size).  The ranks inherit the
+environment, so a fault tied to one (a rank's ``FLARE_DEBUG_*`` drill, a
+device's ``CUDA_VISIBLE_DEVICES``) is replayed with it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class ReplayReport:
     recorded_world: int = 1
     world: int = 1
     divergence: str | None = None  # the first difference, described
+    disagreement: str | None = None  # the first frame where the ranks' token CRCs differ
     intervals_ns: list[tuple[int, ...]] = field(default_factory=list)  # per frame, per rank
 
     @property
@@ -42,7 +48,7 @@ class ReplayReport:
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None or self.numeric
+        return (self.divergence is None or self.numeric) and self.disagreement is None
 
 
 def _results(c: Completion) -> tuple:
@@ -104,11 +110,15 @@ def replay(
             recorded = recording.completions.get(frame.fence)
             if recorded is not None and report.divergence is None:
                 report.divergence = _difference(frame.fence, recorded, got)
+            if report.disagreement is None:
+                report.disagreement = _disagreement(frame.fence, answers)
         channel.shutdown_ranks()
         stop_ranks(procs, timeout_s=30)
     finally:
         stop_ranks(procs, timeout_s=0)
         channel.close()
+    if report.disagreement is not None:
+        out(f"ranks disagree: {report.disagreement}")
     if report.divergence is None:
         out(f"replayed {report.frames} frames: rank 0's results equal the recording")
     elif report.numeric:
@@ -117,6 +127,20 @@ def replay(
     else:
         out(f"first divergence: {report.divergence}")
     return report
+
+
+def _disagreement(fence: int, answers: list[Completion]) -> str | None:
+    """The first rank whose token CRC differs from rank 0's (ranks run with --check-ranks)."""
+    reference = answers[0].token_crc
+    if reference < 0:
+        return None
+    for answer in answers[1:]:
+        if answer.token_crc != reference:
+            return (
+                f"fence {fence}: rank {answer.rank} sampled different tokens than rank 0 "
+                f"(token CRC {answer.token_crc:#010x} against {reference:#010x})"
+            )
+    return None
 
 
 def _collect(channel, kind, world: int, timeout_s: float, fence: int | None) -> list:

@@ -4,7 +4,10 @@ On CPU a program runs synchronously, so a hung frame never returns to the
 rank's loop.  The watchdog thread owns its own PUSH socket to the
 coordinator's completions endpoint (ZeroMQ sockets are not thread-safe); when
 an armed deadline passes, it sends an error completion naming the fence and the
-rank, then ends the process (the hung call cannot be interrupted).  On CUDA
+rank and where the rank's loop is stuck (the innermost Python frame of its
+thread, and the innermost of this runtime's: a rank stuck in a collective
+waits for another, the one stuck elsewhere is the cause), logs the whole
+stack, then ends the process (the hung call cannot be interrupted).  On CUDA
 the rank's loop polls events and applies the same deadline itself
 (:func:`frame_deadline_ns`).
 
@@ -19,8 +22,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
+import traceback
 
 import zmq
 
@@ -45,6 +50,20 @@ def hang_message(fence: int, rank: int, waited_ns: int, expected_ns: int) -> str
     )
 
 
+def where_stuck(thread_id: int) -> tuple[str, str]:
+    """Where thread ``thread_id`` is now: a one-line summary, and its whole stack."""
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return "", ""
+    stack = traceback.extract_stack(frame)
+    inner = stack[-1]
+    line = f"stuck in {inner.name} ({os.path.basename(inner.filename)}:{inner.lineno})"
+    ours = next((f for f in reversed(stack) if f"{os.sep}runtime{os.sep}" in f.filename), None)
+    if ours is not None and ours is not inner:
+        line += f" from {ours.name} ({os.path.basename(ours.filename)}:{ours.lineno})"
+    return line, "".join(traceback.format_list(stack[-12:]))
+
+
 class Watchdog:
     """Arm before running a frame, disarm after; a missed deadline reports and exits."""
 
@@ -63,6 +82,7 @@ class Watchdog:
         self.fired: str | None = None
         self._endpoint = endpoint
         self._tick_s = tick_s
+        self._watched = threading.get_ident()  # the rank's loop builds the watchdog
         # (fence, start ns, limit ns, expected ns), replaced whole: atomic under the GIL.
         self._armed: tuple[int, int, int, int] | None = None
         self._stop = threading.Event()
@@ -95,7 +115,10 @@ class Watchdog:
                     continue
                 self._armed = None
                 reason = hang_message(fence, self.rank, limit, expected)
-                log.error("%s; this rank exits", reason)
+                where, stack = where_stuck(self._watched)
+                if where:
+                    reason = f"{reason}; {where}"
+                log.error("%s; this rank exits; its loop's stack:\n%s", reason, stack)
                 error = Completion(
                     fence=fence, rank=self.rank, world_size=self.world_size, device_ns=0,
                     error=reason,

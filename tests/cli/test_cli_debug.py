@@ -44,3 +44,24 @@ def test_record_check_log_then_replay(tmp_path):
     assert "rank 0's results equal the recording" in replayed.stdout
     alone = flare(["replay", str(recording), "-tp", "1"], tmp_path)
     assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-2000:]
+    # A rank fault replays with the environment: the ranks' CRCs are compared.
+    os.environ["FLARE_DEBUG_PERTURB_FENCE_RANK1"] = "2"
+    try:
+        faulty = flare(["replay", str(recording)], tmp_path)
+    finally:
+        del os.environ["FLARE_DEBUG_PERTURB_FENCE_RANK1"]
+    assert faulty.returncode == 1, faulty.stdout[-2000:] + faulty.stderr[-2000:]
+    assert "ranks disagree: fence 2: rank 1 sampled different tokens" in faulty.stdout
+    assert "rank 0's results equal the recording" in faulty.stdout  # rank 0 is right
+
+
+def test_ranks_that_disagree_fail_the_run_naming_rank_and_fence(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLARE_DEBUG_PERTURB_FENCE_RANK1", "3")
+    run = flare(
+        ["run", "--prompt", "The coordinator", "--max-tokens", "6", "--device", "cpu",
+         "-tp", "2", "--num-pages", "64", "--check-ranks"],
+        tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "finish: error" in run.stderr
+    assert "flare: the engine failed: fence 3: rank 1 sampled different tokens" in run.stderr

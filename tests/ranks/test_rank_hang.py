@@ -36,6 +36,8 @@ def test_watchdog_reports_a_missed_deadline_and_not_a_met_one(tmp_path):
         assert isinstance(message, Completion)
         assert (message.fence, message.rank, message.world_size) == (5, 1, 2)
         assert "fence 5" in message.error and "rank 1" in message.error
+        # Where the watched thread (this one, waiting in poll) was stuck.
+        assert "stuck in poll (" in message.error, message.error
         assert dog.fired == message.error
     finally:
         dog.close()
