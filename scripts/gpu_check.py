@@ -239,6 +239,40 @@ def check_penalties(eager: RankWorker, graphs: RankWorker, prompts: list[list[in
     return ok
 
 
+def check_debugging(engine, prompts, profiles: Path, cuda: bool, tp: int) -> bool:
+    """Rank inspection and the on-demand profiler on the device (issue 11)."""
+    import threading
+
+    from runtime.ranks.profiling import profile_path
+
+    statuses = engine.inspect_ranks()
+    ok = check(f"inspect_tp{tp}", len(statuses) == tp and all(
+        (s.device_allocated_bytes > 0 and sum(s.captured) > 0) or not cuda for s in statuses
+    ), f"captured {[sum(s.captured) for s in statuses]}, allocated "
+       f"{[s.device_allocated_bytes >> 20 for s in statuses]} MiB")  # fmt: skip
+    answer: dict = {}
+
+    def ask() -> None:
+        answer["frames"], answer["nonce"] = engine.profile_ranks(3, timeout_s=120)
+
+    asking = threading.Thread(target=ask)
+    asking.start()
+    time.sleep(0.5)  # the ranks have the profile request before the frames
+    for stream in [engine.submit(p, 6, ignore_eos=True) for p in prompts]:
+        stream.result(timeout=300)
+    asking.join(150)
+    kernels = 0
+    if answer.get("frames") == {rank: 3 for rank in range(tp)}:
+        with open(profile_path(str(profiles), answer["nonce"], 0)) as f:
+            events = json.load(f)["traceEvents"]
+        kernels = sum(1 for e in events if e.get("cat") == "kernel")
+    return ok & check(
+        f"profile_tp{tp}",
+        bool(answer) and (kernels > 0 or not cuda),
+        f"frames {answer.get('frames')}, {kernels} CUDA kernel events on rank 0",
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -337,12 +371,14 @@ def main(argv: list[str] | None = None) -> int:
                                   max_prefill_tokens=256,
                                   num_pages=None if cuda else 1024,
                                   device=args.device, max_model_len=512,
-                                  mixed_prefill=True)  # fmt: skip
+                                  mixed_prefill=True,
+                                  profile_dir=str(Path(args.out) / "profiles"))  # fmt: skip
         with LocalDeployment(config) as deployment:
             engine = deployment.engine
             streams = [engine.submit(p, 8, ignore_eos=True) for p in prompts * 2]
             tokens = [s.result(timeout=300).token_ids for s in streams]
             trips = engine.measure_round_trip(200)
+            ok &= check_debugging(engine, prompts, Path(args.out) / "profiles", cuda, tp)
             summary = engine.stats.summary()
             RESULTS[f"tp{tp}_num_pages"] = engine.facts.num_pages
             by_kind = {kind: frames for kind, (frames, _) in engine.stats.by_kind().items()}

@@ -20,6 +20,9 @@ def test_absent_without_the_flag_even_with_the_key():
     try:
         assert httpx.get(f"{server.base}/debug/trace", headers=AUTH).status_code == 404
         assert httpx.get(f"{server.base}/debug/trace").status_code == 401  # the key comes first
+        assert httpx.get(f"{server.base}/debug/ranks", headers=AUTH).status_code == 404
+        profile = httpx.post(f"{server.base}/debug/profile", headers=AUTH)
+        assert profile.status_code == 404
     finally:
         server.stop()
 
