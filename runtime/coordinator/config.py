@@ -110,16 +110,33 @@ class SchedulerConfig:
     page pool of ``num_pages`` pages of ``page_size`` tokens.  A request becomes
     resident only when its worst-case pages (prompt + output limit) can be
     reserved, so admitted work can never deadlock on pages.
+
+    Speculation (spec, "Speculative graph coverage"):
+    ``fixed_speculative_width`` 0 is adaptive selection: every loaded width
+    competes in every decision.  A width w >= 1 is fixed-width execution: only
+    decode rounds at width w run (w = 1: ordinary decode), host-allocated, and
+    acceptance is never probed.  ``proposer``: the proposal source whose
+    acceptance the requests track, "draft" (learned proposals) or "copy"
+    (proposals copied from the context).
     """
 
     max_slots: int = 64
     page_size: int = 16
     num_pages: int = 65536
+    fixed_speculative_width: int = 0
+    proposer: str = "draft"
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "num_pages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        width = self.fixed_speculative_width
+        if isinstance(width, bool) or not isinstance(width, int) or not 0 <= width <= 64:
+            raise ConfigError(
+                f"fixed_speculative_width must be an integer in [0, 64], got {width!r}"
+            )
+        if self.proposer not in ("draft", "copy"):
+            raise ConfigError(f"proposer must be 'draft' or 'copy', got {self.proposer!r}")
         if self.max_slots > 64:
             raise ConfigError(f"max_slots must be <= 64 (selection bound), got {self.max_slots}")
