@@ -96,6 +96,7 @@ class Candidate:
         "padding",
         "prompt_row",
         "prompt_tokens",
+        "queries",
         "score",
         "stale",
         "t_ms",
@@ -125,6 +126,7 @@ class Candidate:
         self.lru = lru
         self.prompt_tokens = prompt_tokens
         self.prompt_row = prompt_row
+        self.queries: list[int] | None = None  # speculative: each lane's query length
         estimate_ns = entry.estimate_ns
         if estimate_ns <= 0:  # indeterminate (CostEntry.known is False)
             self.unknown = True

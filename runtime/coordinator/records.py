@@ -93,9 +93,17 @@ def validate_timing(timing: ExecutionTiming) -> None:
 
 
 def validate_records(
-    fence: int, lanes: Sequence[LaneWork], records: Sequence[CompletionRecord]
+    fence: int,
+    lanes: Sequence[LaneWork],
+    records: Sequence[CompletionRecord],
+    speculative: bool = False,
 ) -> None:
-    """Raise CompletionError unless ``records`` match ``lanes`` one for one."""
+    """Raise CompletionError unless ``records`` match ``lanes`` one for one.
+
+    A lane commits exactly ``max_tokens`` tokens, except in a speculative round
+    (``speculative``), where it commits 1..``max_tokens``: the accepted
+    proposals plus the correction or bonus token.
+    """
     if not isinstance(records, (list, tuple)):
         raise CompletionError(f"fence {fence}: records must be a list or tuple")
     if len(records) != len(lanes):
@@ -115,7 +123,13 @@ def validate_records(
         for t in tokens:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise CompletionError(f"fence {fence} lane {i}: bad token id {t!r}")
-        if len(tokens) != lane.max_tokens:
+        if speculative and lane.max_tokens > 0:
+            if not 1 <= len(tokens) <= lane.max_tokens:
+                raise CompletionError(
+                    f"fence {fence} lane {i}: {len(tokens)} tokens, "
+                    f"a speculative lane commits 1..{lane.max_tokens}"
+                )
+        elif len(tokens) != lane.max_tokens:
             raise CompletionError(
                 f"fence {fence} lane {i}: {len(tokens)} tokens, "
                 f"lane commits exactly {lane.max_tokens}"

@@ -114,6 +114,7 @@ class Request:
         "resident",
         "slot",
         "spec",
+        "speculation",
         "token_rate",
         "unpublished",
     )
@@ -145,6 +146,9 @@ class Request:
         self.unpublished: dict[int, float] = {}
         # (fence, delivery normalizer) of the latest completion, correctable by publication
         self.pending_delivery: tuple[int, float | None] | None = None
+        # Acceptance and confidence estimates (runtime.coordinator.speculation),
+        # set at admission when the catalog has speculative programs.
+        self.speculation = None
 
     # -- derived phase -------------------------------------------------------
     @property

@@ -25,7 +25,7 @@ from runtime.coordinator.errors import (
     PublicationError,
     SchedulerError,
 )
-from runtime.coordinator.learning import acceptance_ledger
+from runtime.coordinator.learning import acceptance_ledger, choose_probe
 from runtime.coordinator.plan import (
     LanePhase,
     LaneWork,
@@ -45,7 +45,9 @@ from runtime.coordinator.records import (
 from runtime.coordinator.refresh import choose_refresh, timing_ledger
 from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestSpec
 from runtime.coordinator.resources import PagePool, SlotTable
+from runtime.coordinator.rounds import expected_tokens, speculative_candidates
 from runtime.coordinator.service import account_interval, starting_rate
+from runtime.coordinator.speculation import SpeculationModel
 from runtime.coordinator.utility import log_scale_for, prefill_lane_value
 
 # Bursts kept per request awaiting publication (oldest dropped beyond this).
@@ -91,6 +93,13 @@ class Scheduler:
         self._trace: deque[TraceRecord] = deque(maxlen=TRACE_LIMIT)
         self.trace_dropped = 0
         self._view = CatalogView(self.catalog)
+        # Acceptance estimates exist when speculative programs do (rounds.py).
+        depth = max(
+            (d.token_capacity - 1 for d in descriptors if d.kind is GraphKind.SPECULATIVE),
+            default=0,
+        )
+        self.speculation = SpeculationModel(depth) if depth > 0 else None
+        self._fixed_width = self.config.fixed_speculative_width
 
     # ------------------------------------------------------------------ setup
     def configure_policy(self, policy: PolicyConfig) -> None:
@@ -121,6 +130,8 @@ class Scheduler:
         handle = RequestHandle(self._next_handle)
         self._next_handle += 1
         request = Request(handle, spec, self.now_ns)
+        if self.speculation is not None:
+            request.speculation = self.speculation.new_request()
         self._requests[handle.id] = request
         key = _group_key(request)
         if key not in self._waiting:
@@ -208,7 +219,7 @@ class Scheduler:
         ctx = self._context()
         if ctx is None:
             return None
-        cands = selection.candidates(ctx)
+        cands = self._candidates(ctx)
         winner = selection.best(cands)
         if winner is None:
             return None
@@ -216,12 +227,60 @@ class Scheduler:
         alternative = choose_refresh(cands, winner, self.refresh_ledger)
         if alternative is not None:
             winner, reason = alternative, SelectionReason.TIMING_REFRESH
-        requires_empty = winner.requires_feedback or reason is SelectionReason.TIMING_REFRESH
+        else:  # timing refresh takes precedence over acceptance learning
+            probe = self._probe(ctx, winner)
+            if probe is not None:
+                winner, reason = probe, SelectionReason.ACCEPTANCE_LEARNING
+        requires_empty = winner.requires_feedback or reason in (
+            SelectionReason.TIMING_REFRESH,
+            SelectionReason.ACCEPTANCE_LEARNING,
+        )
         if requires_empty and not queue.empty:
             return None  # the gate: submit nothing until queued work drains, then replan
         magnitude = max(abs(c.value) for c in cands)
         log_scale = log_scale_for(magnitude)
         return self._build_plan(winner, reason, requires_empty, ctx, log_scale)
+
+    def _candidates(self, ctx: selection.SelectionContext) -> list[selection.Candidate]:
+        cands = selection.candidates(ctx)
+        fixed = self._fixed_width
+        if self.speculation is not None and fixed != 1:
+            speculative_candidates(
+                ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed
+            )
+            if fixed > 1:  # fixed-width execution: decode rounds run at that width only
+                cands = [c for c in cands if c.entry.descriptor.kind is not GraphKind.DECODE]
+        return cands
+
+    def _probe(
+        self, ctx: selection.SelectionContext, winner: selection.Candidate
+    ) -> selection.Candidate | None:
+        """A funded acceptance probe instead of ``winner`` (learning.choose_probe)."""
+        if self.speculation is None or self._fixed_width or not self.learning_ledger.can_open():
+            return None
+        optimistic: list[selection.Candidate] = []
+        speculative_candidates(
+            ctx, optimistic, self._optimistic, self.policy.adaptive_verification_alpha
+        )
+        source = self.config.proposer
+
+        def weight(cand: selection.Candidate, i: int, depth: int) -> float:
+            return cand.lanes[i].request.speculation.acceptance(source).weight(depth)
+
+        return choose_probe(optimistic, winner, self.learning_ledger, weight)
+
+    def _optimistic(self, lane: selection.LaneView, depth: int) -> list[float]:
+        state = lane.request.speculation
+        if state is None or depth <= 0:
+            return []
+        return state.acceptance(self.config.proposer).optimistic(depth)
+
+    def _survival(self, lane: selection.LaneView, depth: int) -> list[float]:
+        """The request's prefix-survival means s_1..s_depth for this deployment's proposer."""
+        state = lane.request.speculation
+        if state is None or depth <= 0:
+            return []
+        return state.acceptance(self.config.proposer).means(depth)
 
     def _build_plan(
         self,
@@ -234,8 +293,19 @@ class Scheduler:
         desc = winner.entry.descriptor
         lanes: list[LaneWork] = []
         beta = ctx.beta
+        queries = winner.queries
         for i, view in enumerate(winner.lanes):
             r = view.request
+            if queries is not None:  # a speculative round: host-allocated query lengths
+                q = queries[i]
+                lanes.append(
+                    LaneWork(
+                        r.handle, r.slot, r.generation, LanePhase.DECODE, r.spec.prompt_len, 0,
+                        view.output_start, q, expected_tokens(self._survival(view, q - 1), q),
+                        1.0, view.decode_value + ctx.decode_age_slope * winner.t_ms,
+                    )
+                )  # fmt: skip
+                continue
             if i == winner.prompt_row:
                 tokens = winner.prompt_tokens
                 finishes = view.prompt_pos + tokens == r.spec.prompt_len
@@ -324,6 +394,8 @@ class Scheduler:
         entry.last_attempt_ns = now
         if plan.reason is SelectionReason.TIMING_REFRESH:
             self.refresh_ledger.open_episode()
+        elif plan.reason is SelectionReason.ACCEPTANCE_LEARNING:
+            self.learning_ledger.open_episode()
         queue.push(
             Frame(
                 fence=fence,
@@ -370,6 +442,11 @@ class Scheduler:
     def _check_lanes(self, plan: ScheduledPlan) -> list[Request]:
         if plan.reason is SelectionReason.TIMING_REFRESH and not self.refresh_ledger.can_open():
             raise CommitError("timing refresh plan without full refresh credit")
+        if (
+            plan.reason is SelectionReason.ACCEPTANCE_LEARNING
+            and not self.learning_ledger.can_open()
+        ):
+            raise CommitError("acceptance probe plan without full learning credit")
         if not plan.lanes:
             raise CommitError("plan has no lanes")
         if len(plan.lanes) > plan.graph.batch_capacity:
@@ -382,6 +459,16 @@ class Scheduler:
             raise CommitError("a decode plan has no prompt row")
         if kind is GraphKind.MIXED and prompt_rows > 1:
             raise CommitError(f"a mixed plan has at most one prompt row, got {prompt_rows}")
+        if kind is GraphKind.SPECULATIVE:
+            desc = plan.graph
+            if prompt_rows:
+                raise CommitError("a speculative plan has no prompt row")
+            if sum(lane.max_tokens for lane in plan.lanes) > desc.target_capacity:
+                raise CommitError(
+                    f"the lanes' query lengths exceed the target capacity {desc.target_capacity}"
+                )
+            if any(lane.max_tokens > desc.proposal_depth + 1 for lane in plan.lanes):
+                raise CommitError("a query length exceeds the proposal depth + 1")
         seen: set[int] = set()
         out: list[Request] = []
         for lane in plan.lanes:
@@ -437,7 +524,8 @@ class Scheduler:
             expected = None if head is None else head.fence
             raise CompletionError(f"completion for fence {fence}, expected fence {expected}")
         validate_timing(timing)
-        validate_records(head.fence, head.plan.lanes, records)
+        speculative = head.plan.graph.kind is GraphKind.SPECULATIVE
+        validate_records(head.fence, head.plan.lanes, records, speculative)
 
         # -- validated: apply ----------------------------------------------------
         frame = self._queue.pop_head(self.now_ns)
@@ -469,6 +557,8 @@ class Scheduler:
                 if r.consumed_prompt >= r.spec.prompt_len:
                     r.became_decoder_ns = now
             tokens = tuple(record.tokens)
+            if r.speculation is not None and tokens:
+                self._observe_acceptance(r, lane, record, speculative)
             if tokens:
                 r.committed_output += len(tokens)
                 r.unpublished[fence] = frame_ms
@@ -497,6 +587,25 @@ class Scheduler:
             self._retire_if_done(r)
         self._check_idle()
         return generated
+
+    def _observe_acceptance(
+        self, r: Request, lane: LaneWork, record: CompletionRecord, speculative: bool
+    ) -> None:
+        """A verified round's acceptance (spec, "Completed confidence and acceptance"):
+        its q - 1 offered proposals against the tokens it committed; a stop or the
+        output limit inside the accepted run censors the rest.  Every committed
+        token ages the request's estimates."""
+        state = r.speculation
+        count = len(record.tokens)
+        if speculative and lane.max_tokens > 1:
+            accepted = count - 1
+            terminated = record.finish_reason is not None or (
+                r.committed_output + count >= r.spec.max_output_tokens
+            )
+            state.acceptance(self.config.proposer).observe_round(
+                lane.max_tokens - 1, accepted, terminated
+            )
+        state.age(count)
 
     def _account_execution(
         self, reason: SelectionReason, raw_ns: int, credited_ns: int, wall_ns: int

@@ -1,0 +1,202 @@
+"""Speculative round candidates (spec, "Speculative graph coverage", "Useful service
+and selection", "Completed confidence and acceptance").
+
+A speculative program has request capacity B, proposal depth D, per-request
+target capacity W (the pending token included) and aggregate target capacity P.
+A lane's *query length* q is the target rows it gets: it offers q - 1 proposals
+and commits between 1 and q tokens (the accepted proposals plus the correction
+or bonus token).  Its ceiling is min(D + 1, W, remaining output), and a queued
+lane advances by at most that many tokens (``Request.inflight_output``).
+
+Selection values a lane at query length q with the request's prefix-survival
+means s_i (:mod:`runtime.coordinator.speculation`): expected output
+E(q) = 1 + sum_{i<q} s_i, scored with each s_i raised to
+``adaptive_verification_alpha``; the plan's projections use the plain values.
+Its value is the decode lane value with E(q) output tokens and one delivery
+(a visible burst is one delivery whatever its length).
+
+Allocation is on the host (the exact QueryLength binding: lengths fixed before
+any proposal is drawn):
+
+* a rectangular program (P = B x W) gives every lane of its cohort its
+  complete prefix, its ceiling; the cohort is the B lanes of highest value;
+* a ragged program (P < B x W) evaluates cohort prefixes under the spec's three
+  orderings (total lane value, pending-token delivery value, value per target
+  row), each cohort priced with its causal allocation: every lane gets its
+  pending row, then the remaining P rows go one at a time to the lane whose
+  next row adds the most expected value (a survival frontier, so rows extend
+  prefixes in order), ties to the shorter prefix, then the lower slot.
+
+Dominance: candidates of one kind with the same cohort, the same query lengths
+and the same actual proposal depth keep only physical shapes not larger in
+every capacity than an alternative (timing estimates cannot make padding win).
+Under fixed-width execution (``SchedulerConfig.fixed_speculative_width``) only
+programs of that width compete, with complete prefixes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from runtime.catalog import GraphKind
+from runtime.coordinator.policy import Candidate, LaneView, SelectionContext
+
+# Survival means s_1..s_n of a request's current proposal source.
+SurvivalFn = Callable[[LaneView, int], Sequence[float]]
+
+
+def ceiling(lane: LaneView, width: int, depth: int) -> int:
+    """The most target rows ``lane`` can use: min(D + 1, W, output left after
+    what queued frames may still add)."""
+    r = lane.request
+    left = r.remaining_output - r.inflight_output
+    return max(0, min(depth + 1, width, left))
+
+
+def _gains(lane: LaneView, survival: Sequence[float], alpha: float, beta: float) -> list[float]:
+    """The scored value each further row adds: s_i**alpha * (beta + f/x), i = 1.."""
+    price = beta + lane.token_price
+    return [(s**alpha if s > 0 else 0.0) * price for s in survival]
+
+
+class _Lane:
+    """A decoder with its ceiling and the scored value of each extra row."""
+
+    __slots__ = ("base", "gains", "limit", "view")
+
+    def __init__(self, view: LaneView, limit: int, gains: list[float]) -> None:
+        self.view = view
+        self.limit = limit
+        self.gains = gains
+        self.base = view.decode_value  # one token, one delivery, the age value
+
+    def value(self, rows: int) -> float:
+        return self.base + sum(self.gains[: rows - 1])
+
+    def slot(self) -> int:
+        return self.view.request.slot
+
+
+def _allocate(cohort: Sequence[_Lane], rows: int) -> list[int] | None:
+    """Query lengths for ``cohort`` within ``rows`` target rows (None: it does not fit)."""
+    if len(cohort) > rows:
+        return None
+    queries = [1] * len(cohort)
+    left = rows - len(cohort)
+    while left > 0:
+        best = -1
+        best_key: tuple | None = None
+        for i, lane in enumerate(cohort):
+            q = queries[i]
+            if q >= lane.limit:
+                continue
+            key = (lane.gains[q - 1], -q, -lane.slot())
+            if best_key is None or key > best_key:
+                best, best_key = i, key
+        if best < 0 or best_key is None or best_key[0] <= 0.0:
+            break
+        queries[best] += 1
+        left -= 1
+    return queries
+
+
+def speculative_candidates(
+    ctx: SelectionContext,
+    out: list[Candidate],
+    survival: SurvivalFn,
+    alpha: float,
+    fixed_width: int = 0,
+) -> None:
+    """One candidate per speculative program: its best cohort and query lengths."""
+    entries = ctx.catalog.entries(GraphKind.SPECULATIVE)
+    if not entries or not ctx.decode:
+        return
+    slope = ctx.decode_age_slope
+    found: list[tuple[tuple, Candidate]] = []
+    for index, entry in enumerate(entries):
+        desc = entry.descriptor
+        b, w, d, p = (
+            desc.batch_capacity,
+            desc.token_capacity,
+            desc.proposal_depth,
+            desc.target_capacity,
+        )
+        if fixed_width and w != fixed_width:
+            continue
+        lanes = []
+        for view in ctx.decode:
+            limit = ceiling(view, w, d)
+            if limit < 1:
+                continue
+            lanes.append(
+                _Lane(view, limit, _gains(view, survival(view, limit - 1), alpha, ctx.beta))
+            )
+        if not lanes:
+            continue
+        rectangular = p >= b * w
+        best: tuple[float, list[_Lane], list[int]] | None = None
+        if rectangular:
+            lanes.sort(key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id))
+            cohort = lanes[:b]
+            best = (sum(x.value(x.limit) for x in cohort), cohort, [x.limit for x in cohort])
+        else:
+            orderings = (
+                lambda x: -x.value(x.limit),  # total lane value
+                lambda x: -x.view.delivery_price,  # pending-token delivery value
+                lambda x: -x.value(x.limit) / x.limit,  # value per target row
+            )
+            for order in orderings:
+                ranked = sorted(lanes, key=lambda x: (order(x), x.view.lru, x.slot()))
+                for n in range(1, min(b, len(ranked)) + 1):
+                    cohort = ranked[:n]
+                    queries = _allocate(cohort, p)
+                    if queries is None:
+                        break
+                    value = sum(x.value(q) for x, q in zip(cohort, queries))
+                    if best is None or value > best[0]:
+                        best = (value, cohort, queries)
+        if best is None:
+            continue
+        value, cohort, queries = best
+        candidate = Candidate(
+            entry,
+            index,
+            [x.view for x in cohort],
+            value,
+            slope * len(cohort),
+            p - sum(queries),
+            max(x.view.lru for x in cohort),
+            0,
+            ctx,
+        )
+        candidate.queries = queries
+        key = (tuple(x.view.request.handle.id for x in cohort), tuple(queries), d)
+        found.append((key, candidate))
+    out.extend(_undominated(found))
+
+
+def _undominated(found: list[tuple[tuple, Candidate]]) -> list[Candidate]:
+    """Drop a shape when another with the same work is no larger in every capacity."""
+    kept = []
+    for key, cand in found:
+        mine = _extents(cand)
+        dominated = any(
+            other_key == key
+            and other is not cand
+            and all(a >= o for a, o in zip(mine, _extents(other)))
+            and mine != _extents(other)
+            for other_key, other in found
+        )
+        if not dominated:
+            kept.append(cand)
+    return kept
+
+
+def _extents(cand: Candidate) -> tuple[int, int, int]:
+    desc = cand.entry.descriptor
+    return desc.batch_capacity, desc.token_capacity, desc.target_capacity
+
+
+def expected_tokens(survival: Sequence[float], queries: int) -> float:
+    """E(q) = 1 + sum_{i<q} s_i with the plain means (projections, limits)."""
+    return 1.0 + sum(survival[: max(0, queries - 1)])

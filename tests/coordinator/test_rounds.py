@@ -1,0 +1,238 @@
+"""Speculative rounds in the scheduler: candidates, allocation, commit checks,
+completion with variable token counts, acceptance observations, fixed width and
+funded acceptance learning, driven through the Scheduler's public API."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.errors import CommitError, CompletionError
+from runtime.coordinator.plan import SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
+
+MS = 1_000_000
+
+
+def spec(b: int, w: int, p: int | None = None) -> GraphDescriptor:
+    return GraphDescriptor(
+        GraphKind.SPECULATIVE, b, token_capacity=w, proposal_depth=w - 1, target_capacity=p or 0
+    )
+
+
+def catalog(widths=(2, 4, 8), batches=(1, 2, 4, 8), ragged=()) -> list[GraphDescriptor]:
+    out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)]
+    for b in batches:
+        out.append(GraphDescriptor(GraphKind.DECODE, b))
+        out += [spec(b, w) for w in widths]
+    out += [spec(b, w, p) for b, w, p in ragged]
+    return out
+
+
+def cost_ms(desc: GraphDescriptor) -> float:
+    """A synthetic cost: a fixed floor, target rows, and the draft's depth."""
+    if desc.kind is GraphKind.PREFILL:
+        return 8.0
+    return 5.0 + 0.05 * desc.target_capacity + 0.6 * desc.proposal_depth
+
+
+class Rig:
+    """Drives a Scheduler with synthetic costs; speculative lanes accept each
+    proposal with the request's probability."""
+
+    def __init__(self, config: SchedulerConfig, descs=None, seed: int = 0) -> None:
+        self.s = Scheduler(descs or catalog(), config)
+        self.now = 0
+        self.fence = 0
+        self.inflight: list = []
+        self.rng = random.Random(seed)
+        self.accept: dict[int, float] = {}
+        self.plans: list = []
+        self.tokens: dict[int, int] = {}
+
+    def admit(self, n: int, p: float, out: int = 200, prompt: int = 64) -> list:
+        handles = [self.s.admit(RequestSpec(prompt, out)) for _ in range(n)]
+        for h in handles:
+            self.accept[h.id] = p
+        return handles
+
+    def measure_all(self) -> None:
+        """Give every program a cost so selection is ordinary (no discovery)."""
+        for entry in self.s.catalog._entries.values():
+            self.s.catalog.observe(entry.descriptor, int(cost_ms(entry.descriptor) * MS), 0)
+
+    def step(self) -> bool:
+        self.s.advance_to(self.now)
+        while (plan := self.s.plan()) is not None:
+            self.fence += 1
+            self.s.commit(plan, self.fence)
+            start = max([self.now] + [end for *_, end in self.inflight])
+            self.inflight.append((self.fence, plan, start, start + int(cost_ms(plan.graph) * MS)))
+            self.plans.append(plan)
+        if not self.inflight:
+            return False
+        fence, plan, start, end = self.inflight.pop(0)
+        self.now = max(self.now, end)
+        self.s.advance_to(self.now)
+        records = []
+        for lane in plan.lanes:
+            count = lane.max_tokens
+            if plan.graph.kind is GraphKind.SPECULATIVE:
+                count = 1
+                while count < lane.max_tokens and self.rng.random() < self.accept[lane.handle.id]:
+                    count += 1
+            records.append(CompletionRecord(lane.slot, lane.generation, tuple(range(count))))
+        timing = ExecutionTiming((end - start,), host_wall_ns=end - start, queued=False)
+        for g in self.s.complete(fence, records, timing):
+            self.tokens[g.handle.id] = self.tokens.get(g.handle.id, 0) + len(g.tokens)
+            self.s.published_output(g.handle, g.fence, self.now)
+        return True
+
+    def run(self, frames: int = 100_000) -> None:
+        for _ in range(frames):
+            if not self.step():
+                return
+
+
+def decode_plans(plans):
+    return [p for p in plans if p.graph.kind in (GraphKind.DECODE, GraphKind.SPECULATIVE)]
+
+
+def test_preseeded_high_acceptance_picks_wide_rounds_and_low_picks_decode():
+    for p, wide in ((0.95, True), (0.05, False)):
+        rig = Rig(SchedulerConfig(16, 16, 4096))
+        rig.s.speculation.preseed("draft", [p**d for d in range(1, 8)])
+        rig.measure_all()
+        rig.admit(4, p)
+        rig.run(60)
+        widths = [plan.graph.token_capacity for plan in decode_plans(rig.plans)[:20]]
+        if wide:  # (the first 20 rounds: far from the output limits, where rounds narrow)
+            assert min(widths) >= 4, widths
+        else:
+            assert max(widths) == 1, widths
+
+
+def test_rectangular_rounds_give_complete_prefixes_shortened_by_the_output_limit():
+    rig = Rig(SchedulerConfig(16, 16, 4096), catalog(widths=(8,)))
+    rig.s.speculation.preseed("draft", [0.99**d for d in range(1, 8)])
+    rig.measure_all()
+    rig.admit(2, 0.0, out=10)  # every proposal rejected: one token per round
+    rig.run()
+    rounds = [p for p in rig.plans if p.graph.kind is GraphKind.SPECULATIVE]
+    assert rounds
+    for plan in rounds:
+        for lane in plan.lanes:
+            left = 10 - lane.output_start  # output_start counts committed and queued output
+            assert lane.max_tokens == min(8, left)  # the complete prefix, or the limit
+    assert all(n == 10 for n in rig.tokens.values())  # exactly the output limit
+
+
+def test_ragged_programs_allocate_rows_to_the_likelier_prefixes():
+    descs = catalog(widths=(), ragged=[(4, 8, 12)])
+    rig = Rig(SchedulerConfig(16, 16, 4096), descs)
+    rig.measure_all()
+    high = rig.admit(2, 0.95, out=400)
+    low = rig.admit(2, 0.05, out=400)
+    for _ in range(100):  # long histories: the estimates sit near each request's rate
+        for h in high:
+            rig.s.request(h).speculation.acceptance("draft").observe_round(7, 7, False)
+        for h in low:
+            rig.s.request(h).speculation.acceptance("draft").observe_round(7, 0, False)
+    rig.run(40)
+    ragged = [p for p in rig.plans if p.graph.kind is GraphKind.SPECULATIVE and len(p.lanes) == 4]
+    assert ragged
+    for plan in ragged:
+        by = {lane.handle.id: lane.max_tokens for lane in plan.lanes}
+        assert sum(by.values()) <= 12  # within P
+        assert min(by[h.id] for h in high) > max(by[h.id] for h in low)
+
+
+def test_commit_refuses_query_lengths_beyond_p_or_the_depth():
+    descs = catalog(widths=(), ragged=[(2, 4, 4)])
+    rig = Rig(SchedulerConfig(16, 16, 4096), descs)
+    rig.s.speculation.preseed("draft", [0.9, 0.8, 0.7])
+    rig.measure_all()
+    rig.admit(2, 0.9)
+    while True:  # prefills first
+        plan = rig.s.plan()
+        if plan.graph.kind is GraphKind.SPECULATIVE:
+            break
+        rig.step()
+    import dataclasses
+
+    wide = [dataclasses.replace(lane, max_tokens=4) for lane in plan.lanes]
+    with pytest.raises(CommitError, match="target capacity"):
+        rig.s.commit(dataclasses.replace(plan, lanes=tuple(wide)), 99)
+    deep = [dataclasses.replace(plan.lanes[0], max_tokens=5)]
+    with pytest.raises(CommitError):
+        rig.s.commit(dataclasses.replace(plan, lanes=tuple(deep)), 99)
+
+
+def test_a_round_commits_one_to_q_tokens_and_observes_acceptance():
+    rig = Rig(SchedulerConfig(16, 16, 4096), catalog(widths=(4,), batches=(1,)))
+    rig.s.speculation.preseed("draft", [0.9, 0.8, 0.7])
+    rig.measure_all()
+    (h,) = rig.admit(1, 0.5, out=100)
+    rig.step()  # the prefill
+    rig.s.advance_to(rig.now)
+    plan = rig.s.plan()
+    assert plan.graph.kind is GraphKind.SPECULATIVE and plan.lanes[0].max_tokens == 4
+    rig.fence += 1
+    rig.s.commit(plan, rig.fence)
+    lane = plan.lanes[0]
+    acceptance = rig.s.request(h).speculation.acceptance("draft")
+    before = acceptance.means(3)
+    timing = ExecutionTiming((6 * MS,), host_wall_ns=6 * MS)
+    with pytest.raises(CompletionError, match=r"commits 1\.\.4"):
+        rig.s.complete(rig.fence, [CompletionRecord(lane.slot, lane.generation, ())], timing)
+    with pytest.raises(CompletionError, match=r"commits 1\.\.4"):
+        bad = CompletionRecord(lane.slot, lane.generation, (1, 2, 3, 4, 5))
+        rig.s.complete(rig.fence, [bad], timing)
+    # Two tokens: one proposal accepted, the second rejected, the third never verified
+    # as a prefix survivor (a rejection gives zero to every longer offered prefix).
+    out = rig.s.complete(rig.fence, [CompletionRecord(lane.slot, lane.generation, (7, 8))], timing)
+    assert out[0].tokens == (7, 8)
+    after = acceptance.means(3)
+    assert after[0] == pytest.approx((2 * before[0] + 1) / 3)
+    assert after[1] == pytest.approx((2 * before[1] + 0) / 3)
+    assert after[2] == pytest.approx((2 * before[2] + 0) / 3)
+
+
+def test_fixed_width_runs_only_that_width_and_never_probes():
+    rig = Rig(SchedulerConfig(16, 16, 4096, fixed_speculative_width=4))
+    rig.measure_all()
+    rig.admit(4, 0.9, out=400)
+    rig.run()
+    kinds = {(p.graph.kind, p.graph.token_capacity) for p in decode_plans(rig.plans)}
+    assert kinds == {(GraphKind.SPECULATIVE, 4)}
+    assert all(p.reason is not SelectionReason.ACCEPTANCE_LEARNING for p in rig.plans)
+    assert rig.s.learning_ledger.spent_ns == 0
+    ordinary = Rig(SchedulerConfig(16, 16, 4096, fixed_speculative_width=1))
+    ordinary.measure_all()
+    ordinary.admit(2, 0.9, out=50)
+    ordinary.run()
+    assert {p.graph.kind for p in decode_plans(ordinary.plans)} == {GraphKind.DECODE}
+
+
+def test_funded_probes_offer_deeper_prefixes_and_respect_the_ledger_bound():
+    rig = Rig(SchedulerConfig(16, 16, 4096))
+    rig.measure_all()
+    rig.admit(4, 0.95, out=3000)  # the prior (0.5^d) underrates these requests
+    rig.run(1500)
+    probes = [p for p in rig.plans if p.reason is SelectionReason.ACCEPTANCE_LEARNING]
+    assert probes, "no acceptance probe after 495 ms of ordinary execution"
+    ordinary_ns = rig.s.execution_ns[SelectionReason.ORDINARY]
+    assert ordinary_ns >= 495 * MS
+    ledger = rig.s.learning_ledger
+    # P <= 0.01/0.99 * O + one episode (the spec's bound), on raw physical time.
+    episode = max(int(cost_ms(p.graph) * MS) for p in probes)
+    assert ledger.spent_ns <= ordinary_ns / 99 + episode
+    # Learning moved the choice: later rounds run wider than the prior alone allowed.
+    first = decode_plans(rig.plans)[:5]
+    last = decode_plans(rig.plans)[-50:]
+    assert max(p.graph.token_capacity for p in last) > max(p.graph.token_capacity for p in first)
