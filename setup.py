@@ -35,7 +35,9 @@ setup(
         "httpx>=0.27",
     ],
     extras_require={
-        "test": ["pytest>=8", "ruff==0.17.6", "transformers>=4.45", "openai>=1.40"],
+        "test": [
+            "pytest>=8", "ruff==0.17.6", "transformers>=4.45", "openai>=1.40", "hypothesis>=6.100",
+        ],
     },
     entry_points={"console_scripts": ["flare=runtime.cli:main"]},
 )
