@@ -15,6 +15,12 @@ Extents, in the spec's letters:
   P = B x W; ragged programs declare less.  Zero on input means "rectangular".
 * ``prompt_capacity``: prompt tokens (prefill, scored prefill, mixed); a
   multiple of 64.
+* ``device_allocated``: the speculative program's value source (spec,
+  "Speculative graph coverage").  False: an exact QueryLength binding, the host
+  fixes each lane's target rows before proposals are drawn.  True: a
+  SpeculativePrefixLimit binding, the host supplies lane ceilings and the
+  program allocates its P rows from its own causal confidence (D > 0 only;
+  adaptive selection only).
 
 ``estimated_duration_ns`` exists so descriptors can travel with a cost, but the
 coordinator ignores it on input: every estimate starts indeterminate.
@@ -73,6 +79,7 @@ class GraphDescriptor:
     proposal_depth: int = 0
     target_capacity: int = 0
     prompt_capacity: int = 0
+    device_allocated: bool = False
     estimated_duration_ns: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +94,12 @@ class GraphDescriptor:
         _require_int("target_capacity", self.target_capacity, 0)
         _require_int("prompt_capacity", self.prompt_capacity, 0)
         _require_int("estimated_duration_ns", self.estimated_duration_ns, 0)
+        if not isinstance(self.device_allocated, bool):
+            raise CatalogError(f"device_allocated must be a bool, got {self.device_allocated!r}")
+        if self.device_allocated and (kind is not GraphKind.SPECULATIVE or self.proposal_depth < 1):
+            raise CatalogError(
+                "device_allocated is for speculative programs with proposal_depth > 0"
+            )
         if self.batch_capacity > MAX_BATCH_CAPACITY:
             raise CatalogError(
                 f"batch_capacity must be <= {MAX_BATCH_CAPACITY}, got {self.batch_capacity}"
@@ -156,6 +169,7 @@ class GraphDescriptor:
             self.proposal_depth,
             self.target_capacity,
             self.prompt_capacity,
+            self.device_allocated,
         )
 
     @property
@@ -170,6 +184,7 @@ class GraphDescriptor:
             "proposal_depth": self.proposal_depth,
             "target_capacity": self.target_capacity,
             "prompt_capacity": self.prompt_capacity,
+            "device_allocated": self.device_allocated,
             "estimated_duration_ns": self.estimated_duration_ns,
         }
 
@@ -195,6 +210,8 @@ class GraphDescriptor:
             ]
         if self.prompt_capacity:
             parts.append(f"C={self.prompt_capacity}")
+        if self.device_allocated:
+            parts.append("device-allocated")
         return " ".join(parts)
 
 

@@ -89,6 +89,7 @@ class Candidate:
 
     __slots__ = (
         "age_slope",
+        "ceilings",
         "entry",
         "index",
         "lanes",
@@ -127,6 +128,7 @@ class Candidate:
         self.prompt_tokens = prompt_tokens
         self.prompt_row = prompt_row
         self.queries: list[int] | None = None  # speculative: each lane's query length
+        self.ceilings: list[int] | None = None  # device-allocated: each lane's ceiling
         estimate_ns = entry.estimate_ns
         if estimate_ns <= 0:  # indeterminate (CostEntry.known is False)
             self.unknown = True

@@ -15,8 +15,8 @@ E(q) = 1 + sum_{i<q} s_i, scored with each s_i raised to
 Its value is the decode lane value with E(q) output tokens and one delivery
 (a visible burst is one delivery whatever its length).
 
-Allocation is on the host (the exact QueryLength binding: lengths fixed before
-any proposal is drawn):
+Allocation of a QueryLength program is on the host (lengths fixed before any
+proposal is drawn):
 
 * a rectangular program (P = B x W) gives every lane of its cohort its
   complete prefix, its ceiling; the cohort is the B lanes of highest value;
@@ -26,6 +26,14 @@ any proposal is drawn):
   pending row, then the remaining P rows go one at a time to the lane whose
   next row adds the most expected value (a survival frontier, so rows extend
   prefixes in order), ties to the shorter prefix, then the lower slot.
+
+A device-allocated program (``GraphDescriptor.device_allocated``, the
+SpeculativePrefixLimit binding; adaptive selection only) gets each lane's
+ceiling, and the program allocates its P rows itself, admitting the best
+immediate causal frontier by joint prefix probability (ties: the shorter
+prefix, then the lower slot).  The host prices a cohort with the allocation
+the program is expected to make: the same frontier rule over the requests'
+confidence forecasts (``forecast``), and the acceptance means for the value.
 
 Dominance: candidates of one kind with the same cohort, the same query lengths
 and the same actual proposal depth keep only physical shapes not larger in
@@ -60,14 +68,19 @@ def _gains(lane: LaneView, survival: Sequence[float], alpha: float, beta: float)
 
 
 class _Lane:
-    """A decoder with its ceiling and the scored value of each extra row."""
+    """A decoder with its ceiling, the scored value of each extra row, and the
+    key the allocation ranks its next row by (the gains, or the forecast joint
+    prefix probabilities of a device-allocated program)."""
 
-    __slots__ = ("base", "gains", "limit", "view")
+    __slots__ = ("base", "gains", "limit", "order", "view")
 
-    def __init__(self, view: LaneView, limit: int, gains: list[float]) -> None:
+    def __init__(
+        self, view: LaneView, limit: int, gains: list[float], order: Sequence[float] | None = None
+    ) -> None:
         self.view = view
         self.limit = limit
         self.gains = gains
+        self.order = gains if order is None else order
         self.base = view.decode_value  # one token, one delivery, the age value
 
     def value(self, rows: int) -> float:
@@ -90,7 +103,7 @@ def _allocate(cohort: Sequence[_Lane], rows: int) -> list[int] | None:
             q = queries[i]
             if q >= lane.limit:
                 continue
-            key = (lane.gains[q - 1], -q, -lane.slot())
+            key = (lane.order[q - 1], -q, -lane.slot())
             if best_key is None or key > best_key:
                 best, best_key = i, key
         if best < 0 or best_key is None or best_key[0] <= 0.0:
@@ -106,8 +119,11 @@ def speculative_candidates(
     survival: SurvivalFn,
     alpha: float,
     fixed_width: int = 0,
+    forecast: SurvivalFn | None = None,
 ) -> None:
-    """One candidate per speculative program: its best cohort and query lengths."""
+    """One candidate per speculative program: its best cohort and query lengths
+    (``Candidate.queries``; a device-allocated program's lanes also carry their
+    ceilings, ``Candidate.ceilings``)."""
     entries = ctx.catalog.entries(GraphKind.SPECULATIVE)
     if not entries or not ctx.decode:
         return
@@ -121,19 +137,22 @@ def speculative_candidates(
             desc.proposal_depth,
             desc.target_capacity,
         )
-        if fixed_width and w != fixed_width:
+        device = desc.device_allocated
+        if fixed_width and (w != fixed_width or device):
+            continue  # fixed-width execution: host allocation at that width only
+        if device and forecast is None:
             continue
         lanes = []
         for view in ctx.decode:
             limit = ceiling(view, w, d)
             if limit < 1:
                 continue
-            lanes.append(
-                _Lane(view, limit, _gains(view, survival(view, limit - 1), alpha, ctx.beta))
-            )
+            gains = _gains(view, survival(view, limit - 1), alpha, ctx.beta)
+            order = forecast(view, limit - 1) if device and forecast is not None else None
+            lanes.append(_Lane(view, limit, gains, order))
         if not lanes:
             continue
-        rectangular = p >= b * w
+        rectangular = p >= b * w and not device
         best: tuple[float, list[_Lane], list[int]] | None = None
         if rectangular:
             lanes.sort(key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id))
@@ -170,7 +189,9 @@ def speculative_candidates(
             ctx,
         )
         candidate.queries = queries
-        key = (tuple(x.view.request.handle.id for x in cohort), tuple(queries), d)
+        if device:
+            candidate.ceilings = [x.limit for x in cohort]
+        key = (tuple(x.view.request.handle.id for x in cohort), tuple(queries), d, device)
         found.append((key, candidate))
     out.extend(_undominated(found))
 
@@ -200,3 +221,29 @@ def _extents(cand: Candidate) -> tuple[int, int, int]:
 def expected_tokens(survival: Sequence[float], queries: int) -> float:
     """E(q) = 1 + sum_{i<q} s_i with the plain means (projections, limits)."""
     return 1.0 + sum(survival[: max(0, queries - 1)])
+
+
+def device_allocation(
+    joint: Sequence[Sequence[float]], ceilings: Sequence[int], slots: Sequence[int], rows: int
+) -> list[int]:
+    """The rows a device-allocated program gives each lane: every lane its pending
+    row, then, while rows are left, the best immediate causal frontier by joint
+    prefix probability (``joint[i][d - 1]`` for lane i's prefix of d proposals),
+    ties to the shorter prefix, then the lower slot; never past a lane's ceiling.
+    The host recomputes it from the program's confidence sidecar to know what
+    each lane offered."""
+    queries = [1] * len(ceilings)
+    left = rows - len(ceilings)
+    while left > 0:
+        best, best_key = -1, None
+        for i, q in enumerate(queries):
+            if q >= ceilings[i] or q - 1 >= len(joint[i]):
+                continue
+            key = (joint[i][q - 1], -q, -slots[i])
+            if best_key is None or key > best_key:
+                best, best_key = i, key
+        if best < 0:
+            break
+        queries[best] += 1
+        left -= 1
+    return queries

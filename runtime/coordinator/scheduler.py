@@ -47,6 +47,7 @@ from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestS
 from runtime.coordinator.resources import PagePool, SlotTable
 from runtime.coordinator.rounds import expected_tokens, speculative_candidates
 from runtime.coordinator.service import account_interval, starting_rate
+from runtime.coordinator.sidecars import Confidence, check_confidence, check_survival, round_offers
 from runtime.coordinator.speculation import SpeculationModel
 from runtime.coordinator.utility import log_scale_for, prefill_lane_value
 
@@ -246,8 +247,9 @@ class Scheduler:
         fixed = self._fixed_width
         if self.speculation is not None and fixed != 1:
             speculative_candidates(
-                ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed
-            )
+                ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed,
+                self._forecast,
+            )  # fmt: skip
             if fixed > 1:  # fixed-width execution: decode rounds run at that width only
                 cands = [c for c in cands if c.entry.descriptor.kind is not GraphKind.DECODE]
         return cands
@@ -260,8 +262,9 @@ class Scheduler:
             return None
         optimistic: list[selection.Candidate] = []
         speculative_candidates(
-            ctx, optimistic, self._optimistic, self.policy.adaptive_verification_alpha
-        )
+            ctx, optimistic, self._optimistic, self.policy.adaptive_verification_alpha, 0,
+            self._forecast,
+        )  # fmt: skip
         source = self.config.proposer
 
         def weight(cand: selection.Candidate, i: int, depth: int) -> float:
@@ -274,6 +277,11 @@ class Scheduler:
         if state is None or depth <= 0:
             return []
         return state.acceptance(self.config.proposer).optimistic(depth)
+
+    def _forecast(self, lane: selection.LaneView, depth: int) -> list[float]:
+        """The request's forecast joint prefix probabilities (device allocation)."""
+        state = lane.request.speculation
+        return [] if state is None or depth <= 0 else state.forecast.means(depth)
 
     def _survival(self, lane: selection.LaneView, depth: int) -> list[float]:
         """The request's prefix-survival means s_1..s_depth for this deployment's proposer."""
@@ -293,15 +301,16 @@ class Scheduler:
         desc = winner.entry.descriptor
         lanes: list[LaneWork] = []
         beta = ctx.beta
-        queries = winner.queries
+        queries, ceilings = winner.queries, winner.ceilings
         for i, view in enumerate(winner.lanes):
             r = view.request
-            if queries is not None:  # a speculative round: host-allocated query lengths
+            if queries is not None:  # a speculative round: query lengths, or ceilings
                 q = queries[i]
+                rows = q if ceilings is None else ceilings[i]
                 lanes.append(
                     LaneWork(
                         r.handle, r.slot, r.generation, LanePhase.DECODE, r.spec.prompt_len, 0,
-                        view.output_start, q, expected_tokens(self._survival(view, q - 1), q),
+                        view.output_start, rows, expected_tokens(self._survival(view, q - 1), q),
                         1.0, view.decode_value + ctx.decode_age_slope * winner.t_ms,
                     )
                 )  # fmt: skip
@@ -463,7 +472,8 @@ class Scheduler:
             desc = plan.graph
             if prompt_rows:
                 raise CommitError("a speculative plan has no prompt row")
-            if sum(lane.max_tokens for lane in plan.lanes) > desc.target_capacity:
+            total = sum(lane.max_tokens for lane in plan.lanes)
+            if not desc.device_allocated and total > desc.target_capacity:
                 raise CommitError(
                     f"the lanes' query lengths exceed the target capacity {desc.target_capacity}"
                 )
@@ -518,14 +528,70 @@ class Scheduler:
     def complete(
         self, fence: int, records: Sequence[CompletionRecord], timing: ExecutionTiming
     ) -> list[GeneratedToken]:
-        """Apply the head frame's results; validates everything before any change."""
+        """Apply the head frame's results; validates everything before any change.
+
+        A device-allocated speculative program completes through
+        :meth:`complete_packed_round` instead, with its confidence sidecar.
+        """
+        return self._complete(fence, records, timing, None, None)
+
+    def complete_with_survival(
+        self,
+        fence: int,
+        records: Sequence[CompletionRecord],
+        timing: ExecutionTiming,
+        survival: Sequence[Sequence[float]],
+    ) -> list[GeneratedToken]:
+        """:meth:`complete` with ``completion_speculative_survival`` rows per lane."""
+        return self._complete(fence, records, timing, None, survival)
+
+    def complete_packed_round(
+        self,
+        fence: int,
+        records: Sequence[CompletionRecord],
+        timing: ExecutionTiming,
+        confidence: Confidence,
+    ) -> list[GeneratedToken]:
+        """A device-allocated round with its FP32 confidence sidecar
+        [2, request_slots, draft_capacity] (:mod:`runtime.coordinator.sidecars`)."""
+        return self._complete(fence, records, timing, confidence, None)
+
+    def complete_packed_round_with_survival(
+        self,
+        fence: int,
+        records: Sequence[CompletionRecord],
+        timing: ExecutionTiming,
+        confidence: Confidence,
+        survival: Sequence[Sequence[float]],
+    ) -> list[GeneratedToken]:
+        return self._complete(fence, records, timing, confidence, survival)
+
+    def _complete(
+        self,
+        fence: int,
+        records: Sequence[CompletionRecord],
+        timing: ExecutionTiming,
+        confidence: Confidence | None,
+        survival: Sequence[Sequence[float]] | None,
+    ) -> list[GeneratedToken]:
         head = self._queue.head
         if head is None or head.fence != fence:
             expected = None if head is None else head.fence
             raise CompletionError(f"completion for fence {fence}, expected fence {expected}")
         validate_timing(timing)
-        speculative = head.plan.graph.kind is GraphKind.SPECULATIVE
-        validate_records(head.fence, head.plan.lanes, records, speculative)
+        plan = head.plan
+        speculative = plan.graph.kind is GraphKind.SPECULATIVE
+        validate_records(head.fence, plan.lanes, records, speculative)
+        if plan.graph.device_allocated and confidence is None:
+            raise CompletionError(
+                f"fence {fence}: a device-allocated program completes through "
+                "complete_packed_round, with its confidence sidecar"
+            )
+        if confidence is not None and not plan.graph.device_allocated:
+            raise CompletionError(f"fence {fence}: a confidence sidecar for a host-allocated plan")
+        joint = None if confidence is None else check_confidence(fence, plan, confidence)
+        rows = check_survival(fence, plan, survival) if survival is not None else None
+        offers = round_offers(fence, plan, records, joint) if speculative else None
 
         # -- validated: apply ----------------------------------------------------
         frame = self._queue.pop_head(self.now_ns)
@@ -544,7 +610,7 @@ class Scheduler:
 
         generated: list[GeneratedToken] = []
         frame_ms = credited / 1e6 if raw > 0 else 0.0  # no device interval: not measured
-        for lane, r, record in zip(frame.plan.lanes, frame.lane_requests, records):
+        for i, (lane, r, record) in enumerate(zip(frame.plan.lanes, frame.lane_requests, records)):
             r.inflight_fences.remove(fence)
             r.inflight_prompt -= lane.prompt_tokens
             r.inflight_output -= lane.max_tokens
@@ -558,7 +624,11 @@ class Scheduler:
                     r.became_decoder_ns = now
             tokens = tuple(record.tokens)
             if r.speculation is not None and tokens:
-                self._observe_acceptance(r, lane, record, speculative)
+                self._observe_round(
+                    r, record, None if offers is None else offers[i],
+                    None if joint is None else (joint[i], lane.max_tokens),
+                    None if rows is None else rows[i],
+                )  # fmt: skip
             if tokens:
                 r.committed_output += len(tokens)
                 r.unpublished[fence] = frame_ms
@@ -588,23 +658,32 @@ class Scheduler:
         self._check_idle()
         return generated
 
-    def _observe_acceptance(
-        self, r: Request, lane: LaneWork, record: CompletionRecord, speculative: bool
+    def _observe_round(
+        self,
+        r: Request,
+        record: CompletionRecord,
+        offered_rows: int | None,
+        forecast: tuple[list[float], int] | None,
+        survival: list[float] | None,
     ) -> None:
-        """A verified round's acceptance (spec, "Completed confidence and acceptance"):
-        its q - 1 offered proposals against the tokens it committed; a stop or the
-        output limit inside the accepted run censors the rest.  Every committed
-        token ages the request's estimates."""
+        """A verified round's observations (spec, "Completed confidence and
+        acceptance"): acceptance of its offered proposals against the tokens it
+        committed (a stop or the output limit inside the accepted run censors the
+        rest; survival rows replace the binary values at their depths); the
+        completed joint prefix probabilities into the forecast, up to the lane's
+        frozen ceiling.  Every committed token ages the request's estimates."""
         state = r.speculation
         count = len(record.tokens)
-        if speculative and lane.max_tokens > 1:
-            accepted = count - 1
+        if offered_rows is not None and offered_rows > 1:
             terminated = record.finish_reason is not None or (
                 r.committed_output + count >= r.spec.max_output_tokens
             )
             state.acceptance(self.config.proposer).observe_round(
-                lane.max_tokens - 1, accepted, terminated
+                offered_rows - 1, count - 1, terminated, survival or ()
             )
+        if forecast is not None:
+            joint, ceiling = forecast
+            state.forecast.observe(joint, ceiling)
         state.age(count)
 
     def _account_execution(

@@ -314,8 +314,28 @@ def test_wire_form_names_every_field():
         "proposal_depth": 5,
         "target_capacity": 24,
         "prompt_capacity": 0,
+        "device_allocated": False,
         "estimated_duration_ns": 42,
     }
+
+
+def test_device_allocation_is_a_speculative_programs_value_source():
+    ragged = GraphDescriptor(
+        GraphKind.SPECULATIVE, 4, token_capacity=8, proposal_depth=7, target_capacity=12,
+        device_allocated=True,
+    )  # fmt: skip
+    host = GraphDescriptor(
+        GraphKind.SPECULATIVE, 4, token_capacity=8, proposal_depth=7, target_capacity=12
+    )
+    assert ragged.key != host.key  # two prepared programs, two cost entries
+    assert ragged.describe() == "speculative B=4 D=7 W=8 P=12 device-allocated"
+    assert GraphDescriptor.from_wire(ragged.to_wire()) == ragged
+    with pytest.raises(CatalogError, match="device_allocated"):
+        GraphDescriptor(GraphKind.DECODE, 4, device_allocated=True)
+    with pytest.raises(CatalogError, match="device_allocated"):
+        GraphDescriptor(GraphKind.SPECULATIVE, 4, device_allocated=True)  # D = 0
+    with pytest.raises(CatalogError, match="device_allocated"):
+        GraphDescriptor.from_wire({"kind": "decode", "batch_capacity": 1, "device_allocated": 1})
 
 
 def test_from_wire_fills_defaults():

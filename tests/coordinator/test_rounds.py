@@ -236,3 +236,94 @@ def test_funded_probes_offer_deeper_prefixes_and_respect_the_ledger_bound():
     first = decode_plans(rig.plans)[:5]
     last = decode_plans(rig.plans)[-50:]
     assert max(p.graph.token_capacity for p in last) > max(p.graph.token_capacity for p in first)
+
+
+def test_device_allocation_admits_the_best_causal_frontier_within_p():
+    from runtime.coordinator.rounds import device_allocation
+
+    joint = [[0.9, 0.8, 0.7], [0.6, 0.3, 0.1], [0.95, 0.9, 0.85]]
+    # 3 pending rows, then 4 more: 0.95 (lane 2), 0.9 (lane 2, depth 2; ties with
+    # lane 0 depth 1 go to the shorter prefix: lane 0 first), then 0.9 (lane 2), 0.85.
+    assert device_allocation(joint, [4, 4, 4], [0, 1, 2], 7) == [2, 1, 4]
+    assert device_allocation(joint, [4, 4, 2], [0, 1, 2], 7) == [4, 1, 2]  # ceilings hold
+    assert device_allocation(joint, [4, 4, 4], [0, 1, 2], 3) == [1, 1, 1]  # pending rows only
+    tie = [[0.5], [0.5]]
+    assert device_allocation(tie, [2, 2], [5, 3], 3) == [1, 2]  # equal: the lower slot
+
+
+def device_rig(p_accept: float = 0.9) -> tuple[Rig, list]:
+    descs = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
+             GraphDescriptor(GraphKind.DECODE, 2),
+             GraphDescriptor(GraphKind.SPECULATIVE, 2, token_capacity=4, proposal_depth=3,
+                             target_capacity=5, device_allocated=True)]  # fmt: skip
+    rig = Rig(SchedulerConfig(16, 16, 4096), descs)
+    rig.s.speculation.preseed("draft", [0.95, 0.9, 0.85])
+    rig.measure_all()
+    handles = rig.admit(2, p_accept, out=100)
+    while rig.s.plan() is None or rig.s.plan().graph.kind is not GraphKind.SPECULATIVE:
+        assert rig.step()
+    return rig, handles
+
+
+def test_a_device_allocated_round_completes_with_its_confidence_sidecar():
+    rig, handles = device_rig()
+    plan = rig.s.plan()
+    assert [lane.max_tokens for lane in plan.lanes] == [4, 4]  # ceilings: sum 8 > P = 5
+    rig.fence += 1
+    rig.s.commit(plan, rig.fence)
+    lanes = plan.lanes
+    timing = ExecutionTiming((9 * MS,), host_wall_ns=9 * MS)
+    records = [CompletionRecord(lane.slot, lane.generation, (1, 2)) for lane in lanes]
+    with pytest.raises(CompletionError, match="complete_packed_round"):
+        rig.s.complete(rig.fence, records, timing)
+    joint = [[0.9, 0.5, 0.2], [0.8, 0.6, 0.1]]  # the device gave lane 0 two rows, lane 1 three
+    conditional = [[0.9, 0.55, 0.4], [0.8, 0.75, 0.17]]
+    for bad in ([conditional], [conditional, [[0.9, 1.5, 0.2], [0.8, 0.6, 0.1]]],
+                [conditional, [[0.9, float("nan"), 0.2], [0.8, 0.6, 0.1]]],
+                [conditional, [[0.9, 0.5], [0.8, 0.6, 0.1]]]):  # fmt: skip
+        with pytest.raises(CompletionError):
+            rig.s.complete_packed_round(rig.fence, records, timing, bad)
+    too_many = [CompletionRecord(lanes[0].slot, lanes[0].generation, (1, 2, 3)), records[1]]
+    with pytest.raises(CompletionError, match="from 2 allocated rows"):
+        rig.s.complete_packed_round(rig.fence, too_many, timing, [conditional, joint])
+    first = rig.s.request(handles[0]).speculation
+    second = rig.s.request(handles[1]).speculation
+    before = first.acceptance("draft").means(3), second.acceptance("draft").means(3)
+    forecast_before, w = first.forecast.means(3), first.forecast.weight(1)  # aged by the prefill
+    out = rig.s.complete_packed_round(rig.fence, records, timing, [conditional, joint])
+    assert [g.tokens for g in out] == [(1, 2), (1, 2)]
+    # Lane 0 offered one proposal (two rows) and it survived; lane 1 offered two and
+    # the second was rejected: zero at depth 2, nothing at depth 3.
+    after0, after1 = first.acceptance("draft").means(3), second.acceptance("draft").means(3)
+    assert after0[0] == pytest.approx((2 * before[0][0] + 1) / 3)
+    assert after0[1] == pytest.approx(before[0][1])  # not offered: unobserved
+    assert after1[0] == pytest.approx((2 * before[1][0] + 1) / 3)
+    assert after1[1] == pytest.approx((2 * before[1][1] + 0) / 3)
+    # The forecast averages in the completed joint probabilities up to the ceiling
+    # (4 rows: depths 1..3).
+    expected = (w * forecast_before[0] + 0.9) / (w + 1)
+    assert first.forecast.means(3)[0] == pytest.approx(expected)
+
+
+def test_survival_rows_replace_the_binary_observations():
+    rig = Rig(SchedulerConfig(16, 16, 4096), catalog(widths=(4,), batches=(1,)))
+    rig.s.speculation.preseed("draft", [0.9, 0.8, 0.7])
+    rig.measure_all()
+    (h,) = rig.admit(1, 0.5, out=100)
+    rig.step()
+    rig.s.advance_to(rig.now)
+    plan = rig.s.plan()
+    rig.fence += 1
+    rig.s.commit(plan, rig.fence)
+    lane = plan.lanes[0]
+    acceptance = rig.s.request(h).speculation.acceptance("draft")
+    before = acceptance.means(3)
+    record = CompletionRecord(lane.slot, lane.generation, (1, 2))
+    timing = ExecutionTiming((6 * MS,), host_wall_ns=6 * MS)
+    with pytest.raises(CompletionError, match="must not increase"):
+        rig.s.complete_with_survival(rig.fence, [record], timing, [[0.5, 0.7]])
+    rig.s.complete_with_survival(rig.fence, [record], timing, [[0.8, 0.3, 0.1]])
+    after = acceptance.means(3)
+    assert after[0] == pytest.approx((2 * before[0] + 0.8) / 3)
+    assert after[1] == pytest.approx((2 * before[1] + 0.3) / 3)
+    assert after[2] == pytest.approx((2 * before[2] + 0.1) / 3)
