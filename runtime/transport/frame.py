@@ -81,7 +81,8 @@ class FrameLane:
     prompt); a decode lane carries none (the ranks keep each slot's pending
     token) and feeds 1 token.  ``pages``: the pages this lane appends to its
     slot's rank-side table (see the module docstring).  ``commits``: tokens the
-    lane commits, 0 or 1 (always 1 for decode).  ``sampling``: a prefill lane's
+    lane commits, 0 or 1 (always 1 for decode; in a speculative round, up to its
+    query length, which is then also what it feeds).  ``sampling``: a prefill lane's
     settings, which the ranks keep for the slot; decode lanes carry None.
     """
 
@@ -111,8 +112,9 @@ class FrameLane:
 
     @property
     def query_len(self) -> int:
-        """Tokens the lane feeds: its chunk for prefill, 1 for decode."""
-        return len(self.prompt_tokens) if self.phase == "prefill" else 1
+        """Tokens the lane feeds: its chunk for prefill, 1 for decode (a
+        speculative round's lane: its query length, ``commits``)."""
+        return len(self.prompt_tokens) if self.phase == "prefill" else max(1, self.commits)
 
 
 _PROGRAMS: dict[tuple, GraphDescriptor] = {}  # wire form -> descriptor (a catalog is small)
@@ -261,6 +263,9 @@ class Frame:
                 prefill = (phase.index(PHASE_PREFILL),)
             else:
                 prefill = tuple(i for i, p in enumerate(phase) if p)
+        if self.program.kind is GraphKind.SPECULATIVE:
+            self._check_rounds()
+            return prefill
         # Decode lanes feed and commit 1 token: one comparison per run between prefill lanes.
         start = 0
         for end in (*prefill, len(phase)):
@@ -275,6 +280,23 @@ class Frame:
                 reason = "a prefill lane at position 0 needs at least one page"
                 raise ProtocolError(f"page_count[{i}]", reason)
         return prefill
+
+    def _check_rounds(self) -> None:
+        """A speculative round: decode lanes only, each with its query length (or,
+        device-allocated, its ceiling) in [1, W], committing at most that many;
+        host-allocated lengths fit the program's P target rows."""
+        program = self.program
+        if any(self.phase):
+            raise ProtocolError("phase", "a speculative round has decode lanes only")
+        for i, (q, c) in enumerate(zip(self.query_len, self.commits)):
+            if not 1 <= q <= min(program.token_capacity, program.proposal_depth + 1):
+                raise ProtocolError(f"query_len[{i}]", f"{q} outside [1, min(W, D + 1)]")
+            if c != q:
+                raise ProtocolError(f"commits[{i}]", "a round lane commits up to its query length")
+        if not program.device_allocated and sum(self.query_len) > program.target_capacity:
+            raise ProtocolError(
+                "query_len", f"sums to {sum(self.query_len)}, above P = {program.target_capacity}"
+            )
 
     def _check_flat(self, prefill: tuple[int, ...]) -> None:
         """The flat columns against the counts that cut them."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.coordinator.rounds import device_allocation
 from runtime.transport.channels import ChannelEndpoints, RankChannel
 from runtime.transport.columns import column
 from runtime.transport.schema import (
@@ -29,6 +30,7 @@ from runtime.transport.schema import (
     Completion,
     Control,
     Frame,
+    Tensor,
 )
 
 EXIT_OK = 0
@@ -107,6 +109,11 @@ class FakeSpec:
     device_ns: int | None = None  # a fixed reported interval instead of the measured one
     readiness_delay_ns: int = 0
     idle_exit_s: float = 60.0  # leave when nothing arrives for this long
+    # Speculative rounds: every lane accepts this many of its offered proposals
+    # (the tokens are the reference's next ones, as a correct verifier gives), and
+    # a device-allocated program's lanes report these joint prefix probabilities.
+    accept: int = 0
+    confidence: tuple[float, ...] = ()
     per_rank: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def for_rank(self, rank: int) -> FakeSpec:
@@ -223,6 +230,16 @@ class FakeRank:
             else:
                 if state is None or state.pending is None:
                     raise BadFrame(f"lane {i}: decode for slot {lane.slot} without a pending token")
+                if frame.program.kind is GraphKind.SPECULATIVE:
+                    # Behind a queued round the position is a bound: continue from the slot.
+                    if lane.position < state.next_position:
+                        raise BadFrame(
+                            f"lane {i}: round at {lane.position}, slot {lane.slot} is at "
+                            f"{state.next_position}"
+                        )
+                    table = self._table(i, state.pages, lane.pages)
+                    plans.append((lane, state.digest, state.pending, state.next_position, table))
+                    continue
                 if lane.position != state.next_position:
                     raise BadFrame(
                         f"lane {i}: decode at {lane.position}, slot {lane.slot} is at "
@@ -239,8 +256,32 @@ class FakeRank:
 
         for slot in released:
             self.slots.pop(slot, None)
+        rows = self._round_rows(frame)
+        sidecars = {}
+        if rows is not None and frame.program.device_allocated:
+            sidecars["confidence"] = self._confidence(frame)
         slots, generations, counts, sampled_tokens, finished = [], [], [], [], []
-        for lane, digest, token, last, table in plans:
+        for i, (lane, digest, token, last, table) in enumerate(plans):
+            if rows is not None:  # a speculative round: accepted proposals + 1, in order
+                n = min(self.spec.accept, rows[i] - 1) + 1
+                chain = []
+                for position in range(last, last + n):
+                    self._check_pages(i, table, position)
+                    token = sample(digest, token, position, s.vocab_size)
+                    chain.append(token)
+                    if token == s.eos:
+                        break
+                state = self.slots[lane.slot]
+                state.pages = table
+                self.appended.append((frame.fence, lane.slot, lane.generation, lane.pages))
+                state.next_position = last + len(chain)
+                state.pending = chain[-1]
+                slots.append(lane.slot)
+                generations.append(lane.generation)
+                counts.append(len(chain))
+                sampled_tokens += chain
+                finished.append(int(chain[-1] == s.eos))
+                continue
             state = self.slots.get(lane.slot)
             if state is None or state.generation != lane.generation:
                 state = _Slot(lane.generation)
@@ -262,6 +303,8 @@ class FakeRank:
         self.frames += 1
         self.lanes_run += len(plans)
         lanes = self.rank == 0
+        if not lanes:
+            sidecars = {}
         return Completion(
             frame.fence,
             self.rank,
@@ -273,7 +316,31 @@ class FakeRank:
             token_count=column(counts if lanes else ()),
             tokens=column(sampled_tokens if lanes else ()),
             finished=column(finished if lanes else ()),
+            sidecars=sidecars,
         )
+
+    def _round_rows(self, frame: Frame) -> list[int] | None:
+        """Each lane's target rows in a speculative round (None: not a round)."""
+        program = frame.program
+        if program.kind is not GraphKind.SPECULATIVE:
+            return None
+        if not program.device_allocated:
+            return list(frame.query_len)
+        joint = [list(self.spec.confidence)] * frame.num_lanes
+        return device_allocation(
+            joint, list(frame.query_len), list(frame.slot), program.target_capacity
+        )
+
+    def _confidence(self, frame: Frame) -> Tensor:
+        """The [2, lanes, D] sidecar: conditional confidences, then joint prefix
+        probabilities (the scripted ones, every lane alike)."""
+        depth = frame.program.proposal_depth
+        joint = list(self.spec.confidence[:depth]) + [0.0] * (depth - len(self.spec.confidence))
+        conditional = [
+            joint[d] / joint[d - 1] if d and joint[d - 1] else joint[d] for d in range(depth)
+        ]
+        values = conditional * frame.num_lanes + joint * frame.num_lanes
+        return Tensor.from_values("float32", (2, frame.num_lanes, depth), values)
 
 
 def main(frames: str, completions: str, rank: int, world_size: int, args: dict) -> None:

@@ -172,6 +172,31 @@ def test_build_frame_refuses_two_prompt_rows_and_unrunnable_kinds():
     lanes = (work(0, LanePhase.PREFILL, 4), work(1, LanePhase.PREFILL, 4))
     with pytest.raises(EngineError, match="2 prefill lanes"):
         build_frame(plan(MIXED, lanes), 7, [live(0), live(1)], set())
-    speculative = GraphDescriptor(GraphKind.SPECULATIVE, 4, token_capacity=2, proposal_depth=1)
-    with pytest.raises(EngineError, match="cannot run speculative"):
-        build_frame(plan(speculative, lanes[:1]), 7, [live(0)], set())
+    vision = GraphDescriptor(GraphKind.VISION, 1)
+    with pytest.raises(EngineError, match="cannot run vision"):
+        build_frame(plan(vision, lanes[:1]), 7, [live(0)], set())
+
+
+def test_a_speculative_round_carries_each_lanes_query_length():
+    import dataclasses
+
+    program = GraphDescriptor(
+        GraphKind.SPECULATIVE, 4, token_capacity=4, proposal_depth=3, target_capacity=6
+    )
+    lanes = (
+        dataclasses.replace(work(0, LanePhase.DECODE, output_start=2), max_tokens=4),
+        dataclasses.replace(work(1, LanePhase.DECODE, output_start=5), max_tokens=2),
+    )
+    built = build_frame(plan(program, lanes), 7, [live(0), live(1)], set())
+    assert list(built.query_len) == [4, 2] and list(built.commits) == [4, 2]
+    assert list(built.position) == [11, 14]  # prompt 10 + output_start - 1
+    assert decode(encode(built)) == built
+    too_many = (lanes[0], dataclasses.replace(lanes[1], max_tokens=3))  # 7 rows > P = 6
+    with pytest.raises(ProtocolError, match="above P = 6"):
+        build_frame(plan(program, too_many), 7, [live(0), live(1)], set())
+    deep = (dataclasses.replace(lanes[0], max_tokens=5),)  # beyond W = D + 1 = 4
+    with pytest.raises(ProtocolError, match="query_len"):
+        build_frame(plan(program, deep), 7, [live(0)], set())
+    ceilings = dataclasses.replace(program, device_allocated=True)  # ceilings may exceed P
+    built = build_frame(plan(ceilings, too_many), 7, [live(0), live(1)], set())
+    assert list(built.query_len) == [4, 3]

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.catalog import GraphKind
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.engine.config import EngineConfig, EngineError, EngineStartError
 from runtime.coordinator.engine.frames import (
@@ -38,6 +39,7 @@ from runtime.coordinator.engine.frames import (
     execution_timing,
     lane_logprobs,
     mark_pages_sent,
+    sidecar_rows,
 )
 from runtime.coordinator.engine.ranks import RankAsk, RankMetrics, RankQueries
 from runtime.coordinator.engine.startup import ModelFacts, agree, collect_reports
@@ -710,7 +712,7 @@ class Engine:
         rank_ns, readiness = timing.rank_device_ns, timing.readiness_delay_ns
         records = completion_records(answers[0], dispatch.ignore_eos)
         try:
-            generated = scheduler.complete(dispatch.fence, records, timing)
+            generated = self._complete(dispatch, records, timing)
         except CompletionError as exc:
             raise EngineError(
                 f"fence {dispatch.fence}: rank 0's results were refused: {exc}"
@@ -757,6 +759,36 @@ class Engine:
             ),
             dispatch.plan.graph.kind.value,
         )
+
+    def _complete(self, dispatch: Dispatch, records: list, timing) -> list:
+        """Hand the frame to the scheduler; a speculative round with its sidecars:
+        rank 0's confidence [2, slots, depth] (device-allocated programs) and
+        survival rows [lanes, depth] (when the program writes them); every
+        rank's must be valid probabilities."""
+        scheduler = self.scheduler
+        assert scheduler is not None and dispatch.plan is not None
+        graph = dispatch.plan.graph
+        if graph.kind is not GraphKind.SPECULATIVE:
+            return scheduler.complete(dispatch.fence, records, timing)
+        confidence = survival = None
+        for rank, answer in sorted(dispatch.answers.items()):
+            c, s = sidecar_rows(answer, "confidence", 3), sidecar_rows(answer, "survival", 2)
+            if rank == 0:
+                confidence, survival = c, s
+        if graph.device_allocated:
+            if confidence is None:
+                raise EngineError(
+                    f"fence {dispatch.fence}: rank 0 sent no confidence sidecar for the "
+                    f"device-allocated {graph.describe()}"
+                )
+            if survival is not None:
+                return scheduler.complete_packed_round_with_survival(
+                    dispatch.fence, records, timing, confidence, survival
+                )
+            return scheduler.complete_packed_round(dispatch.fence, records, timing, confidence)
+        if survival is not None:
+            return scheduler.complete_with_survival(dispatch.fence, records, timing, survival)
+        return scheduler.complete(dispatch.fence, records, timing)
 
     def _check_overdue(self) -> None:
         limit = self.config.completion_timeout_s

@@ -21,7 +21,7 @@ from runtime.transport.schema import (
     SamplingParams,
 )
 
-RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.MIXED)
+RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.MIXED, GraphKind.SPECULATIVE)
 
 
 @dataclass(slots=True)
@@ -77,9 +77,14 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
     ``prompt_start``, and the request's sampling settings.  Decode: no tokens
     (the ranks hold the pending token); ``position`` is the pending token's KV
     position, prompt + committed + in-flight output - 1, which is
-    ``prompt_len + output_start - 1``.  Every lane appends the pages of its
-    request the ranks have not been sent yet (``Live.pages_sent``; this does
-    not mark them sent: :func:`mark_pages_sent` does, once the frame is out).
+    ``prompt_len + output_start - 1``.  Behind a queued speculative round the
+    in-flight output is its bound (the round may commit fewer tokens), so the
+    position is an upper bound and the ranks continue from their own slot
+    state.  A speculative lane's ``query_len`` and ``commits`` are its query
+    length (host allocation) or its ceiling (device allocation).  Every lane
+    appends the pages of its request the ranks have not been sent yet
+    (``Live.pages_sent``; this does not mark them sent: :func:`mark_pages_sent`
+    does, once the frame is out).
 
     ``release``: retired slots whose rank state may go; a slot that a new
     tenant occupies in this frame is left out (its new generation replaces the
@@ -117,8 +122,8 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
         else:
             phase.append(PHASE_DECODE)
             position.append(len(stream.prompt_token_ids) + lane.output_start - 1)
-            query_len.append(1)
-            commits.append(1)
+            query_len.append(lane.max_tokens)
+            commits.append(lane.max_tokens)
         unsent = live.pages[live.pages_sent :]
         page_count.append(len(unsent))
         pages += unsent
@@ -224,3 +229,34 @@ def execution_timing(dispatch: Dispatch, now_ns: int, world: int) -> ExecutionTi
                     f"{reference:#010x}): the tensor-parallel ranks disagree"
                 )
     return ExecutionTiming(rank_ns, readiness, now_ns - dispatch.sent_ns, dispatch.queued, waits)
+
+
+def sidecar_rows(completion: Completion, name: str, ndim: int) -> list | None:
+    """A float sidecar of rank ``completion`` as nested lists (None: absent).
+
+    Raises EngineError when it is not a ``ndim``-dimensional float32 tensor or
+    holds a value that is not a probability (every rank's sidecar must be
+    valid; rank 0's drives the decisions, the others need not agree bitwise).
+    """
+    tensor = completion.sidecars.get(name)
+    if tensor is None:
+        return None
+    if tensor.dtype != "float32" or len(tensor.shape) != ndim:
+        raise EngineError(
+            f"fence {completion.fence}: rank {completion.rank}'s {name} sidecar must be "
+            f"{ndim}-dimensional float32, got {tensor.dtype} {list(tensor.shape)}"
+        )
+    flat = tensor.values()
+    if any(not 0.0 <= v <= 1.0 for v in flat):  # NaN fails both comparisons
+        raise EngineError(
+            f"fence {completion.fence}: rank {completion.rank}'s {name} sidecar holds values "
+            "that are not probabilities"
+        )
+
+    def nest(values: list, shape: tuple[int, ...]) -> list:
+        if len(shape) == 1:
+            return list(values)
+        step = len(values) // shape[0] if shape[0] else 0
+        return [nest(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+    return nest(list(flat), tuple(tensor.shape))
