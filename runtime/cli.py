@@ -62,8 +62,7 @@ if TYPE_CHECKING:
 
 # Flags of features that later issues build: refused rather than ignored.
 NOT_YET = {
-    "mtp_adaptive_verification_alpha": "speculative decoding",
-    "speculative_token_capacity": "speculative programs",
+    "speculative_token_capacity": "speculative programs on the ranks",
 }
 
 MIN_CONTEXT = PROMPT_ALIGNMENT  # the shortest context the ranks serve (one prefill bucket)
@@ -260,14 +259,15 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--mtp-adaptive-verification-alpha",
-        type=float,
-        help="not available yet: needs speculative decoding (default: unset)",
+        type=_number(0.0, strict=True),
+        help="the exponent on prefix-survival estimates in speculative selection scores "
+        "(projections use the plain estimates; default: the preset's, 1)",
     )
     run.add_argument(
         "--speculative-token-capacity",
         metavar="N",
         type=int,
-        help="not available yet: needs speculative programs (default: unset)",
+        help="not available yet: needs speculative programs on the ranks (default: unset)",
     )
     run.add_argument(
         "--mixed-prefill",
@@ -438,6 +438,7 @@ def _policy(args: argparse.Namespace, parser: argparse.ArgumentParser, data: dic
         "terminal_value": args.scheduler_terminal_value,
         "terminal_age_price": args.scheduler_terminal_age_price,
     }
+    terminal["adaptive_verification_alpha"] = args.mtp_adaptive_verification_alpha
     terminal = {k: v for k, v in terminal.items() if v is not None}
     try:
         if args.scheduler_policy is None and "scheduler" in data:

@@ -55,7 +55,8 @@ def test_bad_config_files_fail_naming_the_key(tmp_path, capsys, toml, needle):
     ("argv", "needle"),
     [
         (["--speculative-token-capacity", "8"], "--speculative-token-capacity"),
-        (["--mtp-adaptive-verification-alpha", "0.5"], "--mtp-adaptive-verification-alpha"),
+        (["--mtp-adaptive-verification-alpha", "0"], "--mtp-adaptive-verification-alpha"),
+        (["--mtp-adaptive-verification-alpha", "nan"], "--mtp-adaptive-verification-alpha"),
         (["--port", "0"], "--port"),
         (["--max-concurrency", "-1"], "--max-concurrency"),
         (["--scheduler-terminal-value", "-3"], "--scheduler"),
@@ -345,3 +346,9 @@ def test_serve_options_and_the_coordinator_get_the_new_flags(tmp_path, monkeypat
     assert config == dataclasses.replace(expected, external_publication=True)
     assert config.max_concurrency == 16 and config.tensor_parallel_size == 2
     assert config.dtype == "float32" and not config.cuda_graphs and config.model == model
+
+
+def test_the_verification_alpha_reaches_the_policy():
+    _, config = configure(["--mtp-adaptive-verification-alpha", "0.5"])
+    assert config.policy.adaptive_verification_alpha == 0.5
+    assert configure([])[1].policy.adaptive_verification_alpha == 1.0
