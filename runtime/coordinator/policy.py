@@ -221,7 +221,7 @@ def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
         )
 
 
-def _prompt_value(lane: LaneView, tokens: int, beta: float) -> float:
+def prompt_lane_value(lane: LaneView, tokens: int, beta: float) -> float:
     """Consumed prompt tokens, plus the one output token a chunk ending the prompt commits."""
     value = tokens * (1.0 + lane.token_price)
     if lane.prompt_pos + tokens == lane.request.spec.prompt_len:
@@ -369,7 +369,7 @@ def _best_rows(
                         break
                     continue  # dominated: the same work on a smaller batch
                 done[tokens] = capacity
-            value = _prompt_value(lane, tokens, beta)
+            value = prompt_lane_value(lane, tokens, beta)
             current = best[pos]
             if current is None or (value, -lane.lru) > current[:2]:
                 best[pos] = (value, -lane.lru, lane, tokens)

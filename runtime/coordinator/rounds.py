@@ -35,9 +35,15 @@ prefix, then the lower slot).  The host prices a cohort with the allocation
 the program is expected to make: the same frontier rule over the requests'
 confidence forecasts (``forecast``), and the acceptance means for the value.
 
+Mixed programs of width W > 1 (:func:`wide_mixed_candidates`) compete like
+separate speculative programs: their decode rows are rectangular round lanes
+(complete prefixes), beside at most one prompt row, the best undominated one
+for the shape's prompt capacity; a decode-only cohort competes too.
+
 Dominance: candidates of one kind with the same cohort, the same query lengths
-and the same actual proposal depth keep only physical shapes not larger in
-every capacity than an alternative (timing estimates cannot make padding win).
+and the same actual proposal depth (mixed: also the same prompt row and prompt
+tokens) keep only physical shapes not larger in every capacity than an
+alternative (timing estimates cannot make padding win).
 Under fixed-width execution (``SchedulerConfig.fixed_speculative_width``) only
 programs of that width compete, with complete prefixes.
 """
@@ -47,7 +53,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from runtime.catalog import GraphKind
-from runtime.coordinator.policy import Candidate, LaneView, SelectionContext
+from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
 
 # Survival means s_1..s_n of a request's current proposal source.
 SurvivalFn = Callable[[LaneView, int], Sequence[float]]
@@ -196,6 +202,73 @@ def speculative_candidates(
     out.extend(_undominated(found))
 
 
+def wide_mixed_candidates(
+    ctx: SelectionContext,
+    out: list[Candidate],
+    survival: SurvivalFn,
+    alpha: float,
+    fixed_width: int = 0,
+) -> None:
+    """Per mixed program of width W > 1: its best decode-only cohort, and per
+    prompt row the row plus the best B - 1 decoders, every decoder on its
+    complete prefix (host allocation within P)."""
+    entries = [e for e in ctx.catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1]
+    if not entries or not (ctx.decode or ctx.prefill):
+        return
+    found: list[tuple[tuple, Candidate]] = []
+    for index, entry in enumerate(ctx.catalog.entries(GraphKind.MIXED)):
+        desc = entry.descriptor
+        b, w, d, p, c = (desc.batch_capacity, desc.token_capacity, desc.proposal_depth,
+                         desc.target_capacity, desc.prompt_capacity)  # fmt: skip
+        if w == 1 or (fixed_width and w != fixed_width):
+            continue
+        lanes = []
+        for view in ctx.decode:
+            limit = ceiling(view, w, d)
+            if limit >= 1:
+                gains = _gains(view, survival(view, limit - 1), alpha, ctx.beta)
+                lanes.append(_Lane(view, limit, gains))
+        lanes.sort(key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id))
+        decoders = _fit(lanes[:b], p)
+        if decoders:
+            found.append(_mixed(entry, index, ctx, None, 0, 0.0, decoders))
+        for view in ctx.prefill:
+            tokens = min(c, view.available)
+            others = _fit([x for x in lanes if x.view is not view][: b - 1], p)
+            value = prompt_lane_value(view, tokens, ctx.beta)
+            found.append(_mixed(entry, index, ctx, view, tokens, value, others))
+    out.extend(_undominated(found))
+
+
+def _fit(cohort: list[_Lane], rows: int) -> list[_Lane]:
+    """The lanes of ``cohort``, best first, whose complete prefixes fit ``rows``."""
+    kept, used = [], 0
+    for lane in cohort:
+        if used + lane.limit <= rows:
+            kept.append(lane)
+            used += lane.limit
+    return kept
+
+
+def _mixed(
+    entry, index: int, ctx: SelectionContext, prompt: LaneView | None, tokens: int,
+    value: float, cohort: list[_Lane],
+) -> tuple[tuple, Candidate]:  # fmt: skip
+    """A wide mixed candidate (prompt row first, if any) and its dominance key."""
+    desc = entry.descriptor
+    views = ([prompt] if prompt is not None else []) + [x.view for x in cohort]
+    queries = ([0] if prompt is not None else []) + [x.limit for x in cohort]
+    total = value + sum(x.value(x.limit) for x in cohort)
+    padding = (desc.prompt_capacity - tokens) + (desc.batch_capacity - len(views))
+    cand = Candidate(
+        entry, index, views, total, ctx.decode_age_slope * len(cohort), padding,
+        max((v.lru for v in views), default=-1), tokens, ctx, 0 if prompt is not None else -1,
+    )  # fmt: skip
+    cand.queries = queries
+    ids = tuple(v.request.handle.id for v in views)
+    return (ids, tuple(queries), desc.proposal_depth, tokens), cand
+
+
 def _undominated(found: list[tuple[tuple, Candidate]]) -> list[Candidate]:
     """Drop a shape when another with the same work is no larger in every capacity."""
     kept = []
@@ -213,9 +286,9 @@ def _undominated(found: list[tuple[tuple, Candidate]]) -> list[Candidate]:
     return kept
 
 
-def _extents(cand: Candidate) -> tuple[int, int, int]:
+def _extents(cand: Candidate) -> tuple[int, int, int, int]:
     desc = cand.entry.descriptor
-    return desc.batch_capacity, desc.token_capacity, desc.target_capacity
+    return desc.batch_capacity, desc.token_capacity, desc.target_capacity, desc.prompt_capacity
 
 
 def expected_tokens(survival: Sequence[float], queries: int) -> float:

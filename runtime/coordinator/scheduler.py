@@ -45,7 +45,11 @@ from runtime.coordinator.records import (
 from runtime.coordinator.refresh import choose_refresh, timing_ledger
 from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestSpec
 from runtime.coordinator.resources import PagePool, SlotTable
-from runtime.coordinator.rounds import expected_tokens, speculative_candidates
+from runtime.coordinator.rounds import (
+    expected_tokens,
+    speculative_candidates,
+    wide_mixed_candidates,
+)
 from runtime.coordinator.service import account_interval, starting_rate
 from runtime.coordinator.sidecars import Confidence, check_confidence, check_survival, round_offers
 from runtime.coordinator.speculation import SpeculationModel
@@ -250,8 +254,11 @@ class Scheduler:
                 ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed,
                 self._forecast,
             )  # fmt: skip
+            wide_mixed_candidates(
+                ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed
+            )
             if fixed > 1:  # fixed-width execution: decode rounds run at that width only
-                cands = [c for c in cands if c.entry.descriptor.kind is not GraphKind.DECODE]
+                cands = [c for c in cands if _fixed_width_allows(c, fixed)]
         return cands
 
     def _probe(
@@ -304,7 +311,7 @@ class Scheduler:
         queries, ceilings = winner.queries, winner.ceilings
         for i, view in enumerate(winner.lanes):
             r = view.request
-            if queries is not None:  # a speculative round: query lengths, or ceilings
+            if queries is not None and i != winner.prompt_row:  # a round lane
                 q = queries[i]
                 rows = q if ceilings is None else ceilings[i]
                 lanes.append(
@@ -468,6 +475,10 @@ class Scheduler:
             raise CommitError("a decode plan has no prompt row")
         if kind is GraphKind.MIXED and prompt_rows > 1:
             raise CommitError(f"a mixed plan has at most one prompt row, got {prompt_rows}")
+        if kind is GraphKind.MIXED and plan.graph.token_capacity > 1:
+            rows = sum(lane.max_tokens for lane in plan.lanes if lane.phase is LanePhase.DECODE)
+            if rows > plan.graph.target_capacity:
+                raise CommitError(f"decode rows {rows} exceed the target capacity")
         if kind is GraphKind.SPECULATIVE:
             desc = plan.graph
             if prompt_rows:
@@ -580,7 +591,9 @@ class Scheduler:
             raise CompletionError(f"completion for fence {fence}, expected fence {expected}")
         validate_timing(timing)
         plan = head.plan
-        speculative = plan.graph.kind is GraphKind.SPECULATIVE
+        speculative = plan.graph.kind is GraphKind.SPECULATIVE or (
+            plan.graph.kind is GraphKind.MIXED and plan.graph.token_capacity > 1
+        )
         validate_records(head.fence, plan.lanes, records, speculative)
         if plan.graph.device_allocated and confidence is None:
             raise CompletionError(
@@ -777,3 +790,13 @@ def _group_key(request: Request) -> object:
     """The admission group of ``request``: its spec's group, or its own."""
     group = request.spec.group
     return ("request", request.handle.id) if group is None else group
+
+
+def _fixed_width_allows(candidate: selection.Candidate, width: int) -> bool:
+    """Fixed-width execution: decode rows run at ``width`` only (prefills stay)."""
+    desc = candidate.entry.descriptor
+    if desc.kind is GraphKind.DECODE:
+        return False
+    if desc.kind is GraphKind.MIXED and desc.token_capacity != width:
+        return candidate.prompt_row >= 0 and len(candidate.lanes) == 1
+    return True

@@ -263,8 +263,11 @@ class Frame:
                 prefill = (phase.index(PHASE_PREFILL),)
             else:
                 prefill = tuple(i for i, p in enumerate(phase) if p)
-        if self.program.kind is GraphKind.SPECULATIVE:
-            self._check_rounds()
+        program = self.program
+        if program.kind is GraphKind.SPECULATIVE or (
+            program.kind is GraphKind.MIXED and program.token_capacity > 1
+        ):
+            self._check_rounds(prefill)
             return prefill
         # Decode lanes feed and commit 1 token: one comparison per run between prefill lanes.
         start = 0
@@ -281,21 +284,26 @@ class Frame:
                 raise ProtocolError(f"page_count[{i}]", reason)
         return prefill
 
-    def _check_rounds(self) -> None:
-        """A speculative round: decode lanes only, each with its query length (or,
-        device-allocated, its ceiling) in [1, W], committing at most that many;
-        host-allocated lengths fit the program's P target rows."""
+    def _check_rounds(self, prefill: tuple[int, ...]) -> None:
+        """A speculative round (or a wide mixed program's decode rows): each decode
+        lane with its query length (or, device-allocated, its ceiling) in
+        [1, min(W, D + 1)], committing at most that many; host-allocated lengths
+        fit the program's P target rows.  A speculative round has no prompt row."""
         program = self.program
-        if any(self.phase):
+        if prefill and program.kind is GraphKind.SPECULATIVE:
             raise ProtocolError("phase", "a speculative round has decode lanes only")
+        rows = 0
         for i, (q, c) in enumerate(zip(self.query_len, self.commits)):
+            if i in prefill:
+                continue
+            rows += q
             if not 1 <= q <= min(program.token_capacity, program.proposal_depth + 1):
                 raise ProtocolError(f"query_len[{i}]", f"{q} outside [1, min(W, D + 1)]")
             if c != q:
                 raise ProtocolError(f"commits[{i}]", "a round lane commits up to its query length")
-        if not program.device_allocated and sum(self.query_len) > program.target_capacity:
+        if not program.device_allocated and rows > program.target_capacity:
             raise ProtocolError(
-                "query_len", f"sums to {sum(self.query_len)}, above P = {program.target_capacity}"
+                "query_len", f"decode rows sum to {rows}, above P = {program.target_capacity}"
             )
 
     def _check_flat(self, prefill: tuple[int, ...]) -> None:

@@ -45,8 +45,9 @@ class Rig:
     """Drives a Scheduler with synthetic costs; speculative lanes accept each
     proposal with the request's probability."""
 
-    def __init__(self, config: SchedulerConfig, descs=None, seed: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, descs=None, seed: int = 0, cost=cost_ms) -> None:
         self.s = Scheduler(descs or catalog(), config)
+        self.cost = cost
         self.now = 0
         self.fence = 0
         self.inflight: list = []
@@ -64,7 +65,7 @@ class Rig:
     def measure_all(self) -> None:
         """Give every program a cost so selection is ordinary (no discovery)."""
         for entry in self.s.catalog._entries.values():
-            self.s.catalog.observe(entry.descriptor, int(cost_ms(entry.descriptor) * MS), 0)
+            self.s.catalog.observe(entry.descriptor, int(self.cost(entry.descriptor) * MS), 0)
 
     def step(self) -> bool:
         self.s.advance_to(self.now)
@@ -72,7 +73,7 @@ class Rig:
             self.fence += 1
             self.s.commit(plan, self.fence)
             start = max([self.now] + [end for *_, end in self.inflight])
-            self.inflight.append((self.fence, plan, start, start + int(cost_ms(plan.graph) * MS)))
+            self.inflight.append((self.fence, plan, start, start + int(self.cost(plan.graph) * MS)))
             self.plans.append(plan)
         if not self.inflight:
             return False
@@ -327,3 +328,41 @@ def test_survival_rows_replace_the_binary_observations():
     assert after[0] == pytest.approx((2 * before[0] + 0.8) / 3)
     assert after[1] == pytest.approx((2 * before[1] + 0.3) / 3)
     assert after[2] == pytest.approx((2 * before[2] + 0.1) / 3)
+
+
+def test_wide_mixed_programs_compete_like_speculative_rounds():
+    mixed = [
+        GraphDescriptor(GraphKind.MIXED, 4, token_capacity=4, proposal_depth=3, prompt_capacity=64),
+        GraphDescriptor(GraphKind.MIXED, 4, token_capacity=1, prompt_capacity=64),
+    ]
+    descs = [*catalog(widths=(4,), batches=(1, 2, 4)), *mixed]
+
+    def cost(desc: GraphDescriptor) -> float:  # proposals nearly free on the mixed program
+        wide = desc.kind is GraphKind.MIXED and desc.token_capacity == 4
+        return 5.5 if wide else cost_ms(desc)
+
+    rig = Rig(SchedulerConfig(16, 16, 4096), descs, cost=cost)
+    rig.s.speculation.preseed("draft", [0.95, 0.9, 0.85])
+    rig.measure_all()
+    rig.admit(2, 0.95, out=300)
+    rig.run(20)  # two decoders running
+    rig.admit(1, 0.95, out=300, prompt=64)  # a prompt arrives during decode
+    rig.run(40)
+    wide = [p for p in rig.plans if p.graph.kind is GraphKind.MIXED and p.graph.token_capacity == 4]
+    assert wide, [p.graph.describe() for p in rig.plans]
+    for plan in wide:
+        rows = [lane.max_tokens for lane in plan.lanes if lane.phase.value == "decode"]
+        assert rows and all(1 <= q <= 4 for q in rows) and sum(rows) <= plan.graph.target_capacity
+        assert plan.prompt_row in (-1, 0)
+    # Fixed width 4: decode rows run at width 4 only (a width-one mixed shape may
+    # still carry a prompt row alone).
+    fixed = Rig(SchedulerConfig(16, 16, 4096, fixed_speculative_width=4), descs, cost=cost)
+    fixed.measure_all()
+    fixed.admit(2, 0.95, out=300)
+    fixed.run(20)
+    fixed.admit(1, 0.95, out=300)
+    fixed.run(40)
+    for plan in fixed.plans:
+        decoding = any(lane.phase.value == "decode" for lane in plan.lanes)
+        if decoding:
+            assert plan.graph.token_capacity == 4, plan.graph.describe()
