@@ -264,7 +264,9 @@ def test_a_small_request_completes_while_a_big_one_runs(server):
     thread = threading.Thread(target=run_big, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
-    while server.metrics()["flare_num_requests_waiting"] < 20:
+    # 28 choices wait at first; a loaded machine may poll late, so any time a
+    # dozen still wait is early enough for the rotation to show.
+    while server.metrics()["flare_num_requests_waiting"] < 12:
         assert time.monotonic() < deadline and thread.is_alive()
         time.sleep(0.05)
     small = {"prompt": "x", "max_tokens": 4, "ignore_eos": True}
