@@ -366,3 +366,32 @@ def test_wide_mixed_programs_compete_like_speculative_rounds():
         decoding = any(lane.phase.value == "decode" for lane in plan.lanes)
         if decoding:
             assert plan.graph.token_capacity == 4, plan.graph.describe()
+
+
+def test_a_timing_refresh_runs_one_complete_speculative_program_paid_once():
+    # Only speculative programs decode, so the stale alternative is one of them.
+    descs = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)]
+    descs += [spec(b, 4) for b in (1, 2, 4)]
+    rig = Rig(SchedulerConfig(16, 16, 65536), descs)
+    rig.s.speculation.preseed("draft", [0.95, 0.9, 0.85])
+    rig.measure_all()
+    rig.admit(4, 0.95, out=60_000)
+    refreshes = []
+    while not refreshes:
+        assert rig.step()
+        refreshes = [p for p in rig.plans if p.reason is SelectionReason.TIMING_REFRESH]
+        if rig.now > 120_000 * MS:
+            break
+    assert refreshes, "no timing refresh within 120 s of simulated execution"
+    ordinary = rig.s.execution_ns[SelectionReason.ORDINARY]
+    assert ordinary >= 2_495 * MS  # the spec's funding of the first refresh
+    plan = refreshes[0]
+    rig.step()  # the refresh completes (the rig runs one frame at a time once it is out)
+    while rig.inflight:
+        rig.step()
+    ledger = rig.s.refresh_ledger
+    # Paid once, its whole interval (proposals and verification together).
+    assert rig.s.executions[SelectionReason.TIMING_REFRESH] == 1
+    assert ledger.spent_ns == int(cost_ms(plan.graph) * MS)
+    assert plan.graph.kind is GraphKind.SPECULATIVE and plan.graph.batch_capacity < 4
+    assert all(lane.max_tokens >= 1 for lane in plan.lanes)
