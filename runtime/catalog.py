@@ -215,6 +215,21 @@ class GraphDescriptor:
         return " ".join(parts)
 
 
+def within_speculative_envelope(desc: GraphDescriptor, capacity: int) -> bool:
+    """The ``--speculative-token-capacity`` envelope R (spec, "Speculative graph
+    coverage"): a wider program (W > 1, speculative or mixed) needs B x W <= R
+    when rectangular and P <= R when ragged; other programs are not bounded."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise CatalogError(
+            f"speculative token capacity must be a positive integer, got {capacity!r}"
+        )
+    if desc.kind not in (GraphKind.SPECULATIVE, GraphKind.MIXED) or desc.token_capacity == 1:
+        return True
+    rectangular = desc.target_capacity == desc.batch_capacity * desc.token_capacity
+    rows = desc.batch_capacity * desc.token_capacity if rectangular else desc.target_capacity
+    return rows <= capacity
+
+
 def validate_catalog(descriptors: list[GraphDescriptor]) -> tuple[GraphDescriptor, ...]:
     """Reject duplicate identities; return the catalog in a stable order."""
     seen: dict[tuple, int] = {}

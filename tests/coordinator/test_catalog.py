@@ -413,3 +413,22 @@ def test_scheduler_rejects_duplicate_catalog():
 def test_non_descriptor_catalog_entry_rejected():
     with pytest.raises(CatalogError, match=r"catalog\[1\]"):
         validate_catalog([GraphDescriptor(GraphKind.DECODE, 2), {"kind": "decode"}])
+
+
+def test_the_speculative_token_capacity_envelope():
+    from runtime.catalog import within_speculative_envelope as fits
+
+    rect = GraphDescriptor(GraphKind.SPECULATIVE, 4, token_capacity=8, proposal_depth=7)  # 32 rows
+    ragged = GraphDescriptor(
+        GraphKind.SPECULATIVE, 8, token_capacity=8, proposal_depth=7, target_capacity=24
+    )
+    width_one = GraphDescriptor(GraphKind.SPECULATIVE, 64)
+    assert fits(rect, 32) and not fits(rect, 31)  # B x W <= R
+    assert fits(ragged, 24) and not fits(ragged, 23)  # P <= R
+    assert fits(width_one, 1) and fits(GraphDescriptor(GraphKind.DECODE, 64), 1)
+    wide_mixed = GraphDescriptor(
+        GraphKind.MIXED, 4, token_capacity=4, proposal_depth=3, prompt_capacity=64
+    )
+    assert fits(wide_mixed, 16) and not fits(wide_mixed, 15)
+    with pytest.raises(CatalogError, match="speculative token capacity"):
+        fits(rect, 0)
