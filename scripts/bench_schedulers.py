@@ -34,6 +34,16 @@ not Pareto-dominated by any baseline on (TTFT p99, gap p99, tokens/s); against
 Prints one table per workload; the last line is one JSON object holding every
 figure (``ttft_ms_p50``/``p99``, ``gap_ms_p50``/``p99``/``max``,
 ``output_tokens_per_s``, ``goodput_req_per_s``, ``fairness_jain``, ...).
+
+``--speculation``: the same suite with speculative programs in every catalog
+(``--speculative-widths``, default 2..8, D = W - 1) and every request labelled
+with an acceptance profile (``--acceptance``, default ``mixed``: one third each
+high 0.9, low 0.1, drifting 0.9 -> 0.1).  Flare selects widths adaptively
+(``fixed_speculative_width=0``); the baselines above keep ordinary decode, and
+the speculative baselines join them: ``spec-w2`` and ``spec-w4`` (prefill-first
+continuous batching at a fixed width, ``--spec-fixed-widths``), ``table``
+(TensorRT-LLM ``draft_len_schedule`` style) and ``global-adaptive``.  The goals
+are checked against all of them; the output format is the same.
 """
 
 from __future__ import annotations
@@ -52,7 +62,9 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
 from scripts.scheduling_sim.runner import SCHEDULERS, RunConfig, simulate
 from scripts.scheduling_sim.workload import (
+    ACCEPTANCE_CHOICES,
     WorkloadConfig,
+    assign_acceptance,
     burst,
     chat,
     long_prompt_contention,
@@ -67,10 +79,21 @@ CHAT_LOADS = {"chat50": 0.5, "chat80": 0.8, "chat95": 0.95}
 WORKLOADS = ("burst", *CHAT_LOADS, "contention", "tenants", "issue_a", "issue_b")
 VLLM_GAP_RATIO = 0.7
 VLLM_TPS_RATIO = 0.98
+SPECULATIVE_WIDTHS = tuple(range(2, 9))  # --speculation's catalog widths
+SPEC_FIXED_WIDTHS = (2, 4)  # --speculation: the fixed-width baseline at each
+SPEC_RULES = ("table", "global-adaptive")  # --speculation: the width-rule baselines
 
 
-def workload(name: str, capacity_req_per_s: float, quick: bool):
-    """The arrivals of ``name`` (fixed request counts; ``quick`` shrinks them)."""
+def workload(name: str, capacity_req_per_s: float, quick: bool, acceptance: str | None = None):
+    """The arrivals of ``name`` (fixed request counts; ``quick`` shrinks them),
+    labelled with ``acceptance`` (see ``assign_acceptance``) when given."""
+    arrivals = _workload(name, capacity_req_per_s, quick)
+    if acceptance is not None:
+        arrivals = assign_acceptance(arrivals, acceptance, seed=0)
+    return arrivals
+
+
+def _workload(name: str, capacity_req_per_s: float, quick: bool):
     scale = 4 if quick else 1
     if name == "burst":
         return burst(requests=64 // scale)
@@ -93,23 +116,38 @@ def workload(name: str, capacity_req_per_s: float, quick: bool):
     raise ValueError(f"unknown workload {name!r}")
 
 
-def capacity(flare: RunConfig, quick: bool = False) -> tuple[float, dict]:
+def capacity(
+    flare: RunConfig, quick: bool = False, acceptance: str | None = None
+) -> tuple[float, dict]:
     """Capacity in requests/s: flare's output tokens/s on the burst over its mean output."""
-    arrivals = workload("burst", 1.0, quick)
+    arrivals = workload("burst", 1.0, quick, acceptance)
     report, _ = simulate(flare, arrivals)
     mean_output = sum(a.spec.max_output_tokens for a in arrivals) / len(arrivals)
     return report["output_tokens_per_s"] / mean_output, report
 
 
-def _run(job: tuple[RunConfig, str, float, bool]) -> dict:
-    cfg, name, capacity, quick = job
-    report, _ = simulate(cfg, workload(name, capacity, quick))
+def _run(job: tuple[RunConfig, str, float, bool, str | None]) -> dict:
+    cfg, name, capacity, quick, acceptance = job
+    report, _ = simulate(cfg, workload(name, capacity, quick, acceptance))
     return report
 
 
-def configs(base: RunConfig, profile: str) -> dict[str, RunConfig]:
+def configs(
+    base: RunConfig,
+    profile: str,
+    spec_fixed_widths: tuple[int, ...] = SPEC_FIXED_WIDTHS,
+) -> dict[str, RunConfig]:
+    """Every scheduler's run; with speculative widths in ``base``'s catalog also
+    the speculative baselines (``spec-w<W>`` for each of ``spec_fixed_widths``,
+    then :data:`SPEC_RULES`)."""
     out = {"flare": replace(base, profile=profile, scheduler="flare")}
     out.update({b: replace(base, profile=profile, scheduler=b) for b in BASELINES})
+    if base.speculative_widths:
+        for w in spec_fixed_widths:
+            out[f"spec-w{w}"] = replace(
+                base, profile=profile, scheduler="fixed-width", fixed_speculative_width=w
+            )
+        out.update({b: replace(base, profile=profile, scheduler=b) for b in SPEC_RULES})
     out["flare-nomixed"] = replace(base, profile=profile, scheduler="flare", mixed_prefill=False)
     out["flare-warm"] = replace(base, profile=profile, scheduler="flare", warm=True)
     return out
@@ -123,8 +161,10 @@ def dominated(mine: dict, other: dict) -> bool:
 
 
 def goals(results: dict[str, dict]) -> dict:
+    """Flare against every baseline in ``results`` (the references excluded)."""
     flare, vllm = results["flare"], results["vllm"]
-    by = [b for b in BASELINES if dominated(flare, results[b])]
+    rivals = [s for s in results if s != "flare" and s not in REFERENCES]
+    by = [b for b in rivals if dominated(flare, results[b])]
     return {
         "pareto_ok": not by,
         "dominated_by": by,
@@ -155,7 +195,8 @@ COLUMNS = (
 
 def print_table(title: str, results: dict[str, dict]) -> None:
     print(f"\n## {title}")
-    header = f"{'scheduler':<14}" + "".join(f"{name:>10}" for name, _, _ in COLUMNS)
+    first = max(14, 1 + max(map(len, results), default=0))
+    header = f"{'scheduler':<{first}}" + "".join(f"{name:>10}" for name, _, _ in COLUMNS)
     print(header)
     print("-" * len(header))
     for scheduler, report in results.items():
@@ -163,7 +204,7 @@ def print_table(title: str, results: dict[str, dict]) -> None:
         for _, key, fmt in COLUMNS:
             value = report.get(key)
             cells.append(f"{'-' if value is None else fmt.format(value):>10}")
-        print(f"{scheduler:<14}" + "".join(cells))
+        print(f"{scheduler:<{first}}" + "".join(cells))
     tenants = results["flare"].get("tenant_slowdown_mean")
     if tenants:
         print("mean slowdown per tenant: " + "; ".join(
@@ -182,17 +223,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tpot-slo-ms", type=float, default=DEFAULT_TPOT_SLO_MS)
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     p.add_argument("--quick", action="store_true", help="small request counts (a smoke run)")
+    p.add_argument(
+        "--speculation",
+        action="store_true",
+        help="speculative programs in the catalogs, acceptance-labelled requests, "
+        "speculative baselines",
+    )
+    p.add_argument(
+        "--speculative-widths",
+        default=",".join(map(str, SPECULATIVE_WIDTHS)),
+        help="--speculation: catalog widths W (D = W - 1)",
+    )
+    p.add_argument(
+        "--spec-fixed-widths",
+        default=",".join(map(str, SPEC_FIXED_WIDTHS)),
+        help="--speculation: widths of the fixed-width baseline runs (spec-w<W>)",
+    )
+    p.add_argument(
+        "--acceptance",
+        choices=list(ACCEPTANCE_CHOICES),
+        default="mixed",
+        help="--speculation: the requests' acceptance profile",
+    )
     args = p.parse_args(argv)
     profiles = [x for x in args.profiles.split(",") if x]
     names = [x for x in args.workloads.split(",") if x]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown:
         p.error(f"--workloads: unknown {unknown}; choose from {list(WORKLOADS)}")
+    try:
+        spec_widths = tuple(int(x) for x in args.speculative_widths.split(",") if x)
+        fixed_widths = tuple(int(x) for x in args.spec_fixed_widths.split(",") if x)
+    except ValueError:
+        p.error("--speculative-widths and --spec-fixed-widths take comma-separated integers")
+    if args.speculation and (not spec_widths or min(spec_widths + fixed_widths, default=1) < 1):
+        p.error("--speculation needs widths >= 1")
+    acceptance = args.acceptance if args.speculation else None
     base = RunConfig(
         mixed_prefill=not args.no_mixed_prefill,
         max_slots=args.max_slots,
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
+        speculative_widths=spec_widths if args.speculation else (),
     )
     out: dict = {"settings": {}, "capacity_req_per_s": {}, "profiles": {}, "goals": {}}
     out["settings"] = {
@@ -203,16 +275,23 @@ def main(argv: list[str] | None = None) -> int:
         "tpot_slo_ms": base.tpot_slo_ms,
         "quick": args.quick,
     }
+    if args.speculation:
+        out["settings"].update(
+            speculation=True,
+            speculative_widths=list(spec_widths),
+            spec_fixed_widths=list(fixed_widths),
+            acceptance=acceptance,
+        )
     misses = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         for profile in profiles:
-            cfgs = configs(base, profile)
+            cfgs = configs(base, profile, fixed_widths)
             # Capacity first: flare's output tokens/s on the burst.
-            cap, burst_report = capacity(cfgs["flare"], args.quick)
+            cap, burst_report = capacity(cfgs["flare"], args.quick, acceptance)
             out["capacity_req_per_s"][profile] = round(cap, 3)
             per_profile: dict = {}
             jobs = {
-                (name, s): (cfg, name, cap, args.quick)
+                (name, s): (cfg, name, cap, args.quick, acceptance)
                 for name in names
                 for s, cfg in cfgs.items()
                 if not (name == "burst" and s == "flare")
@@ -243,7 +322,10 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 for name, results in per_profile.items()
             }
-    print("\n## goals (flare with mixed programs, balanced preset)")
+    title = "flare with mixed programs, balanced preset"
+    if args.speculation:
+        title += ", adaptive speculation"
+    print(f"\n## goals ({title})")
     print(
         f"{'profile / workload':<38}{'pareto':>8}{'TTFT/vllm':>11}{'gap/vllm':>10}{'tok/vllm':>10}"
     )

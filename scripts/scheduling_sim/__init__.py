@@ -7,16 +7,21 @@
 from scripts.scheduling_sim.catalogs import (
     PROFILES,
     AdditiveProfile,
+    CopyProposerProfile,
     CostProfile,
     RooflineProfile,
     build_catalog,
+    profile_for,
 )
 from scripts.scheduling_sim.engine import RequestStats, Simulation, solo_latency_ns
 from scripts.scheduling_sim.workload import (
+    ACCEPTANCE,
+    AcceptanceProfile,
     Arrival,
     LogNormal,
     Uniform,
     WorkloadConfig,
+    assign_acceptance,
     burst,
     chat,
     long_prompt_contention,
@@ -25,9 +30,12 @@ from scripts.scheduling_sim.workload import (
 )
 
 __all__ = [
+    "ACCEPTANCE",
     "PROFILES",
+    "AcceptanceProfile",
     "AdditiveProfile",
     "Arrival",
+    "CopyProposerProfile",
     "CostProfile",
     "LogNormal",
     "RequestStats",
@@ -35,11 +43,13 @@ __all__ = [
     "Simulation",
     "Uniform",
     "WorkloadConfig",
+    "assign_acceptance",
     "build_catalog",
     "burst",
     "chat",
     "long_prompt_contention",
     "make_workload",
+    "profile_for",
     "solo_latency_ns",
     "two_tenants",
 ]

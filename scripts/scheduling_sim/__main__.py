@@ -1,6 +1,17 @@
 """Command line: ``python -m scripts.scheduling_sim [options]``.
 
 Prints a readable report; the last line is one JSON object with every figure.
+
+Speculation: ``--speculative-widths 2,4,8`` adds rectangular speculative
+programs (D = W - 1) at every decode batch; ``--acceptance`` labels the
+requests (high 0.9, low 0.1, drifting 0.9 -> 0.1 per draft; mixed: one third
+each); ``--proposer copy`` makes the programs cost no draft passes;
+``--fixed-speculative-width W`` fixes flare's width (0: adaptive) or sets the
+``fixed-width`` baseline's.  E.g.
+
+    python -m scripts.scheduling_sim --requests 48 --output-len 256 \
+        --speculative-widths 2,4,8 --acceptance mixed
+    python -m scripts.scheduling_sim --scheduler table --speculative-widths 2,4
 """
 
 from __future__ import annotations
@@ -9,10 +20,22 @@ import argparse
 import json
 import sys
 
-from scripts.scheduling_sim.catalogs import PROFILES
+from scripts.scheduling_sim.catalogs import PROFILES, PROPOSERS
 from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
-from scripts.scheduling_sim.runner import PREFILL_BUCKETS, SCHEDULERS, RunConfig, simulate
-from scripts.scheduling_sim.workload import Arrival, WorkloadConfig, make_workload
+from scripts.scheduling_sim.runner import (
+    PREFILL_BUCKETS,
+    SCHEDULERS,
+    SPECULATIVE_SCHEDULERS,
+    RunConfig,
+    simulate,
+)
+from scripts.scheduling_sim.workload import (
+    ACCEPTANCE_CHOICES,
+    DEFAULT_ACCEPTANCE,
+    Arrival,
+    WorkloadConfig,
+    make_workload,
+)
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -42,9 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", choices=sorted(PROFILES), default="llama1b-h100")
     p.add_argument(
         "--scheduler",
-        choices=list(SCHEDULERS),
+        choices=[*SCHEDULERS, *SPECULATIVE_SCHEDULERS],
         default="flare",
-        help="the production scheduler, or a baseline over the same catalog and slots",
+        help="the production scheduler, or a baseline over the same catalog and slots "
+        "(fixed-width, table, global-adaptive: speculative decoding rules)",
     )
     p.add_argument(
         "--mixed-prefill",
@@ -80,6 +104,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="default: powers of two through the padded --max-slots, as the ranks capture",
     )
+    p.add_argument(
+        "--speculative-widths",
+        type=_ints,
+        default=(),
+        help="widths W of the speculative programs (D = W - 1), e.g. 2,4,8 (default: none)",
+    )
+    p.add_argument(
+        "--proposer",
+        choices=list(PROPOSERS),
+        default="draft",
+        help="proposal source: draft (learned, D draft passes) or copy (no draft cost)",
+    )
+    p.add_argument(
+        "--acceptance",
+        choices=list(ACCEPTANCE_CHOICES),
+        default=DEFAULT_ACCEPTANCE,
+        help="per-draft acceptance: high 0.9, low 0.1, drifting 0.9 -> 0.1 along the "
+        "output, mixed one third each",
+    )
+    p.add_argument(
+        "--fixed-speculative-width",
+        type=int,
+        default=0,
+        help="flare: 0 adaptive, W fixed width (1: ordinary decode); the fixed-width "
+        "baseline's width",
+    )
     p.add_argument("--max-slots", type=int, default=64)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--jitter", type=float, default=0.0, help="uniform relative cost noise")
@@ -98,6 +148,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-num-batched-tokens must be >= 1")
     if args.enable_mixed_chunk and args.scheduler != "sglang":
         p.error("--enable-mixed-chunk is an sglang option")
+    if any(w < 1 for w in args.speculative_widths):
+        p.error("--speculative-widths must be >= 1")
+    if not 0 <= args.fixed_speculative_width <= 64:
+        p.error("--fixed-speculative-width must lie in 0..64")
+    if args.scheduler == "fixed-width" and args.fixed_speculative_width < 1:
+        p.error("--scheduler fixed-width needs --fixed-speculative-width >= 1")
+    if args.fixed_speculative_width and args.scheduler not in ("flare", "fixed-width"):
+        p.error("--fixed-speculative-width applies to flare and fixed-width")
     return args
 
 
@@ -118,6 +176,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         jitter=args.jitter,
         seed=args.seed,
         max_seconds=args.max_seconds,
+        speculative_widths=args.speculative_widths,
+        proposer=args.proposer,
+        fixed_speculative_width=args.fixed_speculative_width,
     )
 
 
@@ -130,6 +191,7 @@ def workload_from_args(args: argparse.Namespace) -> list[Arrival]:
             output_len=args.output_len,
             messages=args.messages,
             seed=args.seed,
+            acceptance=args.acceptance,
         )
     )
 

@@ -34,7 +34,7 @@ Constants (H100 SXM, bf16):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import mixed_shapes
@@ -218,8 +218,33 @@ class RooflineProfile:
         return round(self.duration_ms(desc) * 1e6)
 
 
+@dataclass(frozen=True)
+class CopyProposerProfile:
+    """``base`` with copy proposals: a speculative program's D bounds a prefix
+    copied from the context (spec, "Speculative graph coverage"), so it runs no
+    draft passes.  A speculative shape costs what ``base`` charges for the same
+    shape with ``proposal_depth`` 0 (verification only); every other shape, and
+    every number of ``base``, is unchanged."""
+
+    base: AdditiveProfile | RooflineProfile
+
+    @property
+    def name(self) -> str:
+        return f"{self.base.name}+copy"
+
+    def duration_ms(self, desc: GraphDescriptor) -> float:
+        if desc.kind is GraphKind.SPECULATIVE and desc.proposal_depth:
+            desc = replace(desc, proposal_depth=0, device_allocated=False)
+        return self.base.duration_ms(desc)
+
+    def duration_ns(self, desc: GraphDescriptor) -> int:
+        return round(self.duration_ms(desc) * 1e6)
+
+
 # Either family; both price any valid descriptor.
-CostProfile = AdditiveProfile | RooflineProfile
+CostProfile = AdditiveProfile | RooflineProfile | CopyProposerProfile
+
+PROPOSERS = ("draft", "copy")
 
 PROFILES: dict[str, CostProfile] = {
     # Llama-3.2-1B: 1.24e9 parameters, 16 layers, 32 query heads, 8 KV heads, head_dim 64.
@@ -234,6 +259,19 @@ PROFILES: dict[str, CostProfile] = {
 }
 
 
+def profile_for(name: str, proposer: str = "draft") -> CostProfile:
+    """The cost profile ``name`` of :data:`PROFILES` for a proposal source:
+    ``draft`` (learned proposals: the profile as it is) or ``copy``
+    (:class:`CopyProposerProfile`: no draft passes).  The catalog's shapes are
+    the same for both; only the cost of a speculative program differs."""
+    if name not in PROFILES:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {name!r}")
+    if proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {list(PROPOSERS)}, got {proposer!r}")
+    base = PROFILES[name]
+    return base if proposer == "draft" else CopyProposerProfile(base)
+
+
 def build_catalog(
     prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096),
     decode_batches: Sequence[int] = (1, 2, 4, 8, 16),
@@ -242,7 +280,13 @@ def build_catalog(
 ) -> list[GraphDescriptor]:
     """Prefill buckets, power-of-two decode batches, rectangular speculative shapes,
     and (``mixed=True``) the joint mixed prefill/decode shapes of
-    :func:`runtime.ranks.capacity.mixed_shapes` over the same two ladders."""
+    :func:`runtime.ranks.capacity.mixed_shapes` over the same two ladders.
+
+    Speculative shapes: for every decode batch B and width W of
+    ``speculative_widths``, host-allocated ``SPECULATIVE`` with D = W - 1 and
+    P = B x W.  They serve learned and copy proposals alike (for copy
+    proposals D bounds the supplied prefix); the proposal source changes their
+    cost, not their shape: see :func:`profile_for`."""
     out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in prefill_buckets]
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in decode_batches]
     for b in decode_batches:

@@ -13,6 +13,24 @@ production scheduler has no tenants) with ``admit(spec)``.
 
 :func:`solo_latency_ns` is a request's end-to-end latency alone under the same
 costs, the denominator of the slowdown the metrics report.
+
+Speculative rounds.  A lane of a ``SPECULATIVE`` plan with query length q (its
+``max_tokens``) offers q - 1 draft tokens; the simulated ranks accept the
+leading run of them that succeed, each with probability p, the request's
+acceptance profile (``Arrival.acceptance``, :data:`~.workload.ACCEPTANCE`) at
+its current output position, and commit accepted + 1 tokens (the correction or
+bonus token), capped by q and by the request's remaining output.  Draft j
+(1-based) of a round starting at committed output k proposes output position
+k + j - 1, and every output position is proposed at most once, so the draws are
+kept per position: position t of request i succeeds iff u_i[t] < p, where u_i is
+a stream of uniforms seeded by the simulation's seed and i's admission index.
+Runs are reproducible, and a request meets the same draws under every
+scheduler (common random numbers), whatever widths those choose.  Ordinary
+lanes (decode, prefill) commit ``max_tokens`` as before.  Per request,
+:class:`RequestStats` counts the rounds, offered and accepted drafts.
+
+Device-allocated speculative programs (completed with a confidence sidecar)
+are not simulated: the catalogs here are host-allocated.
 """
 
 from __future__ import annotations
@@ -23,8 +41,14 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from runtime.catalog import PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
-from runtime.coordinator import CompletionRecord, ExecutionTiming, RequestHandle, RequestSpec
-from scripts.scheduling_sim.workload import Arrival
+from runtime.coordinator import (
+    CompletionRecord,
+    ExecutionTiming,
+    LanePhase,
+    RequestHandle,
+    RequestSpec,
+)
+from scripts.scheduling_sim.workload import ACCEPTANCE, DEFAULT_ACCEPTANCE, Arrival
 
 
 @dataclass
@@ -37,6 +61,11 @@ class RequestStats:
     output_tokens: int = 0
     finished_ns: int | None = None
     tenant: int = 0
+    acceptance: str = DEFAULT_ACCEPTANCE  # a name of ACCEPTANCE
+    spec_rounds: int = 0  # speculative rounds this request took part in
+    drafts_offered: int = 0  # draft tokens offered (q - 1 per round)
+    drafts_accepted: int = 0  # of those, accepted
+    spec_tokens: int = 0  # tokens committed by speculative rounds
 
     @property
     def ttft_ns(self) -> int | None:
@@ -175,8 +204,15 @@ class Simulation:
         self.requests: dict[int, RequestStats] = {}
         self.frames = 0
         self.frames_by_graph: dict[str, int] = {}
+        # Decode-only frames by width: 1 ordinary decode, W a speculative round.
+        self.rounds_by_width: dict[int, int] = {}
         self.trace: list[dict] = []
         self.busy_ns = 0
+        self.seed = seed
+        self._admitted = 0
+        # Per request (by handle id): the acceptance uniforms of its output
+        # positions, drawn in order from its own seeded stream.
+        self._accept_streams: dict[int, tuple[random.Random, list[float]]] = {}
 
     # -- driving ---------------------------------------------------------------
     @property
@@ -194,13 +230,22 @@ class Simulation:
                 handle = self.scheduler.admit(arrival.spec, tenant=arrival.tenant)
             else:
                 handle = self.scheduler.admit(arrival.spec)
+            acceptance = arrival.acceptance or DEFAULT_ACCEPTANCE
+            if acceptance not in ACCEPTANCE:
+                raise ValueError(
+                    f"acceptance must be one of {sorted(ACCEPTANCE)}, got {acceptance!r}"
+                )
             self.requests[handle.id] = RequestStats(
                 handle,
                 arrival.at_ns,
                 arrival.spec.prompt_len,
                 arrival.spec.max_output_tokens,
                 tenant=arrival.tenant,
+                acceptance=acceptance,
             )
+            stream = random.Random(f"accept:{self.seed}:{self._admitted}")
+            self._accept_streams[handle.id] = (stream, [])
+            self._admitted += 1
 
     def solo_ns(self, stats: RequestStats) -> int:
         """:func:`solo_latency_ns` of a request of this simulation, under its costs
@@ -235,6 +280,9 @@ class Simulation:
             )
             name = plan.graph.describe()
             self.frames_by_graph[name] = self.frames_by_graph.get(name, 0) + 1
+            if plan.graph.kind in (GraphKind.DECODE, GraphKind.SPECULATIVE):
+                width = plan.graph.token_capacity
+                self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
 
     def step(self) -> bool:
         """Dispatch what the scheduler wants, then advance to the next event."""
@@ -259,11 +307,49 @@ class Simulation:
         self.scheduler.advance_to(self.now_ns)
         self._complete(frame)
 
+    def _uniform(self, request_id: int, position: int) -> float:
+        stream, drawn = self._accept_streams[request_id]
+        while len(drawn) <= position:
+            drawn.append(stream.random())
+        return drawn[position]
+
+    def accepted_drafts(self, stats: RequestStats, offered: int) -> int:
+        """How many of ``offered`` drafts from ``stats``'s current output position
+        the ranks accept: the leading successes (see the module docstring)."""
+        k = stats.output_tokens
+        p = ACCEPTANCE[stats.acceptance].probability(k, stats.output_target)
+        accepted = 0
+        while accepted < offered and self._uniform(stats.handle.id, k + accepted) < p:
+            accepted += 1
+        return accepted
+
+    def _speculative_tokens(self, lane) -> int:
+        """Tokens a speculative lane of query length ``lane.max_tokens`` commits."""
+        stats = self.requests[lane.handle.id]
+        q = lane.max_tokens
+        accepted = self.accepted_drafts(stats, q - 1)
+        stats.spec_rounds += 1
+        stats.drafts_offered += q - 1
+        stats.drafts_accepted += accepted
+        remaining = max(1, stats.output_target - stats.output_tokens)
+        count = min(accepted + 1, q, remaining)
+        stats.spec_tokens += count
+        return count
+
     def _complete(self, frame: InFlight) -> None:
         plan = frame.plan
+        speculative = plan.graph.kind is GraphKind.SPECULATIVE
+        if speculative and getattr(plan.graph, "device_allocated", False):
+            raise NotImplementedError(
+                "device-allocated speculative programs complete with a confidence sidecar; "
+                "the simulator runs host-allocated programs only"
+            )
         records = []
         for lane in plan.lanes:
-            tokens = tuple(self.rng.randrange(32000) for _ in range(lane.max_tokens))
+            count = lane.max_tokens
+            if speculative and lane.phase is LanePhase.DECODE and count > 0:
+                count = self._speculative_tokens(lane)
+            tokens = tuple(self.rng.randrange(32000) for _ in range(count))
             records.append(CompletionRecord(lane.slot, lane.generation, tokens))
         ranks = [frame.device_ns] * self.tp
         if self.tp > 1 and self.slow_rank_factor != 1.0:

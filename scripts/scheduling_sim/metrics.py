@@ -12,6 +12,9 @@
   residence time, does not mix request size into fairness.
 * With several tenants: each tenant's mean slowdown, Jain's index over those
   means, and each tenant's TTFT p99.
+* Speculation (:func:`speculation_summary`; when a speculative round ran, or
+  when asked): request-rounds, the share of offered drafts accepted, mean
+  tokens per request-round, decode frames per width, and per acceptance profile.
 """
 
 from __future__ import annotations
@@ -62,13 +65,53 @@ def _ttfts_ms(stats: list[RequestStats]) -> list[float]:
     return [s.ttft_ns / 1e6 for s in stats if s.ttft_ns is not None]
 
 
+def _acceptance_figures(stats: list[RequestStats]) -> dict:
+    rounds = sum(s.spec_rounds for s in stats)
+    offered = sum(s.drafts_offered for s in stats)
+    accepted = sum(s.drafts_accepted for s in stats)
+    tokens = sum(s.spec_tokens for s in stats)
+    return {
+        "requests": len(stats),
+        "rounds": rounds,
+        "drafts_offered": offered,
+        "drafts_accepted": accepted,
+        "acceptance_rate": round(accepted / offered, 4) if offered else None,
+        "tokens_per_round": round(tokens / rounds, 3) if rounds else None,
+    }
+
+
+def speculation_summary(sim: Simulation) -> dict:
+    """Speculative figures of ``sim``: ``speculative_rounds`` (request-rounds),
+    ``draft_acceptance`` (accepted / offered drafts), ``tokens_per_round`` (mean
+    tokens a request commits per speculative round), ``rounds_by_width``
+    (decode-only frames per width, 1 = ordinary decode) and
+    ``acceptance_by_profile`` (the same counts per acceptance profile)."""
+    stats = list(sim.requests.values())
+    overall = _acceptance_figures(stats)
+    profiles = sorted({s.acceptance for s in stats})
+    return {
+        "speculative_rounds": overall["rounds"],
+        "draft_acceptance": overall["acceptance_rate"],
+        "tokens_per_round": overall["tokens_per_round"],
+        "rounds_by_width": {
+            str(w): n for w, n in sorted(getattr(sim, "rounds_by_width", {}).items())
+        },
+        "acceptance_by_profile": {
+            p: _acceptance_figures([s for s in stats if s.acceptance == p]) for p in profiles
+        },
+    }
+
+
 def summarize(
     sim: Simulation,
     *,
     ttft_slo_ms: float = DEFAULT_TTFT_SLO_MS,
     tpot_slo_ms: float = DEFAULT_TPOT_SLO_MS,
     solo_ns: Callable[[RequestStats], int] | None = None,
+    speculation: bool | None = None,
 ) -> dict:
+    """``speculation``: include :func:`speculation_summary` (None: when any
+    speculative round ran)."""
     stats = list(sim.requests.values())
     ttfts = _ttfts_ms(stats)
     gaps = [g / 1e6 for s in stats for g in s.gaps_ns()]
@@ -126,5 +169,9 @@ def summarize(
         else:
             report["tenant_slowdown_mean"] = None
             report["fairness_jain_tenants"] = None
+    if speculation is None:
+        speculation = any(getattr(s, "spec_rounds", 0) for s in stats)
+    if speculation:
+        report.update(speculation_summary(sim))
     report["frames_by_graph"] = dict(sorted(sim.frames_by_graph.items()))
     return report

@@ -10,6 +10,12 @@ schedulers the same way.
 * ``flare`` is the production :class:`~runtime.coordinator.Scheduler`; every
   other name is a baseline of :mod:`scripts.scheduling_sim.baselines` over the
   same catalog and slot count.
+* Speculation: ``speculative_widths`` adds rectangular ``SPECULATIVE`` shapes
+  (D = W - 1) at every decode batch; ``proposer`` picks the proposal source
+  (``copy``: the shapes cost no draft passes, :func:`~.catalogs.profile_for`,
+  and flare tracks copy acceptance); ``fixed_speculative_width`` is flare's
+  ``SchedulerConfig.fixed_speculative_width`` (0 adaptive) and the width of the
+  ``fixed-width`` baseline.
 """
 
 from __future__ import annotations
@@ -21,13 +27,19 @@ from typing import Any
 from runtime.catalog import GraphDescriptor
 from runtime.coordinator import PolicyConfig, Scheduler, SchedulerConfig
 from runtime.ranks.capacity import padded_concurrency
-from scripts.scheduling_sim.baselines import BASELINE_NAMES, make_baseline
-from scripts.scheduling_sim.catalogs import PROFILES, build_catalog
+from scripts.scheduling_sim.baselines import (
+    BASELINE_NAMES,
+    SPECULATIVE_BASELINE_NAMES,
+    make_baseline,
+)
+from scripts.scheduling_sim.catalogs import PROFILES, PROPOSERS, build_catalog, profile_for
 from scripts.scheduling_sim.engine import Simulation
 from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS, summarize
 from scripts.scheduling_sim.workload import Arrival
 
 SCHEDULERS = ("flare", *BASELINE_NAMES)
+# Baselines that speculate (they need speculative widths in the catalog to).
+SPECULATIVE_SCHEDULERS = SPECULATIVE_BASELINE_NAMES
 PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -57,23 +69,57 @@ class RunConfig:
     # flare only: every graph's cost observed once at t = 0, as if a warm-up run
     # had measured the catalog (a reference; the goals use the cold start).
     warm: bool = False
+    speculative_widths: tuple[int, ...] = ()  # W of the SPECULATIVE shapes (D = W - 1)
+    proposer: str = "draft"  # "draft" or "copy"
+    fixed_speculative_width: int = 0  # flare: 0 adaptive; fixed-width baseline: its W
 
     def __post_init__(self) -> None:
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {list(SCHEDULERS)}, got {self.scheduler!r}")
+        known = (*SCHEDULERS, *SPECULATIVE_SCHEDULERS)
+        if self.scheduler not in known:
+            raise ValueError(f"scheduler must be one of {list(known)}, got {self.scheduler!r}")
         if self.profile not in PROFILES:
             raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {self.profile!r}")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {list(PROPOSERS)}, got {self.proposer!r}")
+        object.__setattr__(self, "speculative_widths", tuple(self.speculative_widths))
+        bad = [w for w in self.speculative_widths if isinstance(w, bool) or not isinstance(w, int)]
+        if bad or any(w < 1 for w in self.speculative_widths):
+            raise ValueError(
+                f"speculative_widths must be integers >= 1, got {self.speculative_widths}"
+            )
+        width = self.fixed_speculative_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 0:
+            raise ValueError(f"fixed_speculative_width must be an integer >= 0, got {width!r}")
+        if self.scheduler == "fixed-width" and width < 1:
+            raise ValueError("the fixed-width baseline needs fixed_speculative_width >= 1")
+        if width and self.scheduler not in ("flare", "fixed-width"):
+            raise ValueError(
+                f"fixed_speculative_width applies to flare and fixed-width, not {self.scheduler}"
+            )
 
     def catalog(self) -> list[GraphDescriptor]:
         batches = self.decode_batches or decode_batches_for(self.max_slots)
-        return build_catalog(self.prefill_buckets, batches, mixed=self.mixed_prefill)
+        return build_catalog(
+            self.prefill_buckets,
+            batches,
+            speculative_widths=self.speculative_widths,
+            mixed=self.mixed_prefill,
+        )
+
+    def duration_ns(self, desc: GraphDescriptor) -> int:
+        """The cost of ``desc`` under ``profile`` for ``proposer``."""
+        return profile_for(self.profile, self.proposer).duration_ns(desc)
 
 
 def make_scheduler(cfg: RunConfig, catalog: Sequence[GraphDescriptor]):
     if cfg.scheduler == "flare":
         return Scheduler(
             list(catalog),
-            SchedulerConfig(max_slots=cfg.max_slots),
+            SchedulerConfig(
+                max_slots=cfg.max_slots,
+                fixed_speculative_width=cfg.fixed_speculative_width,
+                proposer=cfg.proposer,
+            ),
             PolicyConfig.preset(cfg.policy),
         )
     return make_baseline(
@@ -82,6 +128,7 @@ def make_scheduler(cfg: RunConfig, catalog: Sequence[GraphDescriptor]):
         max_slots=cfg.max_slots,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         enable_mixed_chunk=cfg.enable_mixed_chunk,
+        speculative_width=cfg.fixed_speculative_width,
     )
 
 
@@ -95,15 +142,15 @@ def simulate(
     """
     catalog = cfg.catalog()
     scheduler = make_scheduler(cfg, catalog)
+    duration_ns = profile_for(cfg.profile, cfg.proposer).duration_ns
     if cfg.warm:
         if cfg.scheduler != "flare":
             raise ValueError("warm applies to flare: the baselines keep no cost estimates")
-        duration = PROFILES[cfg.profile].duration_ns
         for desc in catalog:
-            scheduler.catalog.observe(desc, duration(desc), 0)
+            scheduler.catalog.observe(desc, duration_ns(desc), 0)
     sim = Simulation(
         scheduler if wrap is None else wrap(scheduler),
-        PROFILES[cfg.profile].duration_ns,
+        duration_ns,
         arrivals,
         tp=cfg.tp,
         jitter=cfg.jitter,
@@ -111,7 +158,12 @@ def simulate(
         catalog=catalog,
     )
     sim.run(until_ns=int(cfg.max_seconds * 1e9))
-    report = summarize(sim, ttft_slo_ms=cfg.ttft_slo_ms, tpot_slo_ms=cfg.tpot_slo_ms)
+    report = summarize(
+        sim,
+        ttft_slo_ms=cfg.ttft_slo_ms,
+        tpot_slo_ms=cfg.tpot_slo_ms,
+        speculation=True if cfg.speculative_widths else None,
+    )
     report.update(
         scheduler=cfg.scheduler,
         policy=cfg.policy,
@@ -119,4 +171,10 @@ def simulate(
         mixed_prefill=cfg.mixed_prefill,
         seed=cfg.seed,
     )
+    if cfg.speculative_widths:
+        report.update(
+            speculative_widths=list(cfg.speculative_widths),
+            proposer=cfg.proposer,
+            fixed_speculative_width=cfg.fixed_speculative_width,
+        )
     return report, sim

@@ -19,6 +19,12 @@ Two ways to build one:
   whose defaults are documented on the fields; the builders also accept the
   fields as keyword arguments.
 
+Speculative acceptance: an :class:`Arrival` may name an acceptance profile
+(:data:`ACCEPTANCE`: ``high``, ``low``, ``drifting``), the probability that the
+simulated ranks accept each offered draft token; :func:`assign_acceptance`
+labels a workload (``mixed``: one third each).  Unlabelled arrivals use
+:data:`DEFAULT_ACCEPTANCE` in the simulator.
+
 Chat-shaped lengths (:data:`CHAT_PROMPT`, :data:`CHAT_OUTPUT`) follow the shape
 of public chat traces (ShareGPT): log-normal, prompt median 200 tokens with a
 long tail, output median 200 with a lighter one.  See the constants.
@@ -38,6 +44,65 @@ class Arrival:
     at_ns: int
     spec: RequestSpec
     tenant: int = 0
+    acceptance: str | None = None  # a name of ACCEPTANCE; None: DEFAULT_ACCEPTANCE
+
+
+# -- speculative acceptance -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AcceptanceProfile:
+    """Per-draft acceptance probability along a request's output.
+
+    ``first`` at the first output token (position 0), changing linearly to
+    ``last`` at the last (position ``output_len - 1``); a one-token output
+    uses ``first``.
+    """
+
+    name: str
+    first: float
+    last: float
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.first <= 1.0 and 0.0 <= self.last <= 1.0):
+            raise ValueError(f"acceptance probabilities must lie in [0, 1], got {self}")
+
+    def probability(self, position: int, output_len: int) -> float:
+        if output_len <= 1 or self.first == self.last:
+            return self.first
+        frac = min(1.0, max(0.0, position / (output_len - 1)))
+        return self.first + (self.last - self.first) * frac
+
+
+ACCEPTANCE: dict[str, AcceptanceProfile] = {
+    "high": AcceptanceProfile("high", 0.9, 0.9),
+    "low": AcceptanceProfile("low", 0.1, 0.1),
+    "drifting": AcceptanceProfile("drifting", 0.9, 0.1),
+}
+# What a workload can ask for: a profile for every request, or "mixed".
+ACCEPTANCE_CHOICES = (*ACCEPTANCE, "mixed")
+DEFAULT_ACCEPTANCE = "high"
+
+
+def assign_acceptance(arrivals: list[Arrival], acceptance: str, seed: int = 0) -> list[Arrival]:
+    """``arrivals`` labelled with an acceptance profile.
+
+    A profile name labels every request.  ``mixed`` gives one third each of
+    ``high``, ``low`` and ``drifting`` (exactly, up to the remainder of n / 3,
+    which goes to the profiles in that order) in an order shuffled by its own
+    generator seeded with ``seed``, so the workload's other draws are untouched.
+    """
+    if acceptance not in ACCEPTANCE_CHOICES:
+        raise ValueError(
+            f"acceptance must be one of {list(ACCEPTANCE_CHOICES)}, got {acceptance!r}"
+        )
+    if acceptance != "mixed":
+        labels = [acceptance] * len(arrivals)
+    else:
+        names = list(ACCEPTANCE)
+        labels = [names[i % len(names)] for i in range(len(arrivals))]
+        random.Random(f"acceptance:{seed}").shuffle(labels)
+    return [replace(a, acceptance=label) for a, label in zip(arrivals, labels, strict=True)]
 
 
 # -- length distributions -------------------------------------------------------
@@ -118,6 +183,7 @@ class WorkloadConfig:
     messages: tuple[int, int] = (1, 1)  # message count per prompt (endpoints between)
     seed: int = 0
     tenant: int = 0
+    acceptance: str | None = None  # see assign_acceptance; None: unlabelled
 
 
 def make_workload(cfg: WorkloadConfig) -> list[Arrival]:
@@ -133,6 +199,8 @@ def make_workload(cfg: WorkloadConfig) -> list[Arrival]:
         endpoints = tuple(sorted(rng.sample(range(1, prompt), n_msgs - 1))) if n_msgs > 1 else ()
         spec = RequestSpec(prompt, output, message_endpoints=endpoints)
         out.append(Arrival(int(t_ns), spec, cfg.tenant))
+    if cfg.acceptance is not None:
+        out = assign_acceptance(out, cfg.acceptance, cfg.seed)
     return out
 
 

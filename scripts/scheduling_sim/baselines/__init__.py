@@ -12,13 +12,23 @@ and decides as a published system does:
 * ``sarathi`` (:mod:`.sarathi`): Sarathi-Serve stall-free batching, budget 512;
 * ``vtc`` (:mod:`.vtc`): the Virtual Token Counter fair scheduler on the vllm step.
 
+Speculative decoding (:mod:`.speculative`; :data:`SPECULATIVE_BASELINE_NAMES`),
+prefill-first continuous batching whose decode rounds run at a width chosen per
+step by a published rule:
+
+* ``fixed-width``: every round at ``speculative_width``;
+* ``table``: TensorRT-LLM ``draft_len_schedule`` style (W = 4 up to 4 running
+  requests, 2 up to 16, 1 beyond);
+* ``global-adaptive``: one width from a moving average of accepted length.
+
 All share (:mod:`._base`): at most ``max_slots`` (default 64, like flare) requests
 are resident; the rest wait FCFS.  One frame runs at a time (``plan()`` returns
 ``None`` while one is in flight).  Requests finish at ``spec.max_output_tokens``
 output tokens; the final prompt chunk commits the first.  Plans carry one
 ``LaneWork`` per row: ``PREFILL`` with ``prompt_start``/``prompt_tokens`` and
 ``max_tokens`` 1 iff the chunk ends the prompt (else 0), ``DECODE`` with
-``max_tokens`` 1; a plan may hold several ``PREFILL`` lanes.
+``max_tokens`` 1 (a speculative round of width W: min(W, output left), and the
+record commits 1..that many); a plan may hold several ``PREFILL`` lanes.
 
 Shapes.  Each step runs on the smallest prepared shape of the catalog that
 covers it:
@@ -40,7 +50,10 @@ profile prices any valid descriptor):
 * decode only, more rows than the largest decode batch: ``DECODE`` with B = the
   next power of two >= rows;
 * a single chunk beyond the largest prefill bucket: ``PREFILL`` with C = the
-  chunk rounded up to a multiple of 64.
+  chunk rounded up to a multiple of 64;
+* a speculative round of width W > 1: the smallest host-allocated rectangular
+  ``SPECULATIVE`` shape of width W with B >= rows, else one with B = the next
+  power of two and D = W - 1.
 
 ``scheduler.synthesized_frames`` counts committed frames on synthesized shapes.
 
@@ -62,10 +75,17 @@ from scripts.scheduling_sim.baselines._base import (
 from scripts.scheduling_sim.baselines.fcfs import FcfsScheduler
 from scripts.scheduling_sim.baselines.sarathi import SarathiScheduler
 from scripts.scheduling_sim.baselines.sglang import SglangScheduler
+from scripts.scheduling_sim.baselines.speculative import (
+    FixedWidthScheduler,
+    GlobalAdaptiveScheduler,
+    SpeculativeBaseline,
+    TableScheduler,
+)
 from scripts.scheduling_sim.baselines.vllm import VllmScheduler
 from scripts.scheduling_sim.baselines.vtc import VtcScheduler
 
 BASELINE_NAMES = ("fcfs", "vllm", "sglang", "sarathi", "vtc")
+SPECULATIVE_BASELINE_NAMES = ("fixed-width", "table", "global-adaptive")
 
 
 def make_baseline(
@@ -76,6 +96,7 @@ def make_baseline(
     max_num_batched_tokens: int | None = None,
     enable_mixed_chunk: bool = False,
     tenant_weights: Mapping[int, float] | None = None,
+    speculative_width: int = 0,
 ) -> BaselineScheduler:
     """The baseline ``name`` over ``catalog``.
 
@@ -83,11 +104,22 @@ def make_baseline(
     baseline's default (vllm and vtc 8192, sarathi 512, sglang's chunked prefill
     size 8192); fcfs has none.  ``enable_mixed_chunk`` is sglang's
     ``--enable-mixed-chunk``; ``tenant_weights`` are vtc's per-tenant weights.
+    ``speculative_width``: the width of ``fixed-width`` (required, >= 1); the
+    other baselines choose their own (0).  The speculative baselines take
+    ``max_num_batched_tokens`` as their chunked prefill size (default 8192).
     Unknown names and bad or inapplicable values raise ``ValueError`` naming the
     argument.
     """
-    if name not in BASELINE_NAMES:
-        raise ValueError(f"name must be one of {', '.join(BASELINE_NAMES)}; got {name!r}")
+    if name not in BASELINE_NAMES + SPECULATIVE_BASELINE_NAMES:
+        names = ", ".join(BASELINE_NAMES + SPECULATIVE_BASELINE_NAMES)
+        raise ValueError(f"name must be one of {names}; got {name!r}")
+    if isinstance(speculative_width, bool) or not isinstance(speculative_width, int):
+        raise ValueError(f"speculative_width must be an integer, got {speculative_width!r}")
+    if name == "fixed-width":
+        if speculative_width < 1:
+            raise ValueError(f"fixed-width needs speculative_width >= 1, got {speculative_width}")
+    elif speculative_width:
+        raise ValueError(f"speculative_width applies to fixed-width only, not {name}")
     if not isinstance(enable_mixed_chunk, bool):
         raise ValueError(f"enable_mixed_chunk must be a bool, got {enable_mixed_chunk!r}")
     if enable_mixed_chunk and name != "sglang":
@@ -99,6 +131,19 @@ def make_baseline(
     budget = (
         {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     )
+    if name in SPECULATIVE_BASELINE_NAMES:
+        chunk = (
+            {}
+            if max_num_batched_tokens is None
+            else {"chunked_prefill_size": max_num_batched_tokens}
+        )
+        if name == "fixed-width":
+            return FixedWidthScheduler(
+                catalog, width=speculative_width, max_slots=max_slots, **chunk
+            )
+        if name == "table":
+            return TableScheduler(catalog, max_slots=max_slots, **chunk)
+        return GlobalAdaptiveScheduler(catalog, max_slots=max_slots, **chunk)
     if name == "fcfs":
         return FcfsScheduler(catalog, max_slots=max_slots)
     if name == "vllm":
@@ -119,13 +164,18 @@ def make_baseline(
 
 __all__ = [
     "BASELINE_NAMES",
+    "SPECULATIVE_BASELINE_NAMES",
     "BaselineScheduler",
     "FcfsScheduler",
+    "FixedWidthScheduler",
+    "GlobalAdaptiveScheduler",
     "Request",
     "SarathiScheduler",
     "SglangScheduler",
     "ShapeLadder",
+    "SpeculativeBaseline",
     "StepRow",
+    "TableScheduler",
     "VllmScheduler",
     "VtcScheduler",
     "make_baseline",

@@ -6,7 +6,9 @@ current progress counters.  This module turns the rows into a
 :class:`~runtime.coordinator.ScheduledPlan` over the smallest covering shape
 (:class:`ShapeLadder`), makes newly scheduled requests resident at commit, and
 applies completions.  Frames run one at a time: ``plan()`` returns ``None`` while
-one is in flight, so progress counters are exact whenever a step is decided.
+one is in flight, so progress counters are exact whenever a step is decided.  A
+subclass that speculates also chooses the width of a decode-only step
+(:meth:`BaselineScheduler._decode_width`, 1 by default).
 """
 
 from __future__ import annotations
@@ -54,6 +56,12 @@ class ShapeLadder:
       synthesized ``MIXED`` with B = the next power of two >= max(2, rows) and C =
       the smallest catalog prompt bucket (``PREFILL`` or ``MIXED`` capacity) covering
       the step's prompt tokens, or their sum rounded up to 64 beyond the largest.
+
+    Speculative decode rounds (:meth:`select_round`): at width W > 1 the
+    smallest host-allocated rectangular ``SPECULATIVE`` shape (P = B x W) with
+    token capacity W and B >= rows (then the smallest D >= W - 1); beyond the
+    ladder a synthesized one with B = the next power of two and D = W - 1.
+    :attr:`widths` are the widths the catalog offers, 1 (ordinary decode) included.
     """
 
     def __init__(self, catalog: Sequence[GraphDescriptor]) -> None:
@@ -80,6 +88,19 @@ class ShapeLadder:
         self.prompt_buckets = sorted(
             {d.prompt_capacity for d in self.prefill} | {d.prompt_capacity for d in self.mixed}
         )
+        self.speculative: dict[int, list[GraphDescriptor]] = {}
+        for d in catalog:
+            if (
+                d.kind is GraphKind.SPECULATIVE
+                and d.token_capacity > 1
+                and d.target_capacity == d.batch_capacity * d.token_capacity
+                and d.proposal_depth >= d.token_capacity - 1
+                and not getattr(d, "device_allocated", False)
+            ):
+                self.speculative.setdefault(d.token_capacity, []).append(d)
+        for shapes in self.speculative.values():
+            shapes.sort(key=lambda d: (d.batch_capacity, d.proposal_depth))
+        self.widths: tuple[int, ...] = (1, *sorted(self.speculative))
         self._keys = {d.key for d in catalog}
 
     @property
@@ -89,6 +110,31 @@ class ShapeLadder:
     @property
     def largest_decode(self) -> int | None:
         return self.decode[-1].batch_capacity if self.decode else None
+
+    @property
+    def max_width(self) -> int:
+        return self.widths[-1]
+
+    def width_at_most(self, width: int) -> int:
+        """The widest catalog width <= ``width`` (1, ordinary decode, at least)."""
+        return max(w for w in self.widths if w <= max(1, width))
+
+    def select_round(self, rows: int, width: int) -> GraphDescriptor:
+        """The shape for a decode-only step of ``rows`` requests at ``width``
+        (1: ordinary decode, :meth:`select`)."""
+        if width <= 1:
+            return self.select((), rows)
+        if rows < 1 or rows > MAX_BATCH_CAPACITY:
+            raise ValueError(f"a step has 1..{MAX_BATCH_CAPACITY} rows, got {rows}")
+        for d in self.speculative.get(width, ()):
+            if d.batch_capacity >= rows:
+                return d
+        return GraphDescriptor(
+            GraphKind.SPECULATIVE,
+            _next_power_of_two(rows),
+            token_capacity=width,
+            proposal_depth=width - 1,
+        )
 
     def in_catalog(self, desc: GraphDescriptor) -> bool:
         return desc.key in self._keys
@@ -237,6 +283,15 @@ class BaselineScheduler:
         """The rows of the next step, from the current counters (pure)."""
         raise NotImplementedError
 
+    def _decode_width(self, rows: int) -> int:
+        """The width W of a decode-only step of ``rows`` requests: 1 is ordinary
+        decode; W > 1 a speculative round on the smallest ``SPECULATIVE`` shape of
+        width W covering the rows (:meth:`ShapeLadder.select_round`), each lane
+        offered min(W, output left) target rows (host allocated, complete
+        prefixes shortened only by the output limit).  Called once per planned
+        decode-only step; baselines that do not speculate keep 1."""
+        return 1
+
     def _on_commit(self, rows: tuple[StepRow, ...]) -> None:
         """Hook: a step was committed (new requests are resident already)."""
 
@@ -272,6 +327,9 @@ class BaselineScheduler:
         rows = tuple(self._step())
         if not rows:
             return None
+        width = 1
+        if all(row.decode for row in rows):
+            width = self.shapes.width_at_most(self._decode_width(len(rows)))
         new = [row.request for row in rows if row.request.slot is None]
         if len(self.running) + len(new) > self.max_slots:  # a policy bug, not a user error
             raise AssertionError(f"{self.name}: step exceeds max_slots={self.max_slots}")
@@ -284,7 +342,9 @@ class BaselineScheduler:
             if row.decode:
                 if r.prefilling:
                     raise AssertionError(f"{self.name}: decode row for a prefilling {r}")
-                phase, start, tokens, max_tokens = LanePhase.DECODE, r.prompt_done, 0, 1
+                left = r.spec.max_output_tokens - r.output
+                max_tokens = max(1, min(width, left))
+                phase, start, tokens = LanePhase.DECODE, r.prompt_done, 0
             else:
                 if not 0 < row.prompt_tokens <= r.remaining_prompt:
                     raise AssertionError(f"{self.name}: bad chunk {row.prompt_tokens} for {r}")
@@ -307,7 +367,10 @@ class BaselineScheduler:
                 )
             )
         chunks = [row.prompt_tokens for row in rows if not row.decode]
-        graph = self.shapes.select(chunks, len(rows) - len(chunks))
+        if width > 1:
+            graph = self.shapes.select_round(len(rows), width)
+        else:
+            graph = self.shapes.select(chunks, len(rows) - len(chunks))
         self._plan_ids += 1
         plan = ScheduledPlan(
             plan_id=self._plan_ids,
@@ -365,7 +428,8 @@ class BaselineScheduler:
             expected = None if head is None else head.fence
             raise CompletionError(f"completion for fence {fence}, expected fence {expected}")
         validate_timing(timing)
-        validate_records(fence, head.plan.lanes, records)
+        speculative = head.plan.graph.kind is GraphKind.SPECULATIVE
+        validate_records(fence, head.plan.lanes, records, speculative)
         # -- validated: apply ------------------------------------------------------
         out: list[GeneratedToken] = []
         done = False
