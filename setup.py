@@ -36,7 +36,11 @@ setup(
     ],
     extras_require={
         "test": [
-            "pytest>=8", "ruff==0.17.6", "transformers>=4.45", "openai>=1.40", "hypothesis>=6.100",
+            "pytest>=8",
+            "ruff==0.17.6",
+            "transformers>=4.45",
+            "openai>=1.40",
+            "hypothesis>=6.100",
         ],
     },
     entry_points={"console_scripts": ["flare=runtime.cli:main"]},
