@@ -20,9 +20,10 @@ proposal is drawn):
 
 * a rectangular program (P = B x W) gives every lane of its cohort its
   complete prefix, its ceiling; the cohort is the B lanes of highest value;
-* a ragged program (P < B x W) evaluates cohort prefixes under the spec's three
-  orderings (total lane value, pending-token delivery value, value per target
-  row), each cohort priced with its causal allocation: every lane gets its
+* a ragged program (P < B x W) evaluates cohort prefixes (of 1, 2, 4, ... lanes
+  up to B, and all that fit) under the spec's three orderings (total lane
+  value, pending-token delivery value, value per target row), each cohort
+  priced with its causal allocation: every lane gets its
   pending row, then the remaining P rows go one at a time to the lane whose
   next row adds the most expected value (a survival frontier, so rows extend
   prefixes in order), ties to the shorter prefix, then the lower slot.
@@ -50,6 +51,7 @@ programs of that width compete, with complete prefixes.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 
 from runtime.catalog import GraphKind
@@ -97,26 +99,39 @@ class _Lane:
 
 
 def _allocate(cohort: Sequence[_Lane], rows: int) -> list[int] | None:
-    """Query lengths for ``cohort`` within ``rows`` target rows (None: it does not fit)."""
+    """Query lengths for ``cohort`` within ``rows`` target rows (None: it does not fit):
+    each lane its pending row, then the best frontier row while rows are left
+    (a heap: O(rows log lanes))."""
     if len(cohort) > rows:
         return None
     queries = [1] * len(cohort)
     left = rows - len(cohort)
-    while left > 0:
-        best = -1
-        best_key: tuple | None = None
-        for i, lane in enumerate(cohort):
-            q = queries[i]
-            if q >= lane.limit:
-                continue
-            key = (lane.order[q - 1], -q, -lane.slot())
-            if best_key is None or key > best_key:
-                best, best_key = i, key
-        if best < 0 or best_key is None or best_key[0] <= 0.0:
-            break
-        queries[best] += 1
+    heap = [
+        (-lane.order[0], 1, lane.slot(), i)
+        for i, lane in enumerate(cohort)
+        if lane.limit > 1 and lane.order and lane.order[0] > 0.0
+    ]
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        _, q, slot, i = heapq.heappop(heap)
+        queries[i] = q + 1
         left -= 1
+        lane = cohort[i]
+        if q + 1 < lane.limit and lane.order[q] > 0.0:
+            heapq.heappush(heap, (-lane.order[q], q + 1, slot, i))
     return queries
+
+
+def _cohort_sizes(lanes: int, batch: int) -> list[int]:
+    """The cohort prefixes a ragged program evaluates: powers of two up to its
+    batch, and every lane that fits (bounded: no enumeration of all sizes)."""
+    top = min(batch, lanes)
+    sizes = {top}
+    n = 1
+    while n < top:
+        sizes.add(n)
+        n *= 2
+    return sorted(sizes)
 
 
 def speculative_candidates(
@@ -172,7 +187,7 @@ def speculative_candidates(
             )
             for order in orderings:
                 ranked = sorted(lanes, key=lambda x: (order(x), x.view.lru, x.slot()))
-                for n in range(1, min(b, len(ranked)) + 1):
+                for n in _cohort_sizes(len(ranked), b):
                     cohort = ranked[:n]
                     queries = _allocate(cohort, p)
                     if queries is None:
