@@ -80,22 +80,97 @@ class _Lane:
     key the allocation ranks its next row by (the gains, or the forecast joint
     prefix probabilities of a device-allocated program)."""
 
-    __slots__ = ("base", "gains", "limit", "order", "view")
+    __slots__ = ("base", "gains", "limit", "order", "prefix", "view")
 
     def __init__(
-        self, view: LaneView, limit: int, gains: list[float], order: Sequence[float] | None = None
+        self,
+        view: LaneView,
+        limit: int,
+        gains: Sequence[float],
+        order: Sequence[float] | None = None,
+        prefix: Sequence[float] | None = None,
     ) -> None:
         self.view = view
         self.limit = limit
         self.gains = gains
         self.order = gains if order is None else order
         self.base = view.decode_value  # one token, one delivery, the age value
+        if prefix is None:
+            prefix = [0.0]
+            for g in gains:
+                prefix.append(prefix[-1] + g)
+        self.prefix = prefix  # prefix[k]: the value rows 2..k+1 add
 
     def value(self, rows: int) -> float:
-        return self.base + sum(self.gains[: rows - 1])
+        return self.base + self.prefix[min(rows, len(self.prefix)) - 1]
 
     def slot(self) -> int:
         return self.view.request.slot
+
+
+class _LaneTable:
+    """The decoders of one decision with their survival read once at the deepest
+    depth any program offers (``survival`` and ``forecast`` are called once per
+    request per decision, not per program), and their lanes per (W, D, value
+    source), built once."""
+
+    def __init__(
+        self,
+        ctx: SelectionContext,
+        survival: SurvivalFn,
+        alpha: float,
+        depth: int,
+        forecast: SurvivalFn | None,
+    ) -> None:
+        self.views = ctx.decode
+        self.gains: list[list[float]] = []
+        self.prefix: list[list[float]] = []
+        for view in self.views:
+            gains = _gains(view, survival(view, depth), alpha, ctx.beta) if depth > 0 else []
+            prefix = [0.0]
+            for g in gains:
+                prefix.append(prefix[-1] + g)
+            self.gains.append(gains)
+            self.prefix.append(prefix)
+        self._forecast = forecast
+        self._depth = depth
+        self._orders: list[Sequence[float]] | None = None
+        self._lanes: dict[tuple[int, int, bool], list[_Lane]] = {}
+
+    def lanes(self, width: int, depth: int, device: bool) -> list[_Lane]:
+        key = (width, depth, device)
+        held = self._lanes.get(key)
+        if held is None:
+            orders = self._orders_for() if device else None
+            held = []
+            for i, view in enumerate(self.views):
+                limit = ceiling(view, width, depth)
+                if limit < 1:
+                    continue
+                gains, prefix = self.gains[i], self.prefix[i]
+                order = None if orders is None else orders[i]
+                held.append(_Lane(view, limit, gains[: limit - 1], order, prefix[:limit]))
+            self._lanes[key] = held
+        return held
+
+    def _orders_for(self) -> list[Sequence[float]]:
+        if self._orders is None:
+            forecast = self._forecast
+            assert forecast is not None
+            self._orders = [forecast(view, self._depth) for view in self.views]
+        return self._orders
+
+
+def _deepest(entries, fixed_width: int) -> int:
+    """The most proposals any competing program offers."""
+    return max(
+        (
+            min(e.descriptor.token_capacity, e.descriptor.proposal_depth + 1) - 1
+            for e in entries
+            if not fixed_width or e.descriptor.token_capacity == fixed_width
+        ),
+        default=0,
+    )
 
 
 def _allocate(cohort: Sequence[_Lane], rows: int) -> list[int] | None:
@@ -149,6 +224,8 @@ def speculative_candidates(
     if not entries or not ctx.decode:
         return
     slope = ctx.decode_age_slope
+    table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+    ranked_rect: dict[tuple[int, int], list[_Lane]] = {}
     found: list[tuple[tuple, Candidate]] = []
     for index, entry in enumerate(entries):
         desc = entry.descriptor
@@ -163,21 +240,18 @@ def speculative_candidates(
             continue  # fixed-width execution: host allocation at that width only
         if device and forecast is None:
             continue
-        lanes = []
-        for view in ctx.decode:
-            limit = ceiling(view, w, d)
-            if limit < 1:
-                continue
-            gains = _gains(view, survival(view, limit - 1), alpha, ctx.beta)
-            order = forecast(view, limit - 1) if device and forecast is not None else None
-            lanes.append(_Lane(view, limit, gains, order))
+        lanes = table.lanes(w, d, device)
         if not lanes:
             continue
         rectangular = p >= b * w and not device
         best: tuple[float, list[_Lane], list[int]] | None = None
         if rectangular:
-            lanes.sort(key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id))
-            cohort = lanes[:b]
+            ranked = ranked_rect.get((w, d))
+            if ranked is None:  # one order for every batch of this width and depth
+                ranked = ranked_rect[(w, d)] = sorted(
+                    lanes, key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id)
+                )
+            cohort = ranked[:b]
             best = (sum(x.value(x.limit) for x in cohort), cohort, [x.limit for x in cohort])
         else:
             orderings = (
@@ -230,6 +304,7 @@ def wide_mixed_candidates(
     entries = [e for e in ctx.catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1]
     if not entries or not (ctx.decode or ctx.prefill):
         return
+    table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), None)
     found: list[tuple[tuple, Candidate]] = []
     for index, entry in enumerate(ctx.catalog.entries(GraphKind.MIXED)):
         desc = entry.descriptor
@@ -237,12 +312,7 @@ def wide_mixed_candidates(
                          desc.target_capacity, desc.prompt_capacity)  # fmt: skip
         if w == 1 or (fixed_width and w != fixed_width):
             continue
-        lanes = []
-        for view in ctx.decode:
-            limit = ceiling(view, w, d)
-            if limit >= 1:
-                gains = _gains(view, survival(view, limit - 1), alpha, ctx.beta)
-                lanes.append(_Lane(view, limit, gains))
+        lanes = list(table.lanes(w, d, False))
         lanes.sort(key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id))
         decoders = _fit(lanes[:b], p)
         if decoders:
@@ -286,17 +356,15 @@ def _mixed(
 
 def _undominated(found: list[tuple[tuple, Candidate]]) -> list[Candidate]:
     """Drop a shape when another with the same work is no larger in every capacity."""
+    groups: dict[tuple, list[tuple[int, int, int, int]]] = {}
+    for key, cand in found:
+        groups.setdefault(key, []).append(_extents(cand))
     kept = []
     for key, cand in found:
         mine = _extents(cand)
-        dominated = any(
-            other_key == key
-            and other is not cand
-            and all(a >= o for a, o in zip(mine, _extents(other)))
-            and mine != _extents(other)
-            for other_key, other in found
-        )
-        if not dominated:
+        if not any(
+            other != mine and all(a >= o for a, o in zip(mine, other)) for other in groups[key]
+        ):
             kept.append(cand)
     return kept
 
