@@ -117,7 +117,9 @@ class SchedulerConfig:
     decode rounds at width w run (w = 1: ordinary decode), host-allocated, and
     acceptance is never probed.  ``proposer``: the proposal source whose
     acceptance the requests track, "draft" (learned proposals) or "copy"
-    (proposals copied from the context).
+    (proposals copied from the context).  ``speculative_token_capacity`` R > 0
+    is the envelope of wider programs: the scheduler drops, at load, any whose
+    target rows exceed it (B x W when rectangular, P when ragged); 0: none.
     """
 
     max_slots: int = 64
@@ -125,6 +127,7 @@ class SchedulerConfig:
     num_pages: int = 65536
     fixed_speculative_width: int = 0
     proposer: str = "draft"
+    speculative_token_capacity: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "num_pages"):
@@ -135,6 +138,11 @@ class SchedulerConfig:
         if isinstance(width, bool) or not isinstance(width, int) or not 0 <= width <= 64:
             raise ConfigError(
                 f"fixed_speculative_width must be an integer in [0, 64], got {width!r}"
+            )
+        envelope = self.speculative_token_capacity
+        if isinstance(envelope, bool) or not isinstance(envelope, int) or envelope < 0:
+            raise ConfigError(
+                f"speculative_token_capacity must be a non-negative integer, got {envelope!r}"
             )
         if self.proposer not in ("draft", "copy"):
             raise ConfigError(f"proposer must be 'draft' or 'copy', got {self.proposer!r}")

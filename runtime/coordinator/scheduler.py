@@ -15,7 +15,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.catalog import GraphDescriptor, GraphKind, within_speculative_envelope
 from runtime.coordinator import policy as selection
 from runtime.coordinator.config import PolicyConfig, SchedulerConfig
 from runtime.coordinator.cost import CostCatalog, cost_sample_ns
@@ -72,6 +72,9 @@ class Scheduler:
         self.policy = policy or PolicyConfig()
         # Estimates start indeterminate whatever the descriptors carried.
         descriptors = [replace(d, estimated_duration_ns=0) for d in catalog]
+        envelope = self.config.speculative_token_capacity
+        if envelope:  # load-time selection within --speculative-token-capacity
+            descriptors = [d for d in descriptors if within_speculative_envelope(d, envelope)]
         self.catalog = CostCatalog(descriptors, self.policy.estimate_ttl_ns)
         self.now_ns = 0
         self._queue = ExecutionQueue()

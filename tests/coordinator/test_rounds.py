@@ -9,7 +9,7 @@ import random
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.config import ConfigError, SchedulerConfig
 from runtime.coordinator.errors import CommitError, CompletionError
 from runtime.coordinator.plan import SelectionReason
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
@@ -395,3 +395,15 @@ def test_a_timing_refresh_runs_one_complete_speculative_program_paid_once():
     assert ledger.spent_ns == int(cost_ms(plan.graph) * MS)
     assert plan.graph.kind is GraphKind.SPECULATIVE and plan.graph.batch_capacity < 4
     assert all(lane.max_tokens >= 1 for lane in plan.lanes)
+
+
+def test_the_envelope_drops_wider_programs_at_load():
+    descs = catalog(widths=(2, 4, 8), batches=(1, 2, 4, 8))
+    s = Scheduler(descs, SchedulerConfig(16, 16, 4096, speculative_token_capacity=16))
+    kept = [d for d in s.catalog.descriptors if d.kind is GraphKind.SPECULATIVE]
+    assert kept and all(d.batch_capacity * d.token_capacity <= 16 for d in kept)
+    assert spec(8, 2) in kept and spec(4, 8) not in kept and spec(2, 8) in kept
+    decode = [d for d in s.catalog.descriptors if d.kind is GraphKind.DECODE]
+    assert len(decode) == 4  # ordinary programs are not bounded
+    with pytest.raises(ConfigError, match="speculative_token_capacity"):
+        SchedulerConfig(speculative_token_capacity=-1)
