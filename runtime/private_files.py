@@ -10,7 +10,8 @@ DIR_MODE = 0o700
 
 
 def make_private_dirs(directory: str | os.PathLike) -> None:
-    """Create ``directory`` and any missing parents, each mode 0700 (existing ones untouched)."""
+    """Create ``directory`` and any missing parents, each mode 0700 (existing ones
+    untouched); safe when several processes (the ranks) create it at once."""
     missing = []
     path = os.path.abspath(directory)
     while not os.path.isdir(path):
@@ -20,7 +21,12 @@ def make_private_dirs(directory: str | os.PathLike) -> None:
             break
         path = parent
     for path in reversed(missing):
-        os.mkdir(path, DIR_MODE)
+        try:
+            os.mkdir(path, DIR_MODE)
+        except FileExistsError:  # another process (a sibling rank) made it meanwhile
+            if not os.path.isdir(path):
+                raise
+            continue  # theirs: made by the same rule, so already 0700
         os.chmod(path, DIR_MODE)  # the umask may have narrowed it; never widen beyond 0700
 
 
