@@ -6,17 +6,21 @@ them), then restored, and set again around each test of this folder only, so
 that no other test (nor a subprocess one spawns) inherits it.
 """
 
+import importlib
 import os
+import pkgutil
 
 import pytest
+
+import kernels.triton
 
 _previous = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 try:
-    # Imported for the side effect: their kernels are decorated interpreted.
-    import kernels.triton.kv_write
-    import kernels.triton.paged_decode_attention
-    import kernels.triton.paged_prefill_attention  # noqa: F401
+    # Every kernel module, imported for the side effect: its kernels are
+    # decorated interpreted (checks.py holds no kernel).
+    for _module in pkgutil.iter_modules(kernels.triton.__path__):
+        importlib.import_module(f"kernels.triton.{_module.name}")
 finally:
     if _previous is None:
         del os.environ["TRITON_INTERPRET"]
