@@ -11,8 +11,8 @@ slot, then the earlier lane.  A lane never exceeds its ceiling, nor D + 1 rows
 cohort never changes.  This is the host's rule,
 ``runtime.coordinator.rounds.device_allocation``, which the coordinator uses to
 recompute the allocation from the confidence sidecar, so the two must agree
-exactly (zero-probability prefixes included: the host admits them last, after
-every positive one, and so does this).
+exactly.  A zero-probability prefix is a certain rejection and is never
+admitted: its rows stay unused.
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ def prefix_allocation_reference(
     lane = torch.arange(lanes, device=device)  # (R,)
     # Each lane grows by at most D rows, so no more admissions than that.
     for _ in range(min(max(rows - lanes, 0), lanes * depth)):
-        grow = queries < cap  # (R,) lanes with an admissible frontier
+        p = joint.gather(1, (queries - 1).clamp(max=depth - 1).unsqueeze(1)).squeeze(1)  # (R,)
+        grow = (queries < cap) & (p > 0)  # (R,) an admissible, possible frontier
         if not bool(grow.any()):
             break
-        p = joint.gather(1, (queries - 1).clamp(max=depth - 1).unsqueeze(1)).squeeze(1)  # (R,)
         p = p.double().masked_fill(~grow, -torch.inf)
         best = grow & (p == p.max())  # the highest probability ...
         best &= queries == queries.masked_fill(~best, depth + 2).min()  # ... shortest prefix

@@ -7,7 +7,8 @@ slots; ``rows`` is the program's target capacity P.  Every lane gets its pending
 row; then, one row at a time, the lane whose next prefix (of q proposals when it
 holds q rows: ``joint[i, q - 1]``) is most probable grows by one; ties go to the
 shorter prefix, then the lower slot, then the earlier lane; a lane never exceeds
-min(ceiling, D + 1).  It stops when P rows are used or no lane can grow.  The
+min(ceiling, D + 1), and a zero-probability prefix (a certain rejection) is never
+admitted.  It stops when P rows are used or no lane can grow.  The
 output (R,) int64 holds the query lengths.  The reference is
 ``prefix_allocation_reference`` in kernels/allocation.py, and this must equal
 ``runtime.coordinator.rounds.device_allocation``, which the coordinator uses to
@@ -62,9 +63,9 @@ def _prefix_allocation_kernel(
     # Each lane grows by at most DEPTH rows.
     extra = tl.minimum(tl.maximum(rows - LANES, 0), LANES * DEPTH)
     for _ in range(0, extra):
-        grow = queries < cap  # (BLOCK_R,) lanes with an admissible frontier
         at = col[None, :] == (queries - 1)[:, None]  # (BLOCK_R, BLOCK_D)
         p = tl.sum(tl.where(at, tile, 0.0), axis=1)  # (BLOCK_R,) frontier probabilities
+        grow = (queries < cap) & (p > 0.0)  # (BLOCK_R,) an admissible, possible frontier
         p = tl.where(grow, p, -float("inf"))
         best = grow & (p == tl.max(p, axis=0))  # the highest probability ...
         shortest = tl.min(tl.where(best, queries, DEPTH + 2), axis=0)

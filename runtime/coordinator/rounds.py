@@ -385,7 +385,8 @@ def device_allocation(
     """The rows a device-allocated program gives each lane: every lane its pending
     row, then, while rows are left, the best immediate causal frontier by joint
     prefix probability (``joint[i][d - 1]`` for lane i's prefix of d proposals),
-    ties to the shorter prefix, then the lower slot; never past a lane's ceiling.
+    ties to the shorter prefix, then the lower slot; never past a lane's ceiling,
+    and never a zero-probability prefix (a certain rejection).
     The host recomputes it from the program's confidence sidecar to know what
     each lane offered."""
     queries = [1] * len(ceilings)
@@ -393,8 +394,8 @@ def device_allocation(
     while left > 0:
         best, best_key = -1, None
         for i, q in enumerate(queries):
-            if q >= ceilings[i] or q - 1 >= len(joint[i]):
-                continue
+            if q >= ceilings[i] or q - 1 >= len(joint[i]) or joint[i][q - 1] <= 0.0:
+                continue  # at its ceiling, out of proposals, or a certain rejection
             key = (joint[i][q - 1], -q, -slots[i])
             if best_key is None or key > best_key:
                 best, best_key = i, key

@@ -85,13 +85,12 @@ def test_ceilings_may_sum_above_the_rows():
     assert _all_three([[0.9], [0.8]], [9, 9], [0, 1], 9) == [2, 2]
 
 
-def test_zero_probability_prefixes_come_after_every_positive_one():
-    """The host admits a zero-probability prefix only when no positive one is
-    admissible (it never skips them), so the kernel does too."""
+def test_zero_probability_prefixes_are_never_admitted():
+    """A zero joint probability is a certain rejection: rows stay unused instead."""
     joint = [[0.9, 0.0, 0.0], [0.4, 0.3, 0.0]]
-    assert _all_three(joint, [4, 4], [0, 1], 5) == [2, 3]  # the positive ones first
-    assert _all_three(joint, [4, 4], [0, 1], 6) == [3, 3]  # then zeros: shorter first
-    assert _all_three(joint, [4, 4], [0, 1], 9) == [4, 4]
+    assert _all_three(joint, [4, 4], [0, 1], 5) == [2, 3]  # the positive ones
+    assert _all_three(joint, [4, 4], [0, 1], 6) == [2, 3]  # rows left, nothing possible
+    assert _all_three(joint, [4, 4], [0, 1], 9) == [2, 3]
 
 
 def test_pending_rows_only():
