@@ -239,6 +239,40 @@ def check_penalties(eager: RankWorker, graphs: RankWorker, prompts: list[list[in
     return ok
 
 
+def check_speculative_kernels() -> bool:
+    """The speculative kernels (issue 13) compiled on the device against their
+    torch references: rejection-sampling verification and prefix allocation."""
+    from kernels.allocation import prefix_allocation_reference
+    from kernels.speculative import verify_reference
+    from kernels.triton.prefix_allocation import prefix_allocation
+    from kernels.triton.speculative_verify import speculative_verify
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    lanes, k, vocab = 16, 7, 32000
+    target = torch.softmax(torch.randn(lanes, k + 1, vocab, device="cuda", generator=gen), -1)
+    draft = torch.softmax(torch.randn(lanes, k, vocab, device="cuda", generator=gen), -1)
+    tokens = torch.multinomial(draft.reshape(-1, vocab), 1, generator=gen).reshape(lanes, k)
+    num = torch.randint(0, k + 1, (lanes,), device="cuda", generator=gen)
+    u = torch.rand(lanes, k, device="cuda", generator=gen)
+    ru = torch.rand(lanes, k, device="cuda", generator=gen)
+    bu = torch.rand(lanes, device="cuda", generator=gen)
+    ok = True
+    for greedy in (False, True):
+        got = speculative_verify(target, draft, tokens, num, u, ru, bu, greedy=greedy)
+        ref = verify_reference(target, draft, tokens, num, u, ru, bu, greedy=greedy)
+        same = bool((got[0] == ref[0]).all() and (got[1] == ref[1]).all())
+        close = bool(torch.allclose(got[2], ref[2], rtol=1e-4, atol=1e-6))
+        ok &= check(f"speculative_verify_{'greedy' if greedy else 'sampled'}", same and close)
+    joint = torch.rand(64, 16, device="cuda", generator=gen).sort(dim=1, descending=True).values
+    ceilings = torch.randint(1, 18, (64,), device="cuda", generator=gen)
+    slots = torch.randperm(64, device="cuda", generator=gen)
+    for rows in (64, 200, 2000):
+        got = prefix_allocation(joint, ceilings, slots, rows)
+        ref = prefix_allocation_reference(joint, ceilings, slots, rows)
+        ok &= check(f"prefix_allocation_{rows}", bool((got == ref).all()))
+    return ok
+
+
 def check_debugging(engine, prompts, profiles: Path, cuda: bool, tp: int) -> bool:
     """Rank inspection and the on-demand profiler on the device (issue 11)."""
     import threading
@@ -348,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
 
     ok &= gpu_realistic.run(check, RESULTS, cuda)
+    if cuda:
+        ok &= check_speculative_kernels()
 
     _, driver = generate(graphs, prompts, greedy, 16)
     _, mixed_driver = generate_mixed(graphs, prompts, greedy, 16)
