@@ -216,15 +216,18 @@ def speculative_candidates(
     alpha: float,
     fixed_width: int = 0,
     forecast: SurvivalFn | None = None,
+    table: _LaneTable | None = None,
 ) -> None:
     """One candidate per speculative program: its best cohort and query lengths
     (``Candidate.queries``; a device-allocated program's lanes also carry their
-    ceilings, ``Candidate.ceilings``)."""
+    ceilings, ``Candidate.ceilings``).  ``table``: the decision's lanes, when
+    the caller already read them (:func:`round_candidates`)."""
     entries = ctx.catalog.entries(GraphKind.SPECULATIVE)
     if not entries or not ctx.decode:
         return
     slope = ctx.decode_age_slope
-    table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+    if table is None:
+        table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
     ranked_rect: dict[tuple[int, int], list[_Lane]] = {}
     found: list[tuple[tuple, Candidate]] = []
     for index, entry in enumerate(entries):
@@ -297,6 +300,7 @@ def wide_mixed_candidates(
     survival: SurvivalFn,
     alpha: float,
     fixed_width: int = 0,
+    table: _LaneTable | None = None,
 ) -> None:
     """Per mixed program of width W > 1: its best decode-only cohort, and per
     prompt row the row plus the best B - 1 decoders, every decoder on its
@@ -304,7 +308,8 @@ def wide_mixed_candidates(
     entries = [e for e in ctx.catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1]
     if not entries or not (ctx.decode or ctx.prefill):
         return
-    table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), None)
+    if table is None:
+        table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), None)
     found: list[tuple[tuple, Candidate]] = []
     for index, entry in enumerate(ctx.catalog.entries(GraphKind.MIXED)):
         desc = entry.descriptor
@@ -323,6 +328,28 @@ def wide_mixed_candidates(
             value = prompt_lane_value(view, tokens, ctx.beta)
             found.append(_mixed(entry, index, ctx, view, tokens, value, others))
     out.extend(_undominated(found))
+
+
+def round_candidates(
+    ctx: SelectionContext,
+    out: list[Candidate],
+    survival: SurvivalFn,
+    alpha: float,
+    fixed_width: int = 0,
+    forecast: SurvivalFn | None = None,
+) -> None:
+    """Speculative and wide mixed candidates from one read of the decoders'
+    estimates (each request's survival and forecast once per decision)."""
+    catalog = ctx.catalog
+    entries = [
+        *catalog.entries(GraphKind.SPECULATIVE),
+        *(e for e in catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1),
+    ]
+    if not entries:
+        return
+    table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+    speculative_candidates(ctx, out, survival, alpha, fixed_width, forecast, table)
+    wide_mixed_candidates(ctx, out, survival, alpha, fixed_width, table)
 
 
 def _fit(cohort: list[_Lane], rows: int) -> list[_Lane]:

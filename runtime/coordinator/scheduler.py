@@ -47,8 +47,8 @@ from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestS
 from runtime.coordinator.resources import PagePool, SlotTable
 from runtime.coordinator.rounds import (
     expected_tokens,
+    round_candidates,
     speculative_candidates,
-    wide_mixed_candidates,
 )
 from runtime.coordinator.service import account_interval, starting_rate
 from runtime.coordinator.sidecars import Confidence, check_confidence, check_survival, round_offers
@@ -253,13 +253,10 @@ class Scheduler:
         cands = selection.candidates(ctx)
         fixed = self._fixed_width
         if self.speculation is not None and fixed != 1:
-            speculative_candidates(
+            round_candidates(
                 ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed,
                 self._forecast,
             )  # fmt: skip
-            wide_mixed_candidates(
-                ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed
-            )
             if fixed > 1:  # fixed-width execution: decode rounds run at that width only
                 cands = [c for c in cands if _fixed_width_allows(c, fixed)]
         return cands
