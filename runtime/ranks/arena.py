@@ -52,7 +52,12 @@ class SlotArena:
     """Per-slot device rows (``slots + 1`` rows; the last is scratch)."""
 
     def __init__(
-        self, slots: int, max_pages: int, device: torch.device, bias_width: int = MAX_LOGIT_BIAS
+        self,
+        slots: int,
+        max_pages: int,
+        device: torch.device,
+        bias_width: int = MAX_LOGIT_BIAS,
+        history: int = 0,
     ) -> None:
         self.slots = slots
         self.scratch = slots
@@ -61,6 +66,20 @@ class SlotArena:
         rows = slots + 1
         self.page_tables = torch.full((rows, max_pages), -1, dtype=torch.int64, device=device)
         self.pending = torch.zeros(rows, dtype=torch.int64, device=device)
+        # The pending token's KV position and the slot's sampling step, written by
+        # every program that commits (a speculative round advances them by the
+        # tokens it accepted, which the host learns only later): decode lanes
+        # read them here, so a frame queued behind a round continues from the
+        # round's actual end.
+        self.next_pos = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.steps = torch.zeros(rows, dtype=torch.int64, device=device)
+        # With speculation: each slot's tokens by position (prompt, committed
+        # output, the pending token), ``history`` columns; copy proposals and the
+        # draft model's context read it.  None without speculation.
+        self.history_width = history
+        self.history = (
+            torch.zeros(rows, history, dtype=torch.int64, device=device) if history else None
+        )
         self.floats = torch.tensor([_FLOAT_DEFAULTS] * rows, dtype=torch.float32).to(device)
         self.ints = torch.tensor([_INT_DEFAULTS] * rows, dtype=torch.int64).to(device)
         ids, values = bias_table((), rows, bias_width)

@@ -10,8 +10,14 @@
   the spec's joint-catalog rule ("Mixed execution contract"), over those two
   ladders.
 
-Speculative shapes join with their issue (the spec's "Speculative graph
-coverage").
+* Speculative rounds (``speculative_widths``, the spec's "Speculative graph
+  coverage"): for every decode batch B and width W, the rectangular program
+  (B, W, D = W - 1, P = B x W) when B x W fits the target-row envelope
+  ``speculative_token_capacity`` R (0: unbounded); with
+  ``device_allocation`` (adaptive selection only), also a prefix-limit program
+  per batch of at least two rows at the widest W with P = B x W / 2 rows
+  (P <= R).  Width one is the ordinary decode program, which keeps the draft
+  context (runtime/ranks/draft.py).
 """
 
 from __future__ import annotations
@@ -41,8 +47,21 @@ class CapacityConfig:
     min_prefill_tokens: int = 64
     max_prefill_tokens: int = 2048
     mixed_prefill: bool = False
+    speculative_widths: tuple[int, ...] = ()
+    speculative_token_capacity: int = 0
+    device_allocation: bool = False
 
     def __post_init__(self) -> None:
+        widths = self.speculative_widths
+        if not isinstance(widths, tuple) or any(
+            isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= 16 for w in widths
+        ):
+            raise CapacityError(f"speculative_widths must hold integers in [2, 16], got {widths!r}")
+        r = self.speculative_token_capacity
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise CapacityError(f"speculative_token_capacity must be an integer >= 0, got {r!r}")
+        if self.device_allocation and not widths:
+            raise CapacityError("device_allocation needs speculative_widths")
         if not isinstance(self.mixed_prefill, bool):
             raise CapacityError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
         c = self.max_concurrency
@@ -145,4 +164,26 @@ def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[G
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
     if cfg.mixed_prefill:
         out += mixed_shapes(batches, prompts)
+    out += speculative_shapes(
+        batches, cfg.speculative_widths, cfg.speculative_token_capacity, cfg.device_allocation
+    )
+    return out
+
+
+def speculative_shapes(
+    batches: Sequence[int], widths: Sequence[int], envelope: int = 0, device: bool = False
+) -> list[GraphDescriptor]:
+    """The speculative round programs (module docstring)."""
+    out: list[GraphDescriptor] = []
+    for b in batches:
+        for w in sorted(set(widths)):
+            if not envelope or b * w <= envelope:
+                out.append(GraphDescriptor(GraphKind.SPECULATIVE, b, w, w - 1))
+        if device and b >= 2:
+            w = max(widths)
+            p = b * w // 2
+            if not envelope or p <= envelope:
+                out.append(
+                    GraphDescriptor(GraphKind.SPECULATIVE, b, w, w - 1, p, device_allocated=True)
+                )
     return out

@@ -51,6 +51,7 @@ import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.arena import LANE_FIELDS, FrameInputs, SlotArena, int_size
+from runtime.ranks.draft import DraftContext
 from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.model.parallel import RELEASE
@@ -63,6 +64,7 @@ from runtime.ranks.sampling import (
     token_logprobs,
 )
 from runtime.ranks.slots import CheckedFrame
+from runtime.ranks.speculative import ProposerConfig, RoundOutputs, SpeculativeStages
 from runtime.transport.schema import MAX_LOGPROBS, MAX_SLOTS
 
 VARIANTS = ("argmax", "sample", "logprobs")
@@ -102,6 +104,9 @@ class ProgramShape:
         if desc.kind is GraphKind.MIXED:
             b, w, c = desc.batch_capacity, desc.token_capacity, desc.prompt_capacity
             return cls(c + (b - 1) * w, b, c, w)
+        if desc.kind is GraphKind.SPECULATIVE:  # P target rows, B lanes of at most D + 1
+            width = min(desc.token_capacity, desc.proposal_depth + 1)
+            return cls(desc.target_capacity, desc.batch_capacity, width)
         raise ProgramError(f"no prepared program for {desc.kind.value} graphs yet")
 
 
@@ -174,6 +179,7 @@ class Launch:
     device_ns: int = 0
     launch_wait_ns: int = 0  # waiting for the other ranks at the first collective (CPU)
     stages: dict[str, int] = field(default_factory=dict)  # host ns per stage
+    round: RoundOutputs | None = None  # a speculative round's host outputs
     times: list[int] = field(default_factory=list)  # received, launched, ended (monotonic ns)
 
     def finished(self) -> bool:
@@ -213,13 +219,18 @@ class PreparedProgram:
         outputs: ProgramOutputs,
         slots: SlotArena,
         page_size: int,
+        draft: DraftContext | None = None,
+        proposer: ProposerConfig | None = None,
     ) -> None:
         self.desc = desc
         self.shape = ProgramShape.of(desc)
+        self.draft = draft
         if desc.kind is GraphKind.MIXED and (desc.token_capacity > 1 or desc.proposal_depth):
             # Wider verification rows need proposals, acceptance and a (L, W)
             # logits index; the inputs already fit them.
             raise ProgramError(f"no prepared program for {desc.describe()} yet: W > 1")
+        if desc.kind is GraphKind.SPECULATIVE and desc.token_capacity == 1:
+            raise ProgramError(f"{desc.describe()}: width-one rounds are ordinary decode programs")
         self.model = model
         self.outputs = outputs  # shared by every program
         self.slots = slots  # shared by every program
@@ -232,6 +243,13 @@ class PreparedProgram:
         self._ints = torch.zeros(self.int_size, dtype=torch.int64, device=self.device)
         self.inputs = FrameInputs.over(self._ints, n, lanes)
         self._token_index = torch.arange(n, device=self.device)  # (N,)
+        self.speculative: SpeculativeStages | None = None
+        if desc.kind is GraphKind.SPECULATIVE:
+            if proposer is None:
+                raise ProgramError(f"{desc.describe()}: a speculative program needs a proposer")
+            self.speculative = SpeculativeStages(
+                desc, model, draft, proposer, outputs.eos, self.device
+            )
 
     @property
     def captured(self) -> bool:
@@ -240,23 +258,36 @@ class PreparedProgram:
     # -- the program body, over the input views ---------------------------------
     def _body(self, variant: str, width: int) -> None:
         """Forward and sampling for ``variant``, page tables ``width`` columns wide."""
+        if self.speculative is not None:
+            self.speculative.run(self, variant, width)
+            return
         x, shape, out, arena = self.inputs, self.shape, self.outputs, self.slots
         lanes, page_size = shape.lanes, self.page_size
         rows = x.state_row  # (L,) each lane's slot row
         q_lens = x.query_lens  # (L,)
+        # A lane continuing from its pending token starts where the slot's last
+        # program left it (a speculative round's end is known only on the device).
+        from_pending = x.from_pending > 0  # (L,)
+        start_pos = torch.where(from_pending, arena.next_pos.index_select(0, rows), x.start_pos)
+        step = torch.where(from_pending, arena.steps.index_select(0, rows), x.step)
         ends = torch.cumsum(q_lens, 0)  # (L,)
         query_start = ends - q_lens  # (L,)
-        context = torch.where(q_lens > 0, x.start_pos + q_lens, 0)  # (L,)
+        context = torch.where(q_lens > 0, start_pos + q_lens, 0)  # (L,)
         n = self._token_index  # (N,)
         lane = torch.searchsorted(ends, n, right=True)  # (N,) in [0, L]; L = padding
         valid = lane < lanes
         lane = lane.clamp(max=lanes - 1)
         # index_select rather than advanced indexing: the same gather, a cheaper op.
-        start = x.start_pos.index_select(0, lane) - query_start.index_select(0, lane)
+        start = start_pos.index_select(0, lane) - query_start.index_select(0, lane)
         positions = torch.where(valid, start + n, 0)  # (N,)
-        pending = valid & (x.from_pending.index_select(0, lane) > 0)
-        pending_ids = arena.pending.index_select(0, rows.index_select(0, lane))
+        pending = valid & from_pending.index_select(0, lane)
+        token_rows = rows.index_select(0, lane)  # (N,)
+        pending_ids = arena.pending.index_select(0, token_rows)
         input_ids = torch.where(pending, pending_ids, x.input_ids)  # (N,)
+        if arena.history is not None:  # every fed token at its position (the prompt's)
+            h = arena.history_width
+            flat = torch.where(valid, token_rows, arena.scratch) * h + positions.clamp(max=h - 1)
+            arena.history.view(-1).index_copy_(0, flat, input_ids)
         tables = arena.page_tables[:, :width].index_select(0, rows)  # (L, width)
         column = (positions // page_size).clamp(max=width - 1)
         page = tables.view(-1).index_select(0, lane * width + column)  # (N,)
@@ -273,20 +304,32 @@ class PreparedProgram:
         )
         last = (ends - 1).clamp(0, shape.tokens - 1)  # (L,) each lane's last new token
         logits = self.model(input_ids, positions, meta, last).float()  # (L, V)
+        if self.draft is not None:  # the draft's context follows the target's
+            self.draft.feed(input_ids, positions, meta)
         if variant == "argmax":
             tokens = logits.argmax(dim=-1)  # (L,)
         else:
-            tokens = self._sample(logits, query_start, input_ids)
+            tokens = self._sample(logits, query_start, input_ids, step)
             if variant == "logprobs":
                 chosen, top_values, top_ids = token_logprobs(logits, tokens, out.max_logprobs)
                 out.logprob[:lanes].copy_(chosen)
                 out.top_logprobs[:lanes].copy_(top_values)
                 out.top_ids[:lanes].copy_(top_ids)
         arena.pending.index_copy_(0, x.count_row, tokens)  # the next decode frame's input
+        arena.next_pos.index_copy_(0, x.count_row, start_pos + q_lens)
+        arena.steps.index_copy_(0, x.count_row, step + 1)
+        if arena.history is not None:
+            h = arena.history_width
+            at = (start_pos + q_lens).clamp(max=h - 1)
+            arena.history.view(-1).index_copy_(0, x.count_row * h + at, tokens)
         out.tokens[:lanes].copy_(tokens)
 
     def _sample(
-        self, logits: torch.Tensor, query_start: torch.Tensor, input_ids: torch.Tensor
+        self,
+        logits: torch.Tensor,
+        query_start: torch.Tensor,
+        input_ids: torch.Tensor,
+        step: torch.Tensor,
     ) -> torch.Tensor:
         """The full sampler, with the penalty state: the prompt lane's row is reset
         when it starts a generation and its tokens marked before sampling (so a
@@ -312,7 +355,7 @@ class PreparedProgram:
             s["top_p"],
             s["top_k"],
             s["seed"],
-            x.step,
+            step,
             s["min_tokens"],
             adjustments,
         )
@@ -336,6 +379,8 @@ class PreparedProgram:
         """CUDA: capture every variant as a graph (returns the memory pool). CPU: no-op."""
         if self.device.type != "cuda":
             return None
+        if self.desc.device_allocated:  # its allocation budget depends on the lane count
+            return pool
         self._pad()
         for variant in VARIANTS:
             stream = torch.cuda.Stream()
@@ -396,7 +441,7 @@ class PreparedProgram:
         if r and (q > limit).any():
             i = int(np.argmax(q > limit))
             raise ProgramError(f"lane {i}: {int(q[i])} tokens exceed {self.desc.describe()}")
-        if total > shape.tokens:
+        if total > shape.tokens and not self.desc.device_allocated:  # ceilings may sum above P
             raise ProgramError(f"{total} tokens do not fit {self.desc.describe()}")
         prefill = np.nonzero(checked.prefill)[0]
         if len(prefill) > 1:
@@ -424,10 +469,12 @@ class PreparedProgram:
             offset = int(q[:prompt_lane].sum())
             n = int(q[prompt_lane])
             a[o + offset : o + offset + n] = checked.prompt_tokens[:n]
-        used = o + total
+        used = o + total if self.speculative is None else o  # a round feeds no prompt
         if memo is not None:
             memo[0] = key if checked.steady or not checked.prefill.any() else None
         longest = int(checked.context.max(initial=1))
+        if self.speculative is not None:  # the draft extent: D positions past the pending one
+            longest = min(longest + self.desc.proposal_depth, self.max_pages * self.page_size)
         return used, max(1, -(-longest // self.page_size))
 
     def launch(
@@ -444,12 +491,18 @@ class PreparedProgram:
         launch = Launch(checked, self, variant, host, time.perf_counter_ns())
         r = checked.lanes
         self._ints[:used].copy_(packed[:used], non_blocking=True)
+        spec = self.speculative
+        if spec is not None:
+            spec.lanes = r
         if self.device.type != "cuda":
             RELEASE.arm()
             t0 = time.perf_counter_ns()
             self._body(variant, width)
             launch.device_ns = time.perf_counter_ns() - t0
             launch.launch_wait_ns = min(RELEASE.take(), launch.device_ns)
+            if spec is not None:
+                launch.round = spec.copy_out(r, variant)
+                return launch
             host.tokens[:r].copy_(self.outputs.tokens[:r])
             if variant == "logprobs":
                 self._copy_logprobs(host, r)
@@ -464,9 +517,12 @@ class PreparedProgram:
         else:  # eager CUDA (capture disabled)
             self._body(variant, width)
         launch.end.record()
-        host.tokens[:r].copy_(self.outputs.tokens[:r], non_blocking=True)
-        if variant == "logprobs":
-            self._copy_logprobs(host, r)
+        if spec is not None:
+            launch.round = spec.copy_out(r, variant)
+        else:
+            host.tokens[:r].copy_(self.outputs.tokens[:r], non_blocking=True)
+            if variant == "logprobs":
+                self._copy_logprobs(host, r)
         launch.done.record()
         return launch
 
@@ -486,13 +542,20 @@ def prepare_programs(
     *,
     capture: bool = True,
     progress: Callable[[Iterable], Iterable] | None = None,
+    draft: DraftContext | None = None,
+    proposer: ProposerConfig | None = None,
 ) -> tuple[dict[tuple, PreparedProgram], ProgramOutputs]:
-    """One program per descriptor over shared buffers; captured largest first."""
+    """One program per descriptor over shared buffers; captured largest first.
+    With a ``draft``, every program also feeds it (runtime/ranks/draft.py);
+    speculative descriptors need a ``proposer``."""
     catalog = list(catalog)
     shapes = [ProgramShape.of(d) for d in catalog]
     device = model.model.embed_tokens.weight.device
     outputs = ProgramOutputs.allocate(max(s.lanes for s in shapes), model, device)
-    programs = {d.key: PreparedProgram(d, model, outputs, slots, page_size) for d in catalog}
+    programs = {
+        d.key: PreparedProgram(d, model, outputs, slots, page_size, draft, proposer)
+        for d in catalog
+    }
     order = sorted(programs.values(), key=lambda p: (p.shape.tokens, p.shape.lanes), reverse=True)
     pool = None
     for program in progress(order) if progress else order:

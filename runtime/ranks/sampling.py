@@ -287,6 +287,18 @@ def sample(
     barred.  ``params.adjustments`` (logit bias, penalties) apply first, and
     greedy rows take the argmax of the adjusted, EOS-masked logits.
     """
+    greedy, _, scaled, keep = _filtered(logits, params, eos)
+    vocab = scaled.shape[-1]
+    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, params.step, vocab)))  # (R, V)
+    sampled = (scaled + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1)  # (R,)
+    return torch.where(params.temperature > 0, sampled, greedy)
+
+
+def _filtered(
+    logits: torch.Tensor, params: SamplingBatch, eos: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the greedy tokens (R,), the adjusted, EOS-masked logits (R, V), the same
+    over the temperature (R, V), the tokens top-k and top-p keep (R, V) bool)."""
     logits = logits.float()  # (R, V)
     if params.adjustments is not None:
         logits = adjust_logits(logits, params.adjustments)
@@ -310,7 +322,25 @@ def sample(
     keep_sorted &= mass_before < params.top_p[:, None]
     keep_sorted[:, 0] = True
     keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted)  # (R, V)
+    return greedy, logits, scaled, keep
 
-    gumbel = -torch.log(-torch.log(uniform_noise(params.seed, params.step, vocab)))  # (R, V)
-    sampled = (scaled + gumbel).masked_fill(~keep, float("-inf")).argmax(dim=-1)  # (R,)
-    return torch.where(params.temperature > 0, sampled, greedy)
+
+def sampling_distribution(
+    logits: torch.Tensor, params: SamplingBatch, eos: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The distribution :func:`sample` draws from, per row of ``logits`` (R, V).
+
+    Returns (``probs`` (R, V) float32: the final sampling distribution, after
+    logit bias, penalties, the ``min_tokens`` EOS mask, temperature, top-k and
+    top-p, a point mass on the greedy token for greedy rows; ``soft`` (R, V):
+    the same before the greedy collapse, at temperature 1 for greedy rows,
+    unfiltered for them).  Speculative verification compares these (p for the
+    target, q for the draft); ``soft`` is what a draft's confidence reads.
+    """
+    greedy, adjusted, scaled, keep = _filtered(logits, params, eos)
+    filtered = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)  # (R, V)
+    point = torch.zeros_like(filtered).scatter_(1, greedy[:, None], 1.0)  # (R, V)
+    is_greedy = (params.temperature <= 0)[:, None]  # (R, 1)
+    probs = torch.where(is_greedy, point, filtered)
+    soft = torch.where(is_greedy, torch.softmax(adjusted, dim=-1), filtered)
+    return probs, soft

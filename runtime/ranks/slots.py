@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.catalog import GraphKind
 from runtime.transport.schema import Frame, SamplingParams
 
 
@@ -70,6 +71,11 @@ class CheckedFrame:
         return int(self.slot.shape[0])
 
     @property
+    def speculative(self) -> bool:
+        """A speculative round: its lanes may emit fewer than ``query_len`` tokens."""
+        return self.frame.program.kind is GraphKind.SPECULATIVE
+
+    @property
     def context(self) -> np.ndarray:
         """(R,) each lane's context after the frame."""
         return self.position + self.query_len
@@ -88,8 +94,11 @@ class SlotTable:
         self.max_context = max_context
         # One row per slot, so a frame gathers its lanes' state in one index:
         # generation (0: empty), next position, pending (0/1), pages held,
-        # full sampler (0/1), log probabilities (-1: none), sampling step.
-        self._state = np.zeros((num_slots, 7), np.int64)
+        # full sampler (0/1), log probabilities (-1: none), sampling step, and
+        # the slack of a speculative round in flight: the next position is an
+        # upper bound (what the coordinator assumes), the round may end up to
+        # ``slack`` tokens short of it; :meth:`settle` makes it exact.
+        self._state = np.zeros((num_slots, 8), np.int64)
         self.generation = self._state[:, 0]
         self.next_position = self._state[:, 1]
         self.pending = self._state[:, 2]
@@ -98,6 +107,7 @@ class SlotTable:
         self.logprobs = self._state[:, 5]
         self.logprobs[:] = -1
         self.step = self._state[:, 6]
+        self.slack = self._state[:, 7]
         self.settings: list[SamplingParams | None] = [None] * num_slots
         # The steady decode path: the last applied frame when it was decode-only
         # with no pages, settings or releases; the positions its lanes continue
@@ -128,12 +138,14 @@ class SlotTable:
         position = column(frame.position)
         query_len = column(frame.query_len)
         page_count = column(frame.page_count)
-        state = self._state[slot]  # (R, 7)
+        state = self._state[slot]  # (R, 8)
         known = state[:, 0] == generation
         prefill = column(frame.phase) == 1
-        # A known slot continues where it stopped; a new generation starts at 0
-        # with a prefill lane; a decode lane needs a pending token.
-        ok = known & (position == state[:, 1]) & ((state[:, 2] > 0) | prefill)
+        # A known slot continues where it stopped (behind a speculative round in
+        # flight: anywhere in its slack); a new generation starts at 0 with a
+        # prefill lane; a decode lane needs a pending token.
+        at = (position <= state[:, 1]) & (position >= state[:, 1] - state[:, 7])
+        ok = known & at & ((state[:, 2] > 0) | prefill)
         if not ok.all():
             prompt_start = column(frame.prompt_start)
             ok |= ~known & prefill & (position == 0) & (prompt_start == 0)
@@ -174,10 +186,11 @@ class SlotTable:
     def _check_one(self, frame: Frame, vocab: int) -> CheckedFrame:
         """:meth:`check` for a one-lane frame, the same rules on Python ints."""
         slot, position = frame.slot[0], frame.position[0]
-        generation, held_before, step = self._state[slot, [0, 3, 6]].tolist()
+        generation, held_before, step, slack = self._state[slot, [0, 3, 6, 7]].tolist()
         known = generation == frame.generation[0]
         prefill = frame.phase[0] == 1
-        ok = known and position == self.next_position[slot] and (prefill or self.pending[slot])
+        at = self.next_position[slot] - slack <= position <= self.next_position[slot]
+        ok = known and at and (prefill or self.pending[slot])
         ok = ok or (not known and prefill and position == 0 and frame.prompt_start[0] == 0)
         if not ok:
             raise FrameError(self._lane_error(frame, 0, known, prefill))
@@ -295,12 +308,12 @@ class SlotTable:
         slot, gen = int(column(frame.slot)[i]), int(column(frame.generation)[i])
         head = f"fence {frame.fence}: lane {i}"
         position = int(column(frame.position)[i])
-        if known and position != self.next_position[slot]:
+        slack = int(self.slack[slot])
+        if known and not 0 <= self.next_position[slot] - position <= slack:
             phase = "prefill" if prefill else "decode"
-            return (
-                f"{head}: {phase} at position {position}, slot {slot} is at "
-                f"{int(self.next_position[slot])}"
-            )
+            where = int(self.next_position[slot])
+            at = f"{where - slack}..{where}" if slack else f"{where}"
+            return f"{head}: {phase} at position {position}, slot {slot} is at {at}"
         if known:
             return f"{head}: slot {slot} has no pending token"
         if not prefill:
@@ -316,9 +329,13 @@ class SlotTable:
         context = checked.context
         self.next_position[slot] = context
         self.step[slot] = checked.step + checked.commits
+        self.slack[slot] = np.where(checked.starts, 0, self.slack[slot])
+        if checked.speculative:  # upper bounds until settle()
+            self.slack[slot] += checked.query_len - 1
         if not checked.steady:
             for released in frame.release_slots:
                 self.generation[released] = 0
+                self.slack[released] = 0
                 self.settings[released] = None
             self.generation[slot] = checked.generation
             self.page_count[slot] = checked.page_base + checked.page_count
@@ -331,7 +348,11 @@ class SlotTable:
                     self.full[s] = int(needs_full(params))
                     self.logprobs[s] = params.logprobs
             eligible = not (
-                frame.release_slots or frame.sampling or frame.pages or checked.prefill.any()
+                frame.release_slots
+                or frame.sampling
+                or frame.pages
+                or checked.prefill.any()
+                or checked.speculative
             )
             self._last = checked if eligible else None
             if eligible:
@@ -342,8 +363,22 @@ class SlotTable:
         if self._last is not None:
             self._expected = array("q", context.tobytes())
 
+    def settle(self, checked: CheckedFrame, counts: np.ndarray) -> None:
+        """A speculative round finished: lane ``i`` emitted ``counts[i]`` of its
+        ``query_len`` tokens; the slots it ran (unless retired since) are exact
+        again for it."""
+        short = checked.query_len - counts
+        same = self.generation[checked.slot] == checked.generation
+        slot = checked.slot[same]
+        self.next_position[slot] -= short[same]
+        self.step[slot] -= short[same]
+        self.slack[slot] -= checked.query_len[same] - 1
+        if short.any():
+            self._last = None
+
     def release(self, slot: int) -> None:
         self.generation[slot] = 0
+        self.slack[slot] = 0
         self.settings[slot] = None
         self._last = None
 

@@ -48,6 +48,7 @@ import torch
 from runtime.catalog import GraphDescriptor
 from runtime.ranks.arena import HostStaging, SlotArena
 from runtime.ranks.capacity import CapacityConfig, build_catalog
+from runtime.ranks.draft import DraftContext
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.profiling import RankProfiler
 from runtime.ranks.programs import (
@@ -59,6 +60,7 @@ from runtime.ranks.programs import (
     variant_of,
 )
 from runtime.ranks.slots import CheckedFrame, FrameError, SlotTable
+from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.watchdog import HANG_EXIT_CODE, Watchdog, frame_deadline_ns, hang_message
 from runtime.transport.schema import (
     MAX_SLOTS,
@@ -105,6 +107,8 @@ class RankWorker:
         frame_timeout_margin_s: float = 60.0,
         check_ranks: bool = False,
         profile_dir: str | None = None,
+        draft_model: LlamaForCausalLM | None = None,
+        proposer: ProposerConfig | None = None,
     ) -> None:
         if frame_timeout_multiple <= 0 or frame_timeout_margin_s <= 0:
             raise ValueError("frame_timeout_multiple and frame_timeout_margin_s must be > 0")
@@ -125,10 +129,33 @@ class RankWorker:
         model.allocate_kv_cache(num_pages, page_size)
         self.device = model.model.embed_tokens.weight.device
         max_pages = -(-self.max_context // page_size)
-        self.arena = SlotArena(MAX_SLOTS, max_pages, self.device)
+        speculative = bool(capacity.speculative_widths)
+        if speculative and proposer is None:
+            raise ValueError("speculative programs need a proposer (ProposerConfig)")
+        self.proposer = proposer if speculative else None
+        draft = None
+        if draft_model is not None:
+            if draft_model.config.vocab_size != config.vocab_size:
+                raise ValueError(
+                    f"the draft's vocabulary ({draft_model.config.vocab_size} tokens) is not "
+                    f"the target's ({config.vocab_size})"
+                )
+            draft_model.allocate_kv_cache(num_pages, page_size)  # the same page ids
+            draft = DraftContext(draft_model)
+        self.draft_model = draft_model
+        # Token history (copy proposals): every position, plus a round's width.
+        history = self.max_context + 2 * max(capacity.speculative_widths, default=0) + 2
+        self.arena = SlotArena(MAX_SLOTS, max_pages, self.device, history=history * speculative)
         self.programs: dict[tuple, PreparedProgram]
         self.programs, self.outputs = prepare_programs(
-            self.catalog, model, self.arena, page_size, capture=capture, progress=progress
+            self.catalog,
+            model,
+            self.arena,
+            page_size,
+            capture=capture,
+            progress=progress,
+            draft=draft,
+            proposer=self.proposer,
         )
         # Slots are cheap on a rank: hold the protocol bound, so any coordinator
         # concurrency fits whatever decode buckets were captured.
@@ -267,7 +294,12 @@ class RankWorker:
         return launch
 
     def _update_rows(self, checked: CheckedFrame) -> None:
-        """Appended pages and new generations' settings into the device rows."""
+        """Appended pages and new generations' settings into the device rows; a new
+        generation's page-table row starts empty (a round's draft extent past
+        the pages a slot holds must find no page there)."""
+        if checked.starts.any():
+            fresh = torch.from_numpy(checked.slot[checked.starts]).to(self.device)
+            self.arena.page_tables.index_fill_(0, fresh, -1)
         self.arena.append_pages(checked.slot, checked.page_base, checked.page_count, checked.pages)
         for i, params in checked.sampling.items():
             if checked.starts[i]:
@@ -297,7 +329,10 @@ class RankWorker:
         self.last_fence = checked.frame.fence
         columns: dict[str, array] = {}
         sidecars: dict[str, Tensor] = {}
-        if self.rank == 0:
+        sampled = None
+        if launch.round is not None:
+            columns, sidecars, sampled = self._round_results(launch)
+        elif self.rank == 0:
             tokens = launch.tokens()
             commits = checked.commits
             committed = commits > 0
@@ -317,7 +352,8 @@ class RankWorker:
         stages = launch.stages
         crc = -1
         if self.check_ranks:  # every rank's sampled tokens, to compare across ranks
-            sampled = launch.tokens().astype("<i8")
+            if sampled is None:
+                sampled = launch.tokens().astype("<i8")
             if 0 <= self.debug_perturb_fence <= checked.frame.fence:
                 self.debug_perturb_fence = -1  # the drill: one token off, once
                 sampled = sampled.copy()
@@ -348,6 +384,47 @@ class RankWorker:
         stages["publish"] = time.perf_counter_ns() - t1
         self._last_publish_ns = stages["publish"]
         return completion
+
+    def _round_results(
+        self, launch: Launch
+    ) -> tuple[dict[str, array], dict[str, Tensor], np.ndarray]:
+        """A finished speculative round: the slot table settled, and (columns,
+        sidecars, what ``--check-ranks`` compares).  Every rank publishes the
+        confidence and survival sidecars (valid probabilities; rank 0's drive
+        the coordinator); rank 0 adds the lanes and, when asked, one row of log
+        probabilities per emitted token, in lane order."""
+        out, checked = launch.round, launch.checked
+        assert out is not None
+        counts = out.counts.numpy().astype(np.int64)
+        tokens = out.tokens.numpy()
+        self.slots.settle(checked, counts)
+        kept = np.arange(tokens.shape[1])[None, :] < counts[:, None]  # (R, K + 1)
+        flat = tokens[kept]  # lane order
+        sampled = np.concatenate([counts, flat]).astype("<i8")  # allocation and acceptance
+        sidecars = {
+            "confidence": tensor_from_torch(out.confidence.contiguous()),
+            "survival": tensor_from_torch(out.survival.contiguous()),
+        }
+        if self.rank != 0:
+            return {}, sidecars, sampled
+        last = tokens[np.arange(len(counts)), np.maximum(counts - 1, 0)]
+        columns = {
+            "slot": _ints(checked.slot),
+            "generation": _ints(checked.generation),
+            "token_count": _ints(counts),
+            "tokens": _ints(flat),
+            "finished": _ints((counts > 0) & self.is_eos[np.maximum(last, 0)]),
+        }
+        if checked.logprobs >= 0 and out.logprob is not None:
+            k = min(checked.logprobs, self.outputs.max_logprobs)
+            mask = torch.from_numpy(kept)
+            values = torch.cat(
+                [out.logprob[mask][:, None], out.top_logprobs[mask][:, :k]], dim=1
+            )  # (T, 1 + k), T = emitted tokens
+            sidecars["logprobs"] = tensor_from_torch(values.contiguous())
+            ids = out.top_ids[mask][:, :k].to(torch.int32).contiguous()
+            sidecars["logprob_token_ids"] = tensor_from_torch(ids)
+        return columns, sidecars, sampled
 
     def execute(self, frame: Frame) -> Completion:
         """Run one frame to its completion; raises FrameError / ProgramError with

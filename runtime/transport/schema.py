@@ -77,7 +77,7 @@ from runtime.transport.sampling import (
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 MAX_WORLD_SIZE = 4096
 MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
@@ -90,6 +90,9 @@ CONTROL_COMMANDS = ("shutdown", "ping", "ready", "inspect", "profile", "profiled
 RANK_COMMANDS = ("ready", "profiled")  # sent by a rank
 MAX_PROFILE_FRAMES = 1 << 16
 COORDINATOR_RANK = -1
+# Sidecars every rank of a speculative round publishes (valid probabilities;
+# rank 0's drive the coordinator): the rest are rank 0's alone.
+PEER_SIDECARS = frozenset({"confidence", "survival"})
 
 # Re-exported: the frame and sampling modules were split out of this one.
 __all__ = [
@@ -257,7 +260,8 @@ class Completion:
 
     ``device_ns``: the rank's replay interval; ``readiness_delay_ns``: exposed
     input-readiness stall within it.  Only rank 0 sends lane results and
-    ``sidecars`` (e.g. "confidence", "survival"); the other ranks send neither.
+    sidecars, except a speculative round's ``confidence`` and ``survival``
+    (:data:`PEER_SIDECARS`), which every rank sends (protocol version 5).
 
     Lane results are int64 columns (``array('q')``; lists of ints are
     converted), one entry per lane of the frame in its lane order: ``slot``
@@ -276,7 +280,9 @@ class Completion:
     ids, in the same order).  Row ``i`` is lane ``i``; rows of lanes that asked
     for fewer (or none), and of prefill chunks that commit no token, hold
     whatever was computed and are to be ignored.  Frames where no lane asks
-    carry neither.
+    carry neither.  A speculative round's log probabilities have one row per
+    emitted token instead (``T`` = ``sum(token_count)`` rows, in lane order):
+    ``(T, 1 + K)`` and ``(T, K)``.
 
     ``error``: the rank could not run the frame (it names why); such a
     completion carries no lanes, and the coordinator must not assume the ranks'
@@ -344,8 +350,9 @@ class Completion:
                 raise ProtocolError(f"sidecars[{name}]", "must be a Tensor")
         if rank != 0 and lanes:
             raise ProtocolError("slot", f"only rank 0 reports lanes, rank {rank} sent {lanes}")
-        if rank != 0 and self.sidecars:
-            raise ProtocolError("sidecars", f"only rank 0 reports sidecars, rank {rank} sent some")
+        if rank != 0 and set(self.sidecars) - PEER_SIDECARS:
+            other = sorted(set(self.sidecars) - PEER_SIDECARS)
+            raise ProtocolError("sidecars", f"only rank 0 reports {other}, rank {rank} sent them")
         if self.error is not None:
             check_str("error", self.error, MAX_ERROR_CHARS)
             if lanes or self.sidecars:
