@@ -121,3 +121,36 @@ def paged_prefill_attention_reference(
         lane_out = lane_out.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[start : start + q_len] = lane_out.reshape(q_len, heads, head_dim)
     return out.to(q.dtype)
+
+
+def paged_verify_attention_reference(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_tables: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+) -> Tensor:
+    """Torch reference of :func:`paged_verify_attention`; fp32 math, q's dtype out.
+
+    The kernel takes the prefill kernel's arguments with their meaning (lane i's
+    j-th new query at position ``context_lens[i] - query_lens[i] + j``, causal over
+    the lane's whole paged context; zeros on rows of no lane), for a small bound W
+    = max_query_len. :func:`paged_prefill_attention_reference` computes exactly
+    that, so this delegates to it (its one-token lanes run as decode attention, its
+    longer ones one SDPA each).
+    """
+    return paged_prefill_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        page_tables,
+        query_start,
+        query_lens,
+        context_lens,
+        scale,
+        max_query_len,
+    )

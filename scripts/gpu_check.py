@@ -31,7 +31,9 @@ Checks, each printed as PASS/FAIL with its figures, on the embedded model:
    eager, event intervals against wall time, decode replay at 32k against 1k
    maximum context, no memory growth over 1,000 replays (with the rank's host
    stages), the sampling variants' cost spread, bf16 against fp32
-   teacher-forced;
+   teacher-forced; then the speculative kernels and the verify attention
+   kernel (W = 2..16 queries per lane) against their references, with the
+   verify and prefill kernels' event times on the same verification steps;
 9. a timing table: CUDA-event replay time per program (mixed ones included);
 10. the deployment end to end: ``LocalDeployment`` on CUDA with graphs (mixed
    programs too), its KV cache sized by ``--gpu-memory-utilization`` (the
@@ -273,6 +275,68 @@ def check_speculative_kernels() -> bool:
     return ok
 
 
+def _event_us(fn, args: tuple, repeat: int = 20) -> float:
+    """Mean CUDA-event time of ``fn(*args)`` in microseconds, after one warm call."""
+    fn(*args)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeat):
+        fn(*args)
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) * 1e3 / repeat
+
+
+def check_verify_attention() -> bool:
+    """The verify attention kernel (W > 1 queries per lane, flash-decoding) compiled
+    on the device against its torch reference: W 2..16, GQA 4 and 8, fp16/bf16,
+    default and single splits; and its event time beside the prefill kernel's on
+    the same step (recorded, not checked)."""
+    from kernels.triton.paged_prefill_attention import paged_prefill_attention as prefill
+    from kernels.triton.paged_verify_attention import (
+        paged_verify_attention,
+        paged_verify_attention_reference,
+    )
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    d = 128
+    # Lanes' contexts: inactive, one page, page-crossing, long; W new tokens each
+    # (ragged: the inactive lane has none, another half of W).
+    contexts = [0, PAGE, 1000, 4096 + 5, 16384 + 3, 77]
+    max_pages = 16384 // PAGE + 1
+    used = [-(-c // PAGE) for c in contexts]
+    ok, detail = True, []
+    for heads, kv_heads, w in ((16, 4, 2), (16, 4, 4), (32, 4, 8), (32, 4, 16)):
+        query_lens = [0, w, w, max(1, w // 2), w, w]
+        lens = torch.tensor(query_lens, device="cuda")
+        starts = torch.cumsum(lens, 0) - lens
+        ctx = torch.tensor(contexts, device="cuda")
+        tables = torch.full((len(contexts), max_pages), -1, dtype=torch.int32, device="cuda")
+        perm = torch.randperm(sum(used) + 1, device="cuda", generator=gen).int()
+        start = 0
+        for lane, n in enumerate(used):
+            tables[lane, :n] = perm[start : start + n]
+            start += n
+        tokens = sum(query_lens) + 5  # padding rows too
+        for dtype in (torch.float16, torch.bfloat16):
+            shape = (2, sum(used) + 1, PAGE, kv_heads, d)
+            k, v = torch.randn(shape, device="cuda", generator=gen).to(dtype).unbind(0)
+            q = torch.randn(tokens, heads, d, device="cuda", generator=gen).to(dtype)
+            args = (q, k, v, tables, starts, lens, ctx, d**-0.5, w)
+            ref = paged_verify_attention_reference(*args).float()
+            for splits in (None, 1):
+                out = paged_verify_attention(*args, splits)
+                # Error relative to 1 + |ref|: one half-precision ulp at any magnitude.
+                diff = ((out.float() - ref).abs() / (1 + ref.abs())).max().item()
+                ok &= diff < 2e-2 and bool((out[sum(query_lens) :] == 0).all())
+                detail.append(f"H{heads}/{kv_heads} W{w} {str(dtype)[6:]} s={splits}: {diff:.1e}")
+            if dtype == torch.bfloat16:
+                for name, fn in (("verify", paged_verify_attention), ("prefill", prefill)):
+                    us = _event_us(fn, args)
+                    RESULTS[f"kernel_{name}_w{w}_h{heads}_bf16_us"] = round(us, 1)
+    return check("verify_attention_equals_reference", ok, "; ".join(detail))
+
+
 def check_debugging(engine, prompts, profiles: Path, cuda: bool, tp: int) -> bool:
     """Rank inspection and the on-demand profiler on the device (issue 11)."""
     import threading
@@ -384,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ok &= gpu_realistic.run(check, RESULTS, cuda)
     if cuda:
         ok &= check_speculative_kernels()
+        ok &= check_verify_attention()
 
     _, driver = generate(graphs, prompts, greedy, 16)
     _, mixed_driver = generate_mixed(graphs, prompts, greedy, 16)

@@ -17,6 +17,10 @@ each.  Their attention runs in two passes that write disjoint token rows and
 are added (:func:`mixed_paged_attention`): the prompt row alone with Q = C,
 then every row with Q = W, the prompt row's query length masked to 0.  So no
 (L, C) query block is gathered for the decode rows.
+
+On CUDA :class:`PagedAttention` picks its kernel by :func:`attention_kernel`:
+decode (Q = 1), verify (an unmixed step of 1 < Q <= 16: speculative
+verification's pending token plus proposals per lane) or prefill (the rest).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from runtime.ranks.model.kv_cache import PagedKVCache
 __all__ = [
     "AttentionMetadata",
     "PagedAttention",
+    "attention_kernel",
     "compute_slot_mapping",
     "lane_token_index",
     "mixed_paged_attention",
@@ -304,6 +309,23 @@ def mixed_paged_attention(
     return out + paged_attention_reference(q, k_pages, v_pages, positions, rows, scale)
 
 
+VERIFY_MAX_QUERY_LEN = 16  # kernels/triton/paged_verify_attention.py's MAX_QUERY_LEN
+
+
+def attention_kernel(metadata: AttentionMetadata, num_tokens: int) -> str:
+    """Which attention kernel a step runs on CUDA (static facts only, so a captured
+    program keeps its choice): ``"decode"`` when every lane has at most one token at
+    its own row (Q = 1, token i is lane i); ``"verify"`` for an unmixed step with
+    1 < Q <= 16 (speculative verification: each lane's pending token and its
+    proposals); else ``"prefill"`` (prompts and mixed steps)."""
+    max_q = metadata.max_query_len
+    if not metadata.mixed and max_q == 1 and num_tokens == metadata.num_lanes:
+        return "decode"
+    if not metadata.mixed and 1 < max_q <= VERIFY_MAX_QUERY_LEN:
+        return "verify"
+    return "prefill"
+
+
 class PagedAttention(nn.Module):
     """One layer's attention core: store this step's K/V, attend over the pages."""
 
@@ -330,27 +352,33 @@ class PagedAttention(nn.Module):
     ) -> Tensor:
         """q (N, H, d), k and v (N, KV, d) for the new tokens -> (N, H, d).
 
-        CUDA: the Triton kernels (kernels/triton/): the KV write, then decode
-        attention (flash-decoding) when every lane has one token at its own
-        row, else varlen prefill attention (prefill and mixed steps).  CPU:
-        their torch references (kernels/reference.py), whose work follows
-        each lane's actual context.  ``positions`` are implied by the lengths.
+        CUDA: the Triton kernels (kernels/triton/): the KV write, then, by
+        :func:`attention_kernel`, decode attention (flash-decoding) when every
+        lane has one token at its own row; verify attention (flash-decoding
+        over W queries per lane) for an unmixed step of 1 < max_query_len <=
+        16 (speculative verification, short chunks); else varlen prefill
+        attention (prefill and mixed steps).  CPU: their torch references
+        (kernels/reference.py), whose work follows each lane's actual context;
+        the verify and prefill references are one.  ``positions`` are implied
+        by the lengths.
         """
         del positions
         kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
         k_pages = kv_cache.key(self.layer_index)
         v_pages = kv_cache.value(self.layer_index)
-        decode = not metadata.mixed and metadata.max_query_len == 1
-        decode = decode and q.shape[0] == metadata.num_lanes  # token i is lane i
+        kind = attention_kernel(metadata, q.shape[0])
         if q.is_cuda:
             from kernels.triton.paged_decode_attention import paged_decode_attention
             from kernels.triton.paged_prefill_attention import paged_prefill_attention
+            from kernels.triton.paged_verify_attention import paged_verify_attention
 
             decode_attention, prefill_attention = paged_decode_attention, paged_prefill_attention
+            if kind == "verify":
+                prefill_attention = paged_verify_attention
         else:
             decode_attention = paged_decode_attention_reference
             prefill_attention = paged_prefill_attention_reference
-        if decode:
+        if kind == "decode":
             return decode_attention(
                 q, k_pages, v_pages, metadata.page_tables, metadata.context_lens, self.scale
             )

@@ -1,0 +1,442 @@
+"""Paged attention of a few new tokens per lane (speculative verification, W > 1).
+
+Same arguments as :func:`~kernels.triton.paged_prefill_attention.paged_prefill_attention`:
+q (N, H, d) holds the new tokens of L lanes packed flat, lane i's tokens being rows
+``query_start[i] .. query_start[i] + query_lens[i]``. K and V pages per layer are
+(num_pages, page_size, kv_heads, head_dim), as in runtime/ranks/model/kv_cache.py,
+and already hold this step's K/V. Lane i's context after the step is
+``context_lens[i]`` keys in pages ``page_tables[i, :]`` (entries past the context
+are never read and may be -1). Its j-th new query sits at position
+``context_lens[i] - query_lens[i] + j`` and sees the keys at positions up to its
+own. Grouped-query attention: query head h reads KV head ``h // (H / kv_heads)``.
+Token rows of no lane come out as zeros; lanes with query_len 0 are inactive.
+``max_query_len`` (W) is at most :data:`MAX_QUERY_LEN`: a verification step has
+each lane's pending token plus up to W - 1 proposals.
+
+Flash-decoding over the W queries at once: the grid (L, kv_heads, num_splits *
+query_blocks) depends on the shapes only, so a call can be captured in a graph.
+A program takes one split (a contiguous range of key positions, a multiple of
+BLOCK_N) of one lane's context for BLOCK_W queries times the GROUP query heads of
+one KV head: BLOCK_W * GROUP rows share each K/V tile, one ``tl.dot`` per tile,
+with a causal mask per row. ``query_blocks`` is 1 unless W * GROUP exceeds the
+rows a program holds (64; 32 for fp32 past head_dim 128). A program exits at once
+when its split starts past the lane's context or its query block past the lane's
+query_len, so the work follows the actual lengths. With one split the program
+normalises and writes the output itself; with several, programs write partial
+(max, sum, acc) in fp32 and a second kernel, one program per (lane, KV head,
+query), merges the lane's non-empty splits by log-sum-exp.
+
+The torch reference (:func:`~kernels.reference.paged_verify_attention_reference`,
+re-exported here) is the prefill reference, which computes exactly this.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from kernels.reference import paged_verify_attention_reference
+from kernels.triton.checks import check_device, check_index, check_query_and_pages, interpreted
+
+MAX_QUERY_LEN = 16  # new tokens per lane: the pending token plus up to 15 proposals
+# tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
+# interpreter does not check): rows (BLOCK_W * GROUP_P), keys and head_dim blocks.
+_MIN_DOT = 16
+_TARGET_ROWS = 64  # rows of queries x heads per program
+_TARGET_PROGRAMS = 1024  # splits stop growing once lanes x kv_heads x splits reach this
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """a @ b (+ acc), accumulated in fp32. WIDEN multiplies fp32 copies of the
+    operands: the interpreter's bf16 dot multiplies the raw bits (set for bf16 under
+    TRITON_INTERPRET only; the GPU multiplies bf16 directly)."""
+    if WIDEN:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc=acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _paged_verify_split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    pt_ptr,
+    qs_ptr,
+    ql_ptr,
+    ctx_ptr,
+    scale_log2,
+    stride_qn,
+    stride_qh,
+    stride_on,
+    stride_oh,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_ptl,
+    stride_ptp,
+    num_splits,
+    keys_per_split,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    Q_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SINGLE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_W * GROUP_P
+    ROWS: tl.constexpr = Q_BLOCKS * BLOCK_M  # partial rows per (lane, KV head, split)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and BLOCK_D >= 16)
+    lane = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2) // Q_BLOCKS
+    q_block = tl.program_id(2) % Q_BLOCKS
+    kv_heads = tl.num_programs(1)
+
+    q_len = tl.load(ql_ptr + lane).to(tl.int32)
+    ctx = tl.load(ctx_ptr + lane).to(tl.int32)
+    q_begin = q_block * BLOCK_W
+    begin = split * keys_per_split  # first key position of the split
+    # Past the lane's queries (or an inactive lane), or past its context: no work.
+    # The merge reads only the splits that start inside the context.
+    if q_begin >= q_len or begin >= ctx:
+        return
+    q_start = tl.load(qs_ptr + lane).to(tl.int64)
+    prefix = ctx - q_len  # position of the lane's first new token
+
+    # Row r of the block: query q_begin + r // GROUP_P, head kv_head * GROUP + r % GROUP_P.
+    r = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    qi = q_begin + r // GROUP_P  # (BLOCK_M,) index of the query in the lane's tokens
+    hi = r % GROUP_P  # (BLOCK_M,) head within the group
+    row_ok = (qi < q_len) & (hi < GROUP)  # (BLOCK_M,)
+    head = kv_head * GROUP + hi  # (BLOCK_M,)
+    q_pos = prefix + qi  # (BLOCK_M,)
+    token = q_start + qi  # (BLOCK_M,) int64
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    d_ok = d < HEAD_DIM
+    q_off = token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :]
+    q_mask = row_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+
+    # The split's keys up to the block's last valid query (a split that starts past
+    # it runs no iteration and stores the empty partial: m = -inf, l = 0, acc = 0).
+    end = tl.minimum(begin + keys_per_split, prefix + tl.minimum(q_len, q_begin + BLOCK_W))
+    n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(begin, end, BLOCK_N):
+        key_pos = start + n  # (BLOCK_N,)
+        key_ok = key_pos < end
+        col = key_pos // PAGE_SIZE
+        page = tl.load(pt_ptr + lane * stride_ptl + col * stride_ptp, mask=key_ok, other=0)
+        page = page.to(tl.int64)  # (BLOCK_N,)
+        slot = key_pos % PAGE_SIZE  # (BLOCK_N,)
+        kv_mask = key_ok[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
+        k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
+        k = tl.load(k_ptr + k_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        s = _dot(q, tl.trans(k), None, DOT_PRECISION, WIDEN) * scale_log2  # (BLOCK_M, BLOCK_N)
+        visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
+        s = tl.where(visible, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
+        # A row may see no key of a tile (or of the whole split): keep it at -inf.
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,)
+        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N) zero on hidden keys
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
+        v = tl.load(v_ptr + v_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN)
+        m_i = m_new
+    if SINGLE:  # the split is the whole context: normalise and write the output
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D)
+        o_off = token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:  # partials of every row of the block (pad rows too: the merge skips them)
+        part = ((lane * kv_heads + kv_head) * num_splits + split).to(tl.int64) * ROWS
+        part = part + q_block * BLOCK_M + r  # (BLOCK_M,) flat row of (L, KV, S, ROWS)
+        tl.store(m_ptr + part, m_i)
+        tl.store(l_ptr + part, l_i)
+        acc_off = part[:, None] * HEAD_DIM + d[None, :]
+        tl.store(acc_ptr + acc_off, acc, mask=d_ok[None, :])
+
+
+@triton.jit
+def _paged_verify_merge_kernel(
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    qs_ptr,
+    ql_ptr,
+    ctx_ptr,
+    stride_on,
+    stride_oh,
+    num_splits,
+    keys_per_split,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """One (lane, KV head, query): log-sum-exp merge of the splits that start inside
+    the lane's context, for the GROUP query heads of the KV head."""
+    lane = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    qi = tl.program_id(2)
+    kv_heads = tl.num_programs(1)
+    q_len = tl.load(ql_ptr + lane).to(tl.int32)
+    if qi >= q_len:  # past the lane's queries (or an inactive lane): no work
+        return
+    ctx = tl.load(ctx_ptr + lane).to(tl.int32)
+    used = tl.minimum((ctx + keys_per_split - 1) // keys_per_split, num_splits)
+    token = tl.load(qs_ptr + lane).to(tl.int64) + qi
+
+    hi = tl.arange(0, GROUP_P)  # (GROUP_P,)
+    h_ok = hi < GROUP
+    head = kv_head * GROUP + hi  # (GROUP_P,)
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    d_ok = d < HEAD_DIM
+    base = (lane * kv_heads + kv_head).to(tl.int64) * num_splits  # split 0 of (L, KV, S)
+    row = qi * GROUP_P + hi  # (GROUP_P,) row within a split's ROWS
+    sp = tl.arange(0, BLOCK_S)  # (BLOCK_S,)
+    s_ok = sp < used
+    flat = (base + sp[:, None]) * ROWS + row[None, :]  # (BLOCK_S, GROUP_P)
+    m = tl.load(m_ptr + flat, mask=s_ok[:, None], other=-float("inf"))
+    top = tl.max(m, axis=0)  # (GROUP_P,) finite for a valid row: split 0 holds key 0
+    top = tl.where(top == -float("inf"), 0.0, top)
+    w = tl.exp2(m - top[None, :])  # (BLOCK_S, GROUP_P) zero on empty splits
+    l_sum = tl.load(l_ptr + flat, mask=s_ok[:, None], other=0.0)
+    den = tl.sum(w * l_sum, axis=0)  # (GROUP_P,)
+    num = tl.zeros([GROUP_P, BLOCK_D], dtype=tl.float32)
+    for s in range(0, used):
+        part = (base + s) * ROWS + row  # (GROUP_P,)
+        w_s = tl.exp2(tl.load(m_ptr + part) - top)  # (GROUP_P,)
+        a = tl.load(acc_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=d_ok[None, :], other=0.0)
+        num += w_s[:, None] * a
+    out = tl.where(den[:, None] > 0, num / tl.where(den > 0, den, 1.0)[:, None], 0.0)
+    o_off = token * stride_on + head[:, None] * stride_oh + d[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & d_ok[None, :])
+
+
+def _check(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_tables: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    context_lens: Tensor,
+    max_query_len: int,
+) -> None:
+    """Raise ValueError naming the first bad argument."""
+    page_size = check_query_and_pages(q, k_pages, v_pages, "N")
+    if page_size <= 0:
+        raise ValueError(f"k_pages: page_size {page_size} must be positive")
+    if page_tables.dim() != 2:
+        raise ValueError(f"page_tables: expected (L, P), got shape {tuple(page_tables.shape)}")
+    check_index("page_tables", page_tables, q.device)
+    lanes = page_tables.shape[0]
+    for name, t in (
+        ("query_start", query_start),
+        ("query_lens", query_lens),
+        ("context_lens", context_lens),
+    ):
+        if t.shape != (lanes,):
+            raise ValueError(f"{name}: expected ({lanes},), got shape {tuple(t.shape)}")
+        check_index(name, t, q.device)
+    if (
+        not isinstance(max_query_len, int)
+        or isinstance(max_query_len, bool)
+        or not 0 <= max_query_len <= MAX_QUERY_LEN
+    ):
+        raise ValueError(
+            f"max_query_len: expected an int in 0..{MAX_QUERY_LEN}, got {max_query_len!r} "
+            "(longer chunks go to paged_prefill_attention)"
+        )
+    check_device("q", q, _paged_verify_split_kernel)
+
+
+def default_verify_blocks(
+    group: int, max_query_len: int, head_dim: int, dtype: torch.dtype
+) -> tuple[int, int]:
+    """(BLOCK_W, BLOCK_N) for a GQA group size, W, head_dim and dtype.
+
+    A program holds BLOCK_W * next_pow2(group) rows: every query of the lane when
+    that is at most 64 rows (32 for fp32 past head_dim 128), else as many queries
+    as fit; at least 16 rows (the smallest tl.dot). Keys per tile: 64 for half
+    dtypes (32 past head_dim 128 or past 64 rows); fp32, whose ieee dot runs on FMA
+    units, 32 (16 past head_dim 128). The prefill kernel's sizes, which compile
+    without spills on sm_90 (not yet measured for this kernel).
+    """
+    group_p = triton.next_power_of_2(max(1, group))
+    wide = head_dim > 128
+    fp32 = dtype == torch.float32
+    target_rows = _TARGET_ROWS // 2 if fp32 and wide else _TARGET_ROWS
+    block_w = min(triton.next_power_of_2(max(1, max_query_len)), max(1, target_rows // group_p))
+    block_w = max(block_w, -(-_MIN_DOT // group_p))
+    block_n = (16 if wide else 32) if fp32 else (32 if wide or block_w * group_p > 64 else 64)
+    return block_w, block_n
+
+
+def default_verify_splits(lanes: int, kv_heads: int, max_pages: int, page_size: int) -> int:
+    """Splits for a batch's shape: about 256 keys each, at most 16, at most P (as
+    the decode kernel), and no more than it takes lanes x kv_heads x splits to reach
+    about 1,024 programs (a wide batch already fills the device)."""
+    if max_pages <= 0:
+        return 1
+    splits = max(1, min(16, max_pages, math.ceil(max_pages * page_size / 256)))
+    return max(1, min(splits, math.ceil(_TARGET_PROGRAMS / max(1, lanes * kv_heads))))
+
+
+def paged_verify_attention(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_tables: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    context_lens: Tensor,
+    scale: float,
+    max_query_len: int,
+    num_splits: int | None = None,
+    *,
+    block_w: int | None = None,
+    block_n: int | None = None,
+) -> Tensor:
+    """Causal attention of up to W = max_query_len (<= 16) packed new tokens per lane.
+
+    q (N, H, d); k_pages, v_pages (num_pages, page_size, kv_heads, d); page_tables
+    (L, P); query_start, query_lens, context_lens (L,) on the device; max_query_len
+    a static bound on query_lens (queries past it are not computed). Returns
+    (N, H, d) in q's dtype, zeros on rows of no lane. The grid (L, kv_heads,
+    num_splits * cdiv(W, BLOCK_W)) depends on the shapes only; num_splits defaults
+    to :func:`default_verify_splits`, block_w and block_n to
+    :func:`default_verify_blocks` (powers of two, block_n >= 16 and
+    block_w * next_pow2(H / kv_heads) >= 16).
+    """
+    _check(q, k_pages, v_pages, page_tables, query_start, query_lens, context_lens, max_query_len)
+    _, heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    lanes, max_pages = page_tables.shape
+    group = heads // kv_heads
+    group_p = triton.next_power_of_2(group)
+    default_w, default_n = default_verify_blocks(group, max_query_len, head_dim, q.dtype)
+    block_w = default_w if block_w is None else block_w
+    block_n = default_n if block_n is None else block_n
+    for name, value, least in (("block_w", block_w, 1), ("block_n", block_n, _MIN_DOT)):
+        if not isinstance(value, int) or value < least or value & (value - 1):
+            raise ValueError(f"{name}: expected a power of two >= {least}, got {value!r}")
+    if block_w * group_p < _MIN_DOT:
+        raise ValueError(f"block_w: {block_w} x group {group_p} is under {_MIN_DOT} rows")
+    if num_splits is None:
+        num_splits = default_verify_splits(lanes, kv_heads, max_pages, page_size)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # (N, H, d) rows of no lane stay 0
+    if out.numel() == 0 or lanes == 0 or max_pages == 0 or max_query_len == 0:
+        return out
+    q_blocks = triton.cdiv(max_query_len, block_w)
+    rows = block_w * group_p
+    # Key positions per split: a multiple of BLOCK_N covering the table's capacity.
+    keys_per_split = triton.cdiv(triton.cdiv(max_pages * page_size, num_splits), block_n) * block_n
+    block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
+    single = num_splits == 1
+    if single:  # the split kernel writes out directly; the partials are never touched
+        m = l_sum = acc = out
+    else:
+        shape = (lanes, kv_heads, num_splits, q_blocks * rows)
+        m = torch.empty(shape, dtype=torch.float32, device=q.device)  # (L, KV, S, R)
+        l_sum = torch.empty(shape, dtype=torch.float32, device=q.device)  # (L, KV, S, R)
+        acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+    _paged_verify_split_kernel[(lanes, kv_heads, num_splits * q_blocks)](
+        q,
+        k_pages,
+        v_pages,
+        out,
+        m,
+        l_sum,
+        acc,
+        page_tables,
+        query_start,
+        query_lens,
+        context_lens,
+        float(scale) * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_pages.stride(0),
+        k_pages.stride(1),
+        k_pages.stride(2),
+        v_pages.stride(0),
+        v_pages.stride(1),
+        v_pages.stride(2),
+        page_tables.stride(0),
+        page_tables.stride(1),
+        num_splits,
+        keys_per_split,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_W=block_w,
+        Q_BLOCKS=q_blocks,
+        BLOCK_N=block_n,
+        PAGE_SIZE=page_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        SINGLE=single,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WIDEN=q.dtype == torch.bfloat16 and interpreted(_paged_verify_split_kernel),
+        num_warps=8 if q.dtype == torch.float32 or rows * block_d > 64 * 128 else 4,
+    )
+    if not single:
+        _paged_verify_merge_kernel[(lanes, kv_heads, max_query_len)](
+            out,
+            m,
+            l_sum,
+            acc,
+            query_start,
+            query_lens,
+            context_lens,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            keys_per_split,
+            ROWS=q_blocks * rows,
+            GROUP=group,
+            GROUP_P=group_p,
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+        )
+    return out
+
+
+__all__ = [
+    "MAX_QUERY_LEN",
+    "default_verify_blocks",
+    "default_verify_splits",
+    "paged_verify_attention",
+    "paged_verify_attention_reference",
+]
