@@ -43,6 +43,7 @@ from runtime.cli_debug import (
     debug_config,
 )
 from runtime.cli_memory import add_kv_flags, kv_pool
+from runtime.cli_speculation import add_speculation_flags, speculation_config
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
@@ -61,9 +62,7 @@ if TYPE_CHECKING:
     from runtime.ranks.model.config import ModelConfig
 
 # Flags of features that later issues build: refused rather than ignored.
-NOT_YET = {
-    "speculative_token_capacity": "speculative programs on the ranks",
-}
+NOT_YET: dict[str, str] = {}
 
 MIN_CONTEXT = PROMPT_ALIGNMENT  # the shortest context the ranks serve (one prefill bucket)
 
@@ -263,12 +262,7 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         help="the exponent on prefix-survival estimates in speculative selection scores "
         "(projections use the plain estimates; default: the preset's, 1)",
     )
-    run.add_argument(
-        "--speculative-token-capacity",
-        metavar="N",
-        type=int,
-        help="not available yet: needs speculative programs on the ranks (default: unset)",
-    )
+    add_speculation_flags(run)
     run.add_argument(
         "--mixed-prefill",
         action="store_true",
@@ -558,6 +552,7 @@ def checked_run(
             startup_timeout_s=args.startup_timeout,
             frame_timeout_multiple=args.frame_timeout_multiple,
             frame_timeout_margin_s=args.frame_timeout_margin,
+            speculation=speculation_config(args, parser, model),
             **debug_config(args),
         )
     except ValueError as exc:

@@ -19,6 +19,7 @@ from runtime.launch import spawn_ranks, stop_ranks
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.ranks.model.default import default_model_dir
+from runtime.speculation import SpeculationConfig
 from runtime.transport.recording import model_digest, write_meta
 from runtime.transport.schema import PROTOCOL_VERSION
 
@@ -72,6 +73,7 @@ class DeploymentConfig:
     poll_spin_us: int | None = None  # None: spin_budget_us(tensor_parallel_size)
     external_publication: bool = False  # a frontend reports publications
     direct: bool = False  # the diagnostic direct-mode scheduler (runtime/direct)
+    speculation: SpeculationConfig | None = None  # speculative decoding (runtime/speculation.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -99,6 +101,13 @@ class DeploymentConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if self.speculation is not None:
+            if not isinstance(self.speculation, SpeculationConfig):
+                raise ValueError(
+                    f"speculation must be a SpeculationConfig, got {self.speculation!r}"
+                )
+            if self.direct:
+                raise ValueError("direct mode schedules no speculative rounds: drop speculation")
         spin = self.poll_spin_us
         if spin is not None and (not isinstance(spin, int) or not 0 <= spin <= 100_000):
             raise ValueError(f"poll_spin_us must be None or in 0..100000, got {spin!r}")
@@ -142,7 +151,20 @@ class DeploymentConfig:
             args += ["--log-dir", os.fspath(self.log_dir)]
         if self.profile_dir:
             args += ["--profile-dir", os.path.abspath(self.profile_dir)]
+        if self.speculation is not None:
+            args += self.speculation.rank_args()
         return args
+
+
+def speculation_settings(speculation: SpeculationConfig | None) -> dict:
+    """The engine's (scheduler's) speculation fields for ``speculation``."""
+    if speculation is None:
+        return {}
+    return {
+        "fixed_speculative_width": speculation.fixed_width,
+        "proposer": speculation.proposer,
+        "speculative_token_capacity": speculation.token_capacity,
+    }
 
 
 class LocalDeployment:
@@ -160,6 +182,7 @@ class LocalDeployment:
                 external_publication=cfg.external_publication,
                 record_dir=cfg.record_frames,
                 direct=cfg.direct,
+                **speculation_settings(cfg.speculation),
             )
         )
         self.ranks: list = []

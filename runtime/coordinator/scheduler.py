@@ -691,8 +691,9 @@ class Scheduler:
             terminated = record.finish_reason is not None or (
                 r.committed_output + count >= r.spec.max_output_tokens
             )
+            # A program's survival rows span its depth: the offered prefixes count.
             state.acceptance(self.config.proposer).observe_round(
-                offered_rows - 1, count - 1, terminated, survival or ()
+                offered_rows - 1, count - 1, terminated, (survival or ())[: offered_rows - 1]
             )
         if forecast is not None:
             joint, ceiling = forecast

@@ -36,6 +36,7 @@ from runtime.ranks.model import (
     default_model_dir,
     load_model,
 )
+from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.worker import RankWorker
 from runtime.transport.channels import ChannelEndpoints, RankChannel
 
@@ -106,6 +107,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also prepare mixed prefill/decode programs (capacity.mixed_shapes)",
     )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="a draft model directory for learned proposals ('default': the embedded draft)",
+    )
+    p.add_argument(
+        "--proposer",
+        choices=["draft", "copy"],
+        default=None,
+        help="prepare speculative rounds with this proposal source (default: none)",
+    )
+    p.add_argument(
+        "--speculative-widths",
+        default="",
+        help="comma-separated round widths W >= 2 to prepare (D = W - 1)",
+    )
+    p.add_argument(
+        "--device-allocation",
+        action="store_true",
+        help="also prepare prefix-limit (device-allocated) rounds at the widest width",
+    )
+    p.add_argument("--speculative-token-capacity", type=int, default=0)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--handshake-timeout", type=float, default=120.0, help="seconds")
     p.add_argument(
         "--poll-spin-us",
@@ -130,15 +155,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if not 0 < getattr(args, name) < float("inf"):
             p.error(f"--{name.replace('_', '-')} must be a finite number > 0")
     try:
+        widths = tuple(int(w) for w in args.speculative_widths.split(",") if w.strip())
+    except ValueError:
+        p.error(
+            f"--speculative-widths: integers separated by commas, got {args.speculative_widths!r}"
+        )
+    if widths and args.proposer is None:
+        p.error("--speculative-widths needs --proposer")
+    if args.proposer == "draft" and not args.draft_model:
+        p.error("--proposer draft needs --draft-model")
+    args.proposer_config = None
+    if args.proposer is not None:
+        if not widths:
+            p.error("--proposer needs --speculative-widths")
+        try:
+            args.proposer_config = ProposerConfig(
+                args.proposer, args.prompt_lookup_min, args.prompt_lookup_max
+            )
+        except ValueError as exc:
+            p.error(str(exc))
+    try:
         args.capacity = CapacityConfig(
             max_concurrency=args.max_concurrency,
             min_prefill_tokens=args.min_prefill_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
             mixed_prefill=args.mixed_prefill,
+            speculative_widths=widths,
+            speculative_token_capacity=args.speculative_token_capacity,
+            device_allocation=args.device_allocation,
         )
     except CapacityError as exc:
         p.error(str(exc).replace("max_", "--max-").replace("min_", "--min-").replace("_", "-"))
     return args
+
+
+def draft_dir(name: str) -> str:
+    """``--draft-model``: a directory, or ``default`` for the embedded draft."""
+    if name == "default":
+        from runtime.ranks.model import default_draft_dir
+
+        return str(default_draft_dir())
+    return name
 
 
 def configure_logging(rank: int, level: str, log_dir: str | None) -> None:
@@ -187,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         except (ConfigError, LoadError) as exc:  # one line, not a traceback per rank
             print(f"rank {rank}: model {model_dir}: {exc}", file=sys.stderr)
             return 1
+        args.draft = None
+        if args.draft_model:
+            path = draft_dir(args.draft_model)
+            try:  # tensor-parallel over the same group, like the target
+                args.draft = load_model(path, group, dtype=dtype, device=device)
+            except (ConfigError, LoadError) as exc:
+                print(f"rank {rank}: draft model {path}: {exc}", file=sys.stderr)
+                return 1
         progress = None
         if rank == 0:
             from tqdm import tqdm
@@ -253,6 +318,8 @@ def build_worker(
             frame_timeout_margin_s=args.frame_timeout_margin,
             check_ranks=args.check_ranks,
             profile_dir=args.profile_dir,
+            draft_model=getattr(args, "draft", None),
+            proposer=args.proposer_config,
         )
     except torch.cuda.OutOfMemoryError:
         raise KVCacheSizeError(
@@ -287,6 +354,11 @@ def size_kv_cache(
     page_bytes = memory.kv_bytes_per_page(
         model.config, world_size, args.page_size, model.dtype.itemsize
     )
+    draft = getattr(args, "draft", None)
+    if draft is not None:  # the draft's cache uses the same page ids
+        page_bytes += memory.kv_bytes_per_page(
+            draft.config, world_size, args.page_size, draft.dtype.itemsize
+        )
     measured = None
     if use_cuda and args.num_pages is None and args.kv_cache_memory is None:
         measured = memory.profile_cuda(

@@ -97,8 +97,10 @@ class SlotTable:
         # full sampler (0/1), log probabilities (-1: none), sampling step, and
         # the slack of a speculative round in flight: the next position is an
         # upper bound (what the coordinator assumes), the round may end up to
-        # ``slack`` tokens short of it; :meth:`settle` makes it exact.
-        self._state = np.zeros((num_slots, 8), np.int64)
+        # ``slack`` tokens short of it; :meth:`settle` makes it exact and keeps
+        # the round's shortfall: the coordinator builds the next frame before it
+        # hears of the round, so that frame's position may still be the bound.
+        self._state = np.zeros((num_slots, 9), np.int64)
         self.generation = self._state[:, 0]
         self.next_position = self._state[:, 1]
         self.pending = self._state[:, 2]
@@ -108,6 +110,7 @@ class SlotTable:
         self.logprobs[:] = -1
         self.step = self._state[:, 6]
         self.slack = self._state[:, 7]
+        self.shortfall = self._state[:, 8]
         self.settings: list[SamplingParams | None] = [None] * num_slots
         # The steady decode path: the last applied frame when it was decode-only
         # with no pages, settings or releases; the positions its lanes continue
@@ -138,13 +141,13 @@ class SlotTable:
         position = column(frame.position)
         query_len = column(frame.query_len)
         page_count = column(frame.page_count)
-        state = self._state[slot]  # (R, 8)
+        state = self._state[slot]  # (R, 9)
         known = state[:, 0] == generation
         prefill = column(frame.phase) == 1
         # A known slot continues where it stopped (behind a speculative round in
         # flight: anywhere in its slack); a new generation starts at 0 with a
         # prefill lane; a decode lane needs a pending token.
-        at = (position <= state[:, 1]) & (position >= state[:, 1] - state[:, 7])
+        at = (position <= state[:, 1] + state[:, 8]) & (position >= state[:, 1] - state[:, 7])
         ok = known & at & ((state[:, 2] > 0) | prefill)
         if not ok.all():
             prompt_start = column(frame.prompt_start)
@@ -186,10 +189,10 @@ class SlotTable:
     def _check_one(self, frame: Frame, vocab: int) -> CheckedFrame:
         """:meth:`check` for a one-lane frame, the same rules on Python ints."""
         slot, position = frame.slot[0], frame.position[0]
-        generation, held_before, step, slack = self._state[slot, [0, 3, 6, 7]].tolist()
+        generation, held_before, step, slack, short = self._state[slot, [0, 3, 6, 7, 8]].tolist()
         known = generation == frame.generation[0]
         prefill = frame.phase[0] == 1
-        at = self.next_position[slot] - slack <= position <= self.next_position[slot]
+        at = self.next_position[slot] - slack <= position <= self.next_position[slot] + short
         ok = known and at and (prefill or self.pending[slot])
         ok = ok or (not known and prefill and position == 0 and frame.prompt_start[0] == 0)
         if not ok:
@@ -308,11 +311,11 @@ class SlotTable:
         slot, gen = int(column(frame.slot)[i]), int(column(frame.generation)[i])
         head = f"fence {frame.fence}: lane {i}"
         position = int(column(frame.position)[i])
-        slack = int(self.slack[slot])
-        if known and not 0 <= self.next_position[slot] - position <= slack:
+        slack, short = int(self.slack[slot]), int(self.shortfall[slot])
+        if known and not -short <= self.next_position[slot] - position <= slack:
             phase = "prefill" if prefill else "decode"
             where = int(self.next_position[slot])
-            at = f"{where - slack}..{where}" if slack else f"{where}"
+            at = f"{where - slack}..{where + short}" if slack or short else f"{where}"
             return f"{head}: {phase} at position {position}, slot {slot} is at {at}"
         if known:
             return f"{head}: slot {slot} has no pending token"
@@ -327,8 +330,13 @@ class SlotTable:
         frame = checked.frame
         slot = checked.slot
         context = checked.context
+        if self.shortfall[slot].any():  # a position still counting a round's bound
+            known = ~(checked.starts | checked.prefill)
+            start = np.where(known, np.minimum(checked.position, self.next_position[slot]), 0)
+            context = np.where(known, start + checked.query_len, context)
         self.next_position[slot] = context
         self.step[slot] = checked.step + checked.commits
+        self.shortfall[slot] = 0
         self.slack[slot] = np.where(checked.starts, 0, self.slack[slot])
         if checked.speculative:  # upper bounds until settle()
             self.slack[slot] += checked.query_len - 1
@@ -373,6 +381,7 @@ class SlotTable:
         self.next_position[slot] -= short[same]
         self.step[slot] -= short[same]
         self.slack[slot] -= checked.query_len[same] - 1
+        self.shortfall[slot] = short[same]
         if short.any():
             self._last = None
 

@@ -70,6 +70,9 @@ class EngineConfig:
       (:mod:`runtime.direct`, ``flare run --direct``) instead of the
       coordinator's: it shares no selection code, so a fault that persists
       under it lies in the ranks, not in the scheduler.
+    * ``fixed_speculative_width``, ``proposer``, ``speculative_token_capacity``:
+      the scheduler's speculation settings (:class:`SchedulerConfig`); the
+      ranks' catalog says which speculative programs exist.
     """
 
     world_size: int = 1
@@ -87,6 +90,9 @@ class EngineConfig:
     poll_spin_us: int = 0
     external_publication: bool = False
     direct: bool = False
+    fixed_speculative_width: int = 0
+    proposer: str = "draft"
+    speculative_token_capacity: int = 0
 
     def __post_init__(self) -> None:
         ws = self.world_size

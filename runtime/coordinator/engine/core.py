@@ -40,6 +40,7 @@ from runtime.coordinator.engine.frames import (
     lane_logprobs,
     mark_pages_sent,
     sidecar_rows,
+    token_logprobs,
 )
 from runtime.coordinator.engine.ranks import RankAsk, RankMetrics, RankQueries
 from runtime.coordinator.engine.startup import ModelFacts, agree, collect_reports
@@ -184,7 +185,14 @@ class Engine:
             reports = collect_reports(channel, self._world, cfg.catalog_timeout_s)
             facts = agree(reports)
             max_slots = cfg.max_slots or min(MAX_SLOTS, facts.max_decode_batch)
-            scheduler_config = SchedulerConfig(max_slots, facts.page_size, facts.num_pages)
+            scheduler_config = SchedulerConfig(
+                max_slots,
+                facts.page_size,
+                facts.num_pages,
+                fixed_speculative_width=cfg.fixed_speculative_width,
+                proposer=cfg.proposer,
+                speculative_token_capacity=cfg.speculative_token_capacity,
+            )
             if cfg.direct:  # flare run --direct: the diagnostic scheduler of runtime/direct
                 from runtime.direct import DirectScheduler
 
@@ -722,10 +730,12 @@ class Engine:
             self.trace.applied(dispatch, now, scheduler.drain_trace())
         lanes = dispatch.plan.lanes
         asked = [self._by_handle[lane.handle.id].stream.sampling.logprobs for lane in lanes]
+        if dispatch.plan.graph.kind is GraphKind.SPECULATIVE:  # a row per emitted token
+            entries = token_logprobs(answers[0], asked)
+        else:
+            entries = [None if e is None else (e,) for e in lane_logprobs(answers[0], asked)]
         by_handle = {
-            lane.handle.id: entry
-            for lane, entry in zip(lanes, lane_logprobs(answers[0], asked))
-            if entry is not None
+            lane.handle.id: entry for lane, entry in zip(lanes, entries) if entry is not None
         }
         tokens = finished = 0
         for item in generated:
@@ -734,7 +744,7 @@ class Engine:
                 continue
             reason = item.finish_reason if item.finished else None
             entry = by_handle.get(item.handle.id)
-            logprobs = (entry,) if entry is not None and len(item.tokens) == 1 else ()
+            logprobs = entry if entry is not None and len(item.tokens) == len(entry) else ()
             if live.stream._push(item.tokens, reason, item.fence, logprobs):
                 tokens += len(item.tokens)
                 finished += item.finished

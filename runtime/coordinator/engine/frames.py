@@ -207,6 +207,43 @@ def lane_logprobs(completion: Completion, asked: Sequence[int]) -> list[TokenLog
     return out
 
 
+def token_logprobs(
+    completion: Completion, asked: Sequence[int]
+) -> list[tuple[TokenLogprobs, ...] | None]:
+    """A speculative round's log-probability sidecars (one row per emitted token,
+    lanes in order, ``token_count`` rows each) as one tuple per lane (None: not
+    asked)."""
+    out: list[tuple[TokenLogprobs, ...] | None] = [None] * len(asked)
+    values = completion.sidecars.get("logprobs")
+    ids = completion.sidecars.get("logprob_token_ids")
+    if values is None or ids is None or max(asked, default=-1) < 0:
+        return out
+    rows, width = values.shape[0], values.shape[1]
+    counts = list(completion.token_count)
+    if rows != sum(counts) or ids.shape != (rows, width - 1) or len(counts) < len(asked):
+        raise EngineError(
+            f"fence {completion.fence}: logprob sidecars of shape {list(values.shape)} and "
+            f"{list(ids.shape)} do not fit {sum(counts)} emitted tokens"
+        )
+    flat, flat_ids = values.values(), ids.values()
+    k_max = width - 1
+    row = 0
+    for lane, k in enumerate(asked):
+        n = counts[lane]
+        if k >= 0:
+            k = min(k, k_max)
+            out[lane] = tuple(
+                TokenLogprobs(
+                    flat[r * width],
+                    tuple(flat_ids[r * k_max : r * k_max + k]),
+                    tuple(flat[r * width + 1 : r * width + 1 + k]),
+                )
+                for r in range(row, row + n)
+            )
+        row += n
+    return out
+
+
 def execution_timing(dispatch: Dispatch, now_ns: int, world: int) -> ExecutionTiming:
     """The scheduler's timing of a completed frame from every rank's answer:
     intervals, launch waits (left out of the cost sample), the largest
