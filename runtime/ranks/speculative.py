@@ -113,16 +113,18 @@ def copy_proposals(
     ``history`` (L, T): each lane's tokens by position; ``end`` (L,): the
     position of its last token (the pending one).  For n from ``n_max`` down to
     ``n_min``, the lane's last n tokens are looked up among earlier positions;
-    the longest n that occurs wins, then the latest occurrence followed by
-    ``depth`` known tokens (else the latest), and the tokens that followed it
-    (up to ``end``) are proposed.  Tensor ops only.
+    an occurrence followed by ``depth`` known tokens wins, then the longest n,
+    then the latest occurrence, and the tokens that followed it (up to ``end``)
+    are proposed.  Tensor ops only.
     """
     lanes, width = history.shape
     device = history.device
     j = torch.arange(width, device=device)  # (T,) candidate match ends
-    best = torch.full((lanes,), -1, dtype=torch.int64, device=device)
-    found = torch.zeros(lanes, dtype=torch.bool, device=device)
     rows = torch.arange(lanes, device=device)[:, None]
+    full = j[None, :] + depth <= end[:, None]  # (L, T) followed by depth known tokens
+    # Score: a full continuation, then the longer n, then the later occurrence.
+    score = torch.full((lanes,), -1, dtype=torch.int64, device=device)
+    span = n_max + 1
     for n in range(n_max, n_min - 1, -1):
         match = (j[None, :] < end[:, None]) & (j[None, :] >= n - 1)  # (L, T)
         for m in range(n):
@@ -130,13 +132,10 @@ def copy_proposals(
             shifted = history[rows, (j[None, :] - m).clamp(min=0)]  # (L, T)
             match &= shifted == tail
         match &= (end >= n - 1)[:, None]
-        # Prefer occurrences followed by ``depth`` known tokens, then the latest.
-        full = (j[None, :] + depth <= end[:, None]).long() * width
-        latest = torch.where(match, j[None, :] + full, -1).amax(dim=1) % max(width, 1)
-        latest = torch.where(match.any(dim=1), latest, -1)  # (L,)
-        take = ~found & (latest >= 0)
-        best = torch.where(take, latest, best)
-        found |= take
+        value = (full.long() * span + n) * width + j[None, :]  # (L, T)
+        score = torch.maximum(score, torch.where(match, value, -1).amax(dim=1))
+    found = score >= 0
+    best = torch.where(found, score % width, -1)
     offsets = torch.arange(1, depth + 1, device=device)  # (D,)
     at = best[:, None] + offsets[None, :]  # (L, D)
     ok = found[:, None] & (at <= end[:, None])
