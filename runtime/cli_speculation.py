@@ -21,13 +21,23 @@ if TYPE_CHECKING:
     from runtime.ranks.model.config import ModelConfig
 
 
+FLAGS = {  # SpeculationConfig field -> the flag that sets it
+    "num_speculative_tokens": "--num-speculative-tokens",
+    "prompt_lookup_min": "--prompt-lookup-min",
+    "prompt_lookup_max": "--prompt-lookup-max",
+    "speculative token capacity": "--speculative-token-capacity",
+    "selection": "--speculative-selection",
+}
+
+
 def add_speculation_flags(run: argparse.ArgumentParser) -> None:
     group = run.add_argument_group("speculative decoding")
     group.add_argument(
         "--draft-model",
         metavar="DIR",
         help="learned proposals from this draft model (a smaller decoder sharing the "
-        "target's vocabulary; 'default': the draft trained beside the embedded model)",
+        "target's vocabulary; 'default': the draft trained beside the embedded model; "
+        "default: none)",
     )
     group.add_argument(
         "--proposer",
@@ -47,14 +57,18 @@ def add_speculation_flags(run: argparse.ArgumentParser) -> None:
         help="adaptive: the scheduler picks each round's width by expected value per time "
         "(default); fixed: every round verifies --num-speculative-tokens",
     )
-    group.add_argument("--prompt-lookup-min", metavar="N", type=int, help="copy: default 2")
-    group.add_argument("--prompt-lookup-max", metavar="N", type=int, help="copy: default 4")
+    group.add_argument(
+        "--prompt-lookup-min", metavar="N", type=int, help="copy: the shortest n-gram (default: 2)"
+    )
+    group.add_argument(
+        "--prompt-lookup-max", metavar="N", type=int, help="copy: the longest n-gram (default: 4)"
+    )
     group.add_argument(
         "--speculative-config",
         metavar="JSON",
         help='vLLM\'s form: {"method": "ngram"|"draft_model", "model": DIR, '
         '"num_speculative_tokens": N, "prompt_lookup_min": N, "prompt_lookup_max": N}; '
-        "fixed selection unless --speculative-selection says adaptive",
+        "fixed selection unless --speculative-selection says adaptive (default: none)",
     )
     group.add_argument(
         "--speculative-token-capacity",
@@ -102,7 +116,11 @@ def speculation_config(
                 parser.error(f"{flag}: needs --draft-model, --proposer or --speculative-config")
             return None
     except SpeculationError as exc:
-        parser.error(str(exc))
+        message = str(exc)
+        if not message.startswith("--"):  # name the flag, not the field
+            for field, flag in FLAGS.items():
+                message = message.replace(field, flag, 1) if message.startswith(field) else message
+        parser.error(message)
         raise  # unreachable
     if config.draft_model:
         config = _checked_draft(config, parser, model)

@@ -55,6 +55,33 @@ def test_bad_config_files_fail_naming_the_key(tmp_path, capsys, toml, needle):
     ("argv", "needle"),
     [
         (["--speculative-token-capacity", "8"], "--speculative-token-capacity"),
+        (["--num-speculative-tokens", "2"], "--num-speculative-tokens"),
+        (["--proposer", "draft"], "--proposer draft"),
+        (["--proposer", "copy", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+        (["--proposer", "copy", "--prompt-lookup-min", "5"], "--prompt-lookup-min"),
+        (["--proposer", "copy", "--speculative-token-capacity", "-1"], "--speculative-token"),
+        (["--proposer", "copy", "--draft-model", "default"], "--draft-model"),
+        (["--draft-model", "/nonexistent/draft"], "--draft-model"),
+        (["--speculative-config", "{bad"], "--speculative-config"),
+        (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
+        (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2, "bogus": 1}',
+            ],
+            "bogus",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+                "--proposer",
+                "copy",
+            ],
+            "--speculative-config",
+        ),
+        (["--proposer", "copy", "--direct"], "direct"),
         (["--mtp-adaptive-verification-alpha", "0"], "--mtp-adaptive-verification-alpha"),
         (["--mtp-adaptive-verification-alpha", "nan"], "--mtp-adaptive-verification-alpha"),
         (["--port", "0"], "--port"),
@@ -352,3 +379,37 @@ def test_the_verification_alpha_reaches_the_policy():
     _, config = configure(["--mtp-adaptive-verification-alpha", "0.5"])
     assert config.policy.adaptive_verification_alpha == 0.5
     assert configure([])[1].policy.adaptive_verification_alpha == 1.0
+
+
+def test_speculation_flags_and_vllms_speculative_config():
+    _, config = configure(["--proposer", "copy"])
+    spec = config.speculation
+    assert (spec.proposer, spec.selection, spec.widths, spec.fixed_width) == (
+        "copy",
+        "adaptive",
+        (2, 4),
+        0,
+    )
+    assert "--device-allocation" in config.rank_args()
+    _, config = configure(
+        ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+         '"prompt_lookup_min": 1, "prompt_lookup_max": 3}']
+    )  # fmt: skip
+    spec = config.speculation
+    assert (spec.proposer, spec.selection, spec.widths, spec.fixed_width) == (
+        "copy",
+        "fixed",
+        (3,),
+        3,
+    )
+    assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, 3)
+    args = config.rank_args()
+    assert args[args.index("--speculative-widths") + 1] == "3"
+    assert "--device-allocation" not in args
+    _, config = configure(["--draft-model", "default", "--num-speculative-tokens", "7",
+                           "--speculative-token-capacity", "64"])  # fmt: skip
+    spec = config.speculation
+    assert spec.proposer == "draft" and spec.widths == (2, 4, 8)
+    assert spec.draft_model.startswith("/") and spec.token_capacity == 64
+    _, config = configure([])
+    assert config.speculation is None

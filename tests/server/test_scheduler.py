@@ -4,8 +4,10 @@ a long prompt arriving during decode, short/long prompt contention, and
 cancellation followed by slot reuse.  Complete responses, correct usage, no
 stream starved.
 
-By default the test starts `flare run` on the embedded model (CPU), with any
-extra flags in ``FLARE_SCHEDULER_TEST_FLAGS`` (e.g. a speculative mode).  With
+By default the test starts `flare run` on the embedded model (CPU) three times:
+ordinary decoding, fixed-width speculative rounds (copy proposals) and adaptive
+speculation with the embedded draft (``MODES``), with any extra flags in
+``FLARE_SCHEDULER_TEST_FLAGS``.  With
 ``FLARE_SCHEDULER_TEST_URL=http://HOST:PORT`` it drives that server instead
 (e.g. a GPU deployment, in ordinary, fixed-width or adaptive speculative mode).
 Run with ``-s`` to see each scenario's prompt/output token counts, client SSE
@@ -27,12 +29,22 @@ import pytest
 
 from tests.server.harness import Server, body, stream_times, words
 
+# Every scenario runs in ordinary decoding and in both speculative modes (issue
+# 13): fixed-width rounds of copy proposals and adaptive selection with the
+# embedded draft model.  A server given by URL runs in whatever mode it has.
+MODES = {
+    "ordinary": [],
+    "fixed": ["--proposer", "copy", "--num-speculative-tokens", "3",
+              "--speculative-selection", "fixed"],
+    "adaptive": ["--draft-model", "default", "--num-speculative-tokens", "3"],
+}  # fmt: skip
+URL = os.environ.get("FLARE_SCHEDULER_TEST_URL")
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    url = os.environ.get("FLARE_SCHEDULER_TEST_URL")
+
+@pytest.fixture(scope="module", params=["external"] if URL else list(MODES))
+def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     flags = shlex.split(os.environ.get("FLARE_SCHEDULER_TEST_FLAGS", ""))
-    s = Server(url=url) if url else Server(*flags)
+    s = Server(url=URL) if URL else Server(*MODES[request.param], *flags)
     yield s
     assert s.stop() == 0
 
