@@ -25,7 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
+from runtime.catalog import (
+    MAX_BATCH_CAPACITY,
+    MAX_MIXED_TOKEN_CAPACITY,
+    PROMPT_ALIGNMENT,
+    GraphDescriptor,
+    GraphKind,
+)
 
 # Resident request slots when nobody says (--max-num-seqs): measured on the CPU
 # runtime with flare bench (docs/serving.md, "Default concurrency").
@@ -162,8 +168,10 @@ def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[G
     batches = cfg.decode_batches()
     out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in prompts]
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
-    if cfg.mixed_prefill:
-        out += mixed_shapes(batches, prompts)
+    if cfg.mixed_prefill:  # with speculation, wide mixed programs at each round width
+        wider = [w for w in cfg.speculative_widths if w <= MAX_MIXED_TOKEN_CAPACITY]
+        envelope = cfg.speculative_token_capacity or None
+        out += mixed_shapes(batches, prompts, wider_widths=wider, token_envelope=envelope)
     out += speculative_shapes(
         batches, cfg.speculative_widths, cfg.speculative_token_capacity, cfg.device_allocation
     )

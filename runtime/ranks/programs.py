@@ -225,10 +225,6 @@ class PreparedProgram:
         self.desc = desc
         self.shape = ProgramShape.of(desc)
         self.draft = draft
-        if desc.kind is GraphKind.MIXED and (desc.token_capacity > 1 or desc.proposal_depth):
-            # Wider verification rows need proposals, acceptance and a (L, W)
-            # logits index; the inputs already fit them.
-            raise ProgramError(f"no prepared program for {desc.describe()} yet: W > 1")
         if desc.kind is GraphKind.SPECULATIVE and desc.token_capacity == 1:
             raise ProgramError(f"{desc.describe()}: width-one rounds are ordinary decode programs")
         self.model = model
@@ -244,7 +240,9 @@ class PreparedProgram:
         self.inputs = FrameInputs.over(self._ints, n, lanes)
         self._token_index = torch.arange(n, device=self.device)  # (N,)
         self.speculative: SpeculativeStages | None = None
-        if desc.kind is GraphKind.SPECULATIVE:
+        if desc.kind is GraphKind.SPECULATIVE or (
+            desc.kind is GraphKind.MIXED and desc.proposal_depth
+        ):
             if proposer is None:
                 raise ProgramError(f"{desc.describe()}: a speculative program needs a proposer")
             self.speculative = SpeculativeStages(
@@ -469,7 +467,7 @@ class PreparedProgram:
             offset = int(q[:prompt_lane].sum())
             n = int(q[prompt_lane])
             a[o + offset : o + offset + n] = checked.prompt_tokens[:n]
-        used = o + total if self.speculative is None else o  # a round feeds no prompt
+        used = o + total if self.desc.prompt_capacity else o  # a round feeds no prompt
         if memo is not None:
             memo[0] = key if checked.steady or not checked.prefill.any() else None
         longest = int(checked.context.max(initial=1))

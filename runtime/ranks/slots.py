@@ -72,8 +72,12 @@ class CheckedFrame:
 
     @property
     def speculative(self) -> bool:
-        """A speculative round: its lanes may emit fewer than ``query_len`` tokens."""
-        return self.frame.program.kind is GraphKind.SPECULATIVE
+        """A speculative round (or a wide mixed program): its decode lanes may emit
+        fewer than ``query_len`` tokens."""
+        program = self.frame.program
+        return program.kind is GraphKind.SPECULATIVE or (
+            program.kind is GraphKind.MIXED and program.token_capacity > 1
+        )
 
     @property
     def context(self) -> np.ndarray:
@@ -339,7 +343,7 @@ class SlotTable:
         self.shortfall[slot] = 0
         self.slack[slot] = np.where(checked.starts, 0, self.slack[slot])
         if checked.speculative:  # upper bounds until settle()
-            self.slack[slot] += checked.query_len - 1
+            self.slack[slot] += np.where(checked.prefill, 0, checked.query_len - 1)
         if not checked.steady:
             for released in frame.release_slots:
                 self.generation[released] = 0
@@ -376,7 +380,7 @@ class SlotTable:
         ``query_len`` tokens; the slots it ran (unless retired since) are exact
         again for it."""
         short = checked.query_len - counts
-        same = self.generation[checked.slot] == checked.generation
+        same = (self.generation[checked.slot] == checked.generation) & ~checked.prefill
         slot = checked.slot[same]
         self.next_position[slot] -= short[same]
         self.step[slot] -= short[same]

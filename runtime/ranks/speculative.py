@@ -53,7 +53,7 @@ import torch
 
 from kernels.allocation import prefix_allocation_reference
 from kernels.speculative import sample_inverse_cdf, verify_reference
-from runtime.catalog import GraphDescriptor
+from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.draft import DraftContext, pack_lanes
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.sampling import (
@@ -167,10 +167,14 @@ class SpeculativeStages:
         lanes, width, depth = desc.batch_capacity, desc.token_capacity, desc.proposal_depth
         self.depth = depth
         self.verify_width = min(width - 1, depth)  # K: proposals a lane can offer
-        self.rows = desc.target_capacity
+        self.rows = desc.target_capacity  # packed rows (mixed: C + (B - 1) x W)
+        if desc.kind is GraphKind.MIXED:
+            self.rows = desc.prompt_capacity + (lanes - 1) * width
         # The frame's lane count, set by the program at launch: the allocation
         # budget depends on it, so device-allocated programs are not captured.
         self.lanes = desc.batch_capacity
+        # A wide mixed program: one prompt row beside the verifying lanes.
+        self.mixed = desc.kind is GraphKind.MIXED
         vocab = model.config.vocab_size
         k = self.verify_width
         self.tokens = torch.zeros(lanes, k + 1, dtype=torch.int64, device=device)
@@ -248,13 +252,36 @@ class SpeculativeStages:
         page_size = program.page_size
         device = x.state_row.device
         rows = x.state_row  # (L,)
-        active = x.query_lens > 0  # (L,)
-        start = arena.next_pos.index_select(0, rows)  # (L,) the pending token's position
-        step = arena.steps.index_select(0, rows)  # (L,)
+        lengths = x.query_lens  # (L,) query lengths, ceilings, or the prompt row's chunk
+        active = lengths > 0  # (L,)
+        # A wide mixed program's prompt row (prefill_row) continues its prompt from
+        # the frame's position; every other lane from its pending token.
+        from_pending = x.from_pending > 0  # (L,)
+        verifying = active & from_pending  # (L,) the lanes that verify proposals
+        prompt = active & ~from_pending  # (L,) at most one: the prompt row
+        start = torch.where(from_pending, arena.next_pos.index_select(0, rows), x.start_pos)
+        step = torch.where(from_pending, arena.steps.index_select(0, rows), x.step)
         pending = arena.pending.index_select(0, rows)  # (L,)
         greedy_only = variant == "argmax"
         s = program.slots.settings(rows)
         penalty = out.penalties
+        chunk = None
+        if self.mixed:
+            ends = torch.cumsum(lengths, 0)
+            chunk = self._chunk(x, ends - lengths, prompt)  # (L, C) the prompt row's tokens
+            if arena.history is not None:  # the prompt's tokens at their positions
+                h = arena.history_width
+                c = torch.arange(chunk.shape[1], device=device)[None, :]
+                inside = prompt[:, None] & (c < lengths[:, None])
+                at = torch.where(inside, rows[:, None], arena.scratch) * h + (
+                    start[:, None] + c
+                ).clamp(max=h - 1)
+                arena.history.view(-1).index_copy_(0, at.reshape(-1), chunk.reshape(-1))
+            if not greedy_only:  # a new generation's penalty row, its prompt marked
+                penalty.reset(x.reset_row)
+                penalty.mark_prompt(
+                    program._prompt_rows(ends - lengths, penalty.scratch), x.input_ids
+                )
         counts, prompt_mask = penalty.gather(rows)  # (L, V) each
         vocab = counts.shape[1]
         seed = s["seed"]
@@ -262,6 +289,12 @@ class SpeculativeStages:
         held = (arena.page_tables[:, :width].index_select(0, rows) >= 0).sum(dim=1) * page_size
 
         # 1-2. proposals (L, D), their distributions q (L, D, V), conditional confidence.
+        if self.mixed and self.draft is not None:  # the prompt row feeds the draft too
+            fed = pack_lanes(
+                arena, rows, start, torch.where(prompt, lengths, 0), self.rows, width,
+                page_size, chunk.shape[1], ids=chunk,
+            )  # fmt: skip
+            self.draft.feed(fed.input_ids, fed.positions, fed.meta)
         if self.draft is None:
             assert arena.history is not None
             history = arena.history.index_select(0, rows)
@@ -274,29 +307,39 @@ class SpeculativeStages:
             q.scatter_(2, proposals.clamp(min=0)[:, :, None], conditional[:, :, None])
         else:
             proposals, q, conditional = self._draft(
-                arena, rows, start, step, pending, active, held, s, counts, prompt_mask,
+                arena, rows, start, step, pending, verifying, held, s, counts, prompt_mask,
                 width, page_size, greedy_only,
             )  # fmt: skip
-        conditional = conditional * active[:, None]
+        conditional = conditional * verifying[:, None]
         joint = torch.cumprod(conditional, dim=1)  # (L, D)
         self.confidence[0].copy_(conditional)
         self.confidence[1].copy_(joint)
 
         # 3. allocation: query lengths (L,), at most K + 1.
         if self.desc.device_allocated:
-            q_lens = self._allocate(joint, x.query_lens, rows, active)
+            q_lens = self._allocate(joint, lengths, rows, active)
         else:
-            q_lens = x.query_lens
-        q_lens = torch.where(active, q_lens.clamp(1, k + 1), 0)
+            q_lens = lengths
+        q_lens = torch.where(verifying, q_lens.clamp(1, k + 1), 0)
 
-        # 4. verification forward: pending + first q - 1 proposals per lane.
+        # 4. verification forward: pending + first q - 1 proposals per lane (and
+        # a wide mixed program's prompt chunk, whose last token's row is row 0).
         ids = torch.cat([pending[:, None], proposals[:, :k]], dim=1)  # (L, K + 1)
+        fed = q_lens
+        if chunk is not None:
+            ids = torch.nn.functional.pad(ids, (0, max(0, chunk.shape[1] - k - 1)))
+            ids = torch.where(prompt[:, None], chunk, ids[:, : chunk.shape[1]])
+            fed = torch.where(prompt, lengths, q_lens)
         packed = pack_lanes(
-            arena, rows, start, q_lens, self.rows, width, page_size, k + 1, ids=ids, limit=held
-        )
+            arena, rows, start, fed, self.rows, width, page_size, ids.shape[1], ids=ids,
+            limit=torch.where(prompt, start + lengths, held),
+        )  # fmt: skip
+        if self.mixed:
+            packed.meta.prefill_row = x.prefill_row
+            packed.meta.row_query_len = self.desc.token_capacity
         index = torch.arange(self.rows, device=device)
         logits = program.model(packed.input_ids, packed.positions, packed.meta, index).float()
-        first = packed.meta.query_start  # (L,)
+        first = packed.meta.query_start + torch.where(prompt, lengths - 1, 0)  # (L,)
         at = (first[:, None] + torch.arange(k + 1, device=device)[None, :]).clamp(max=self.rows - 1)
         lane_logits = logits.index_select(0, at.reshape(-1))  # (L*(K+1), V)
         # p at position j sees the penalty counts of the proposals before it.
@@ -322,29 +365,32 @@ class SpeculativeStages:
             p.contiguous(),
             q[:, :k].contiguous(),
             drafted.contiguous(),
-            q_lens - 1,
+            (q_lens - 1).clamp(min=0),
             u[:, :k, 0].contiguous(),
             u[:, :k, 1].contiguous(),
             u[torch.arange(lanes, device=device), (q_lens - 1).clamp(min=0), 2].contiguous(),
         )
-        # 5. commit: accepted + 1 tokens, cut after the first EOS.
+        # 5. commit: accepted + 1 tokens, cut after the first EOS (a prompt row: its
+        # first token when it commits one).
+        scratch = arena.scratch
+        commit = x.count_row  # (L,) the slot, or scratch for padding and no commit
         j = torch.arange(k + 1, device=device)[None, :]  # (1, K + 1)
         count = accepted + 1
         is_eos = torch.isin(emitted, self.eos) & (j < count[:, None])
         first_eos = torch.where(is_eos, j, k + 1).amin(dim=1)  # (L,)
-        count = torch.where(active, torch.minimum(count, first_eos + 1), 0)
+        count = torch.where(verifying, torch.minimum(count, first_eos + 1), 0)
+        count = torch.where(prompt & (commit != scratch), 1, count)
         kept = j < count[:, None]  # (L, K + 1)
         tokens = torch.where(kept, emitted, 0)
         last = tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
-        commit = x.count_row  # (L,) the slot, or scratch for padding
+        base = torch.where(prompt, start + lengths, start + 1)  # the first token's position
         arena.pending.index_copy_(0, commit, last)
-        arena.next_pos.index_copy_(0, commit, start + count)
+        arena.next_pos.index_copy_(0, commit, base + count - 1)
         arena.steps.index_copy_(0, commit, step + count)
-        scratch = arena.scratch
         token_rows = torch.where(kept, commit[:, None], scratch)  # (L, K + 1)
         if arena.history is not None:
             h = arena.history_width
-            where = (start[:, None] + 1 + j).clamp(max=h - 1)
+            where = (base[:, None] + j).clamp(max=h - 1)
             arena.history.view(-1).index_copy_(
                 0, (token_rows * h + where).reshape(-1), tokens.reshape(-1)
             )
@@ -352,7 +398,7 @@ class SpeculativeStages:
             penalty.count(token_rows.reshape(-1), tokens.reshape(-1))
         self.tokens.copy_(torch.where(kept, emitted, -1))
         self.counts.copy_(count)
-        self.survival.copy_(survival * active[:, None])
+        self.survival.copy_(survival * verifying[:, None])
         if variant == "logprobs":
             logp = torch.log_softmax(lane_logits, dim=-1)  # (L*(K+1), V) raw
             chosen = logp.gather(1, tokens.reshape(-1, 1)).view(lanes, k + 1)
@@ -361,6 +407,17 @@ class SpeculativeStages:
             self.logprob.copy_(chosen)
             self.top_logprobs.copy_(values.view(lanes, k + 1, top))
             self.top_ids.copy_(ids_.view(lanes, k + 1, top))
+
+    def _chunk(self, x, query_start: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
+        """(L, C) the prompt row's packed tokens from the frame (zeros elsewhere)."""
+        c = self.desc.prompt_capacity
+        n = x.input_ids.shape[0]
+        index = (query_start[:, None] + torch.arange(c, device=prompt.device)[None, :]).clamp(
+            max=n - 1
+        )
+        return torch.where(
+            prompt[:, None], x.input_ids.index_select(0, index.reshape(-1)).view(-1, c), 0
+        )
 
     def _draft(
         self, arena, rows, start, step, pending, active, held, s, counts, prompt_mask,

@@ -257,16 +257,25 @@ class Frame:
         check_distinct("slot", self.slot)
         phase = self.phase
         prefill: tuple[int, ...] = ()
+        program = self.program
+        rounds = program.kind is GraphKind.SPECULATIVE or (
+            program.kind is GraphKind.MIXED and program.token_capacity > 1
+        )
         if not all_equal(phase, PHASE_DECODE):
-            _PREFILL_RANGES.check(_prefill_columns(self))
+            if rounds:  # decode rows commit up to their query length: ranges per role
+                check_range("phase", phase, PHASE_DECODE, PHASE_PREFILL)
+            else:
+                _PREFILL_RANGES.check(_prefill_columns(self))
             if phase.count(PHASE_PREFILL) == 1:  # a mixed frame's prompt row, a prefill frame
                 prefill = (phase.index(PHASE_PREFILL),)
             else:
                 prefill = tuple(i for i, p in enumerate(phase) if p)
-        program = self.program
-        if program.kind is GraphKind.SPECULATIVE or (
-            program.kind is GraphKind.MIXED and program.token_capacity > 1
-        ):
+        if rounds:
+            for i in prefill:
+                if self.query_len[i] < 1 or not 0 <= self.commits[i] <= 1:
+                    raise ProtocolError(
+                        f"commits[{i}]", "a prompt row feeds >= 1 token and commits 0 or 1"
+                    )
             self._check_rounds(prefill)
             return prefill
         # Decode lanes feed and commit 1 token: one comparison per run between prefill lanes.

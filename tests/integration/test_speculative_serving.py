@@ -31,34 +31,40 @@ def checkpoints(tmp_path_factory):
     return target, other, prompts, greedy(hf, prompts, NEW)
 
 
-def deployment(path, tp: int, speculation: SpeculationConfig | None) -> LocalDeployment:
+def deployment(
+    path, tp: int, speculation: SpeculationConfig | None, mixed: bool = False
+) -> LocalDeployment:
     return LocalDeployment(
         DeploymentConfig(
             model=str(path), tensor_parallel_size=tp, max_concurrency=8,
             max_prefill_tokens=64, num_pages=256, device="cpu", startup_timeout_s=120,
-            check_ranks=True, speculation=speculation,
+            check_ranks=True, speculation=speculation, mixed_prefill=mixed,
         )
     )  # fmt: skip
 
 
 @pytest.mark.parametrize(
-    ("tp", "proposer", "draft", "selection"),
+    ("tp", "proposer", "draft", "selection", "mixed"),
     [
-        (1, "copy", None, "fixed"),
-        (1, "draft", "other", "adaptive"),
-        (2, "copy", None, "adaptive"),
-        (2, "draft", "target", "fixed"),
-        (2, "draft", "other", "adaptive"),
+        (1, "copy", None, "fixed", False),
+        (1, "draft", "other", "adaptive", False),
+        (1, "draft", "target", "fixed", True),
+        (2, "copy", None, "adaptive", False),
+        (2, "draft", "target", "fixed", False),
+        (2, "draft", "other", "adaptive", True),
     ],
 )
 def test_greedy_speculative_decoding_gives_greedy_decodings_tokens(
-    checkpoints, tp, proposer, draft, selection
+    checkpoints, tp, proposer, draft, selection, mixed
 ):
     target, other, prompts, expected = checkpoints
     draft_dir = {"target": str(target), "other": str(other), None: None}[draft]
     spec = SpeculationConfig(proposer, draft_dir, num_speculative_tokens=3, selection=selection)
-    with deployment(target, tp, spec) as d:
-        kinds = {desc.kind.value for desc in d.engine.scheduler.catalog.descriptors}
+    with deployment(target, tp, spec, mixed) as d:
+        catalog = d.engine.scheduler.catalog.descriptors
+        kinds = {desc.kind.value for desc in catalog}
+        if mixed:  # wide mixed programs: a prompt row beside verifying decoders
+            assert any(desc.kind.value == "mixed" and desc.token_capacity > 1 for desc in catalog)
         streams = [d.engine.submit(p, NEW, ignore_eos=True) for p in prompts]
         got = [s.result(timeout=300).token_ids for s in streams]
         executed = d.engine.stats.summary()
@@ -68,6 +74,8 @@ def test_greedy_speculative_decoding_gives_greedy_decodings_tokens(
     assert executed["frames"] > 0
     rounds = [f for f in frames if f.graph.startswith("speculative")]
     assert rounds  # speculative programs ran
+    wide = [f for f in frames if f.graph.startswith("mixed") and " W=1 " not in f.graph]
+    assert wide or not mixed  # a prompt row and verifying decoders shared a forward
     if draft == "target":  # every proposal accepted: fewer frames than tokens
         assert len(frames) < len(prompts) * NEW / 2
 

@@ -253,3 +253,46 @@ def test_copy_proposals_take_the_longest_latest_match_with_a_full_continuation()
     assert out[0].tolist() == [7, 1, 2]
     assert out[1].tolist() == [4, 4, 4]
     assert out[2].tolist() == [-1, -1, -1]
+
+
+@pytest.mark.parametrize("proposer", ["copy", "draft"])
+def test_wide_mixed_programs_verify_beside_a_prompt_chunk(models, proposer):
+    """A wide mixed program (B, W > 1, C): one prompt row and verifying decoders in
+    one forward; every token equals greedy decoding's."""
+    target, _, reference = models
+    capacity = CapacityConfig(
+        max_concurrency=2, min_prefill_tokens=64, max_prefill_tokens=64,
+        mixed_prefill=True, speculative_widths=(4,),
+    )  # fmt: skip
+    worker = RankWorker(
+        load_model(target), capacity, num_pages=2 * PAGES_PER_SLOT, page_size=PAGE,
+        draft_model=load_model(target) if proposer == "draft" else None,
+        proposer=ProposerConfig(proposer),
+    )  # fmt: skip
+    wide = GraphDescriptor(GraphKind.MIXED, 2, 4, 3, prompt_capacity=64)
+    assert wide in worker.catalog
+    r = Rounds(worker)
+    r.prefill(PROMPTS[:1])
+    # Slot 1's prompt in two chunks beside slot 0's rounds: the first commits nothing.
+    table = tuple(range(PAGES_PER_SLOT, 2 * PAGES_PER_SLOT))
+    chunks = [(0, PROMPTS[1][:5], table, 0), (5, PROMPTS[1][5:], (), 1)]
+    for start, piece, pages, commits in chunks:
+        lanes = [
+            FrameLane(0, 1, "decode", 0, (), r.position[0] - 1, (), 4),
+            FrameLane(1, 1, "prefill", start, tuple(piece), start, pages, commits, GREEDY),
+        ]
+        r.fence += 1
+        done = worker.execute(Frame.from_lanes(r.fence, wide, lanes, prompt_row=1))
+        assert done.error is None, done.error
+        counts = list(done.token_count)
+        assert counts[1] == commits and 1 <= counts[0] <= 4
+        if proposer == "draft":  # the draft is the target: all accepted
+            assert counts[0] == 4
+        for result in done.lane_results():
+            r.out.setdefault(result.slot, []).extend(result.tokens)
+        r.position[0] += counts[0]
+    r.position[1] = len(PROMPTS[1]) + 1
+    while min(len(v) for v in r.out.values()) < NEW:
+        r.round(speculative(2, 4), {0: remaining(r, 0, 4), 1: remaining(r, 1, 4)})
+    for slot in (0, 1):
+        assert r.out[slot][:NEW] == reference[slot]

@@ -730,7 +730,8 @@ class Engine:
             self.trace.applied(dispatch, now, scheduler.drain_trace())
         lanes = dispatch.plan.lanes
         asked = [self._by_handle[lane.handle.id].stream.sampling.logprobs for lane in lanes]
-        if dispatch.plan.graph.kind is GraphKind.SPECULATIVE:  # a row per emitted token
+        graph = dispatch.plan.graph
+        if graph.kind is GraphKind.SPECULATIVE or graph.token_capacity > 1:  # a row per token
             entries = token_logprobs(answers[0], asked)
         else:
             entries = [None if e is None else (e,) for e in lane_logprobs(answers[0], asked)]
