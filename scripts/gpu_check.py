@@ -62,6 +62,7 @@ from typing import ClassVar
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_realistic
+import gpu_speculative
 import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
@@ -449,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         ok &= check_speculative_kernels()
         ok &= check_verify_attention()
+        ok &= gpu_speculative.run(check, RESULTS, args.device)  # whole rounds, graphs
 
     _, driver = generate(graphs, prompts, greedy, 16)
     _, mixed_driver = generate_mixed(graphs, prompts, greedy, 16)
