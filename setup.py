@@ -11,6 +11,9 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=["runtime", "runtime.*", "kernels", "kernels.*"]),
+    # The embedded default model and its draft (scripts/train_default.py).
+    package_data={"runtime.ranks.model": ["weights/*"]},
+    include_package_data=True,
     install_requires=[
         # A range, not a pin: GPU users get their CUDA build. CI installs the
         # CPU build (torch==2.13.0) first, which satisfies this range.

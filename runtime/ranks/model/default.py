@@ -1,14 +1,21 @@
-"""The embedded default model: a tiny Llama checkpoint the project writes itself.
+"""The embedded default model: a tiny trained Llama and its draft, shipped as files.
 
-``create_default_model(dir)`` writes ``config.json``, ``model.safetensors`` and
-``tokenizer.json`` with the same bytes every time: weights from a fixed-seed
-generator, a byte-level BPE whose merges are learned in-process from the text
-below (greedy, ties broken by the pair itself, so no hash order leaks in). No
-download. The weights are random: the model serves, it does not know anything.
+``scripts/train_default.py`` trains both on the text of the standard library's
+``pydoc_data.topics`` and writes them, fp16 safetensors with Hugging Face names,
+into ``weights/`` next to this module with a ``SHA256SUMS``; ``weights/TRAINING.md``
+holds the figures. ``create_default_model(dir)`` and ``create_default_draft(dir)``
+copy a checkpoint out of there (``config.json``, ``model.safetensors``,
+``tokenizer.json``) after checking every byte against ``SHA256SUMS``;
+``default_model_dir()`` and ``default_draft_dir()`` do so once under
+``$FLARE_HOME``. Nothing is trained or downloaded at start-up.
+
+``write_random_checkpoint`` still writes random checkpoints of any shape for
+tests and benchmarks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -25,27 +32,57 @@ from runtime.ranks.model.config import ModelConfig
 
 __all__ = [
     "DEFAULT_CONFIG",
+    "DEFAULT_DRAFT_NAME",
     "DEFAULT_MODEL_NAME",
+    "DRAFT_CONFIG",
     "SPECIAL_TOKENS",
+    "WEIGHTS_DIR",
     "build_tokenizer",
+    "create_default_draft",
     "create_default_model",
+    "default_draft_dir",
     "default_model_dir",
+    "learn_tokenizer",
+    "matmul_flops_per_token",
+    "verify_weights",
     "write_random_checkpoint",
 ]
 
-DEFAULT_MODEL_NAME = "flare-tiny-llama-v1"  # bump when anything below changes
+DEFAULT_MODEL_NAME = "flare-tiny-llama-v2"  # bump when the committed weights change
+DEFAULT_DRAFT_NAME = "flare-tiny-llama-v2-draft"
 SEED = 20240607
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>")  # the last ids of the vocabulary
 _BOS_ID = VOCAB_SIZE - len(SPECIAL_TOKENS)
 _EOS_ID = _BOS_ID + 1
 
+WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+
 DEFAULT_CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=VOCAB_SIZE,
+    hidden_size=192,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=32,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+    eos_token_ids=(_EOS_ID,),
+    bos_token_id=_BOS_ID,
+)
+
+# The draft for speculative decoding: same tokenizer and vocabulary, at most a
+# quarter of the target's matmul FLOPs per token (see matmul_flops_per_token).
+DRAFT_CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",
     vocab_size=VOCAB_SIZE,
     hidden_size=128,
     intermediate_size=256,
-    num_hidden_layers=4,
+    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,
@@ -57,24 +94,14 @@ DEFAULT_CONFIG = ModelConfig(
     bos_token_id=_BOS_ID,
 )
 
-_CORPUS = """\
-The coordinator decides and the ranks execute. Each rank holds a shard of the model
-and replays prepared programs: fixed shapes, captured ahead of time, chosen again and
-again by the value they are expected to produce per unit of execution time.
-A request arrives with a prompt. Its prompt is consumed in chunks, then it decodes one
-token at a time, and every token it emits is published to the client that asked for it.
-Pages of the key and value cache are allocated by the coordinator and named in frames;
-a rank writes the keys and values of new tokens into those pages and reads them back
-when the same request attends to its own past.
-The quick brown fox jumps over the lazy dog. A small model, written by the program
-itself, lets the server start without a download: it knows nothing, but it runs.
-Numbers like 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 32, 64, 128, 256, 512 and 1024 appear
-in configuration files; so do names like page_size, num_pages, world_size and rank.
-def forward(self, input_ids, positions, metadata): return self.model(input_ids)
-Hello, world! How are you today? I am fine, thank you. What time is it? It is late.
-Once upon a time there was a tensor that wanted to be parallel. It split itself into
-columns and rows, gathered what it needed, reduced what it had to, and was content.
-"""
+
+def matmul_flops_per_token(config: ModelConfig) -> int:
+    """2 x the parameters of every matmul one token goes through (q, k, v, o, the MLP
+    and lm_head); the embedding lookup and the attention over the context excluded."""
+    h = config.hidden_size
+    attn = h * config.q_size + 2 * h * config.kv_size + config.q_size * h
+    mlp = 3 * h * config.intermediate_size
+    return 2 * (config.num_hidden_layers * (attn + mlp) + config.vocab_size * h)
 
 
 # -- tokenizer ---------------------------------------------------------------------------
@@ -124,10 +151,11 @@ def _learn_merges(words: Counter[str], num_merges: int) -> list[tuple[str, str]]
     return merges
 
 
-def build_tokenizer() -> Tokenizer:
-    """Byte-level BPE: 256 byte tokens (id = byte), learned merges, then specials."""
+def learn_tokenizer(text: str) -> Tokenizer:
+    """Byte-level BPE learned from ``text``: 256 byte tokens (id = byte), learned
+    merges, then the specials as the last ids. Same text, same bytes."""
     pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    words = Counter(piece for piece, _ in pre.pre_tokenize_str(_CORPUS))
+    words = Counter(piece for piece, _ in pre.pre_tokenize_str(text))
     alphabet = _bytes_to_unicode()
     vocab = {symbol: i for i, symbol in enumerate(alphabet)}
     merges = _learn_merges(words, VOCAB_SIZE - len(SPECIAL_TOKENS) - len(alphabet))
@@ -142,6 +170,12 @@ def build_tokenizer() -> Tokenizer:
         [AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
     )
     return tokenizer
+
+
+def build_tokenizer() -> Tokenizer:
+    """The default models' tokenizer (the committed ``weights/tokenizer.json``)."""
+    verify_weights(("tokenizer.json",))
+    return Tokenizer.from_file(str(WEIGHTS_DIR / "tokenizer.json"))
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -194,32 +228,78 @@ def write_random_checkpoint(model_dir: str | Path, config: ModelConfig, *, seed:
     return model_dir
 
 
-def create_default_model(model_dir: str | Path) -> Path:
-    """Write the default checkpoint into ``model_dir`` (created if needed)."""
-    model_dir = write_random_checkpoint(model_dir, DEFAULT_CONFIG, seed=SEED)
-    build_tokenizer().save(str(model_dir / "tokenizer.json"), pretty=True)
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def verify_weights(names: tuple[str, ...] | None = None) -> dict[str, str]:
+    """Check the committed files (``names``, or all) against ``weights/SHA256SUMS``;
+    return the expected digests. Raises naming the first file that is missing or
+    does not match."""
+    sums_path = WEIGHTS_DIR / "SHA256SUMS"
+    if not sums_path.is_file():
+        raise RuntimeError(f"{sums_path} is missing: the default model's files are not installed")
+    expected: dict[str, str] = {}
+    for line in sums_path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            digest, name = line.split(maxsplit=1)
+            expected[name.lstrip("*")] = digest
+    for name in expected if names is None else names:
+        path = WEIGHTS_DIR / name
+        if name not in expected:
+            raise RuntimeError(f"{path}: not listed in {sums_path}")
+        if not path.is_file():
+            raise RuntimeError(f"{path}: missing (listed in {sums_path})")
+        actual = _sha256(path)
+        if actual != expected[name]:
+            raise RuntimeError(
+                f"{path}: SHA-256 {actual} does not match {expected[name]} in {sums_path}; "
+                "the default model's files are damaged (reinstall, or rerun "
+                "scripts/train_default.py)"
+            )
+    return expected
+
+
+def _copy_checkpoint(model_dir: str | Path, stem: str) -> Path:
+    files = {
+        f"{stem}.json": "config.json",
+        f"{stem}.safetensors": "model.safetensors",
+        "tokenizer.json": "tokenizer.json",
+    }
+    verify_weights(tuple(files))
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    for source, dest in files.items():
+        shutil.copyfile(WEIGHTS_DIR / source, model_dir / dest)
     return model_dir
+
+
+def create_default_model(model_dir: str | Path) -> Path:
+    """Copy the committed default (target) checkpoint into ``model_dir``."""
+    return _copy_checkpoint(model_dir, "target")
+
+
+def create_default_draft(model_dir: str | Path) -> Path:
+    """Copy the committed draft checkpoint into ``model_dir``."""
+    return _copy_checkpoint(model_dir, "draft")
 
 
 _FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
-def default_model_dir() -> Path:
-    """The default checkpoint under ``$FLARE_HOME`` (or ``~/.cache/flare``), written on
-    first use. Creation goes through a temporary directory and a rename, so a
-    concurrent first use never sees a half-written model."""
+def _first_use_dir(name: str, create) -> Path:
     home = Path(os.environ.get("FLARE_HOME") or Path.home() / ".cache" / "flare")
-    target = home / "models" / DEFAULT_MODEL_NAME
-    if all((target / name).is_file() for name in _FILES):
+    target = home / "models" / name
+    if all((target / f).is_file() for f in _FILES):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        create_default_model(tmp)
+        create(tmp)
         try:
             tmp.rename(target)
         except OSError:
-            if not all((target / name).is_file() for name in _FILES):
+            if not all((target / f).is_file() for f in _FILES):
                 raise RuntimeError(
                     f"{target} exists but is not a complete model; remove it"
                 ) from None
@@ -227,3 +307,15 @@ def default_model_dir() -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def default_model_dir() -> Path:
+    """The default checkpoint under ``$FLARE_HOME`` (or ``~/.cache/flare``), copied on
+    first use. Creation goes through a temporary directory and a rename, so a
+    concurrent first use never sees a half-written model."""
+    return _first_use_dir(DEFAULT_MODEL_NAME, create_default_model)
+
+
+def default_draft_dir() -> Path:
+    """The default draft checkpoint, like :func:`default_model_dir`."""
+    return _first_use_dir(DEFAULT_DRAFT_NAME, create_default_draft)
