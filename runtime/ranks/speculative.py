@@ -55,6 +55,7 @@ from kernels.allocation import prefix_allocation_reference
 from kernels.speculative import sample_inverse_cdf, verify_reference
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.draft import DraftContext, pack_lanes
+from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.sampling import (
     LogitAdjustments,
@@ -120,7 +121,9 @@ def copy_proposals(
     lanes, width = history.shape
     device = history.device
     j = torch.arange(width, device=device)  # (T,) candidate match ends
-    rows = torch.arange(lanes, device=device)[:, None]
+    # shifted[m][:, j] = history[:, j - m]: slices of a left-padded copy, no gather.
+    padded = torch.nn.functional.pad(history, (n_max, 0))
+    shifted = [padded[:, n_max - m : n_max - m + width] for m in range(n_max)]
     full = j[None, :] + depth <= end[:, None]  # (L, T) followed by depth known tokens
     # Score: a full continuation, then the longer n, then the later occurrence.
     score = torch.full((lanes,), -1, dtype=torch.int64, device=device)
@@ -129,8 +132,7 @@ def copy_proposals(
         match = (j[None, :] < end[:, None]) & (j[None, :] >= n - 1)  # (L, T)
         for m in range(n):
             tail = history.gather(1, (end - m).clamp(min=0)[:, None])  # (L, 1)
-            shifted = history[rows, (j[None, :] - m).clamp(min=0)]  # (L, T)
-            match &= shifted == tail
+            match &= shifted[m] == tail
         match &= (end >= n - 1)[:, None]
         value = (full.long() * span + n) * width + j[None, :]  # (L, T)
         score = torch.maximum(score, torch.where(match, value, -1).amax(dim=1))
@@ -342,34 +344,40 @@ class SpeculativeStages:
         first = packed.meta.query_start + torch.where(prompt, lengths - 1, 0)  # (L,)
         at = (first[:, None] + torch.arange(k + 1, device=device)[None, :]).clamp(max=self.rows - 1)
         lane_logits = logits.index_select(0, at.reshape(-1))  # (L*(K+1), V)
-        # p at position j sees the penalty counts of the proposals before it.
         drafted = proposals[:, :k]
-        seen = torch.zeros(lanes, k + 1, vocab, dtype=counts.dtype, device=device)
-        if k:
-            onehot = torch.zeros(lanes, k, vocab, dtype=counts.dtype, device=device)
-            onehot.scatter_(
-                2, drafted.clamp(min=0)[:, :, None], (drafted >= 0).to(counts.dtype)[:, :, None]
-            )
-            seen[:, 1:] = torch.cumsum(onehot, dim=1)
-        pos_counts = (counts[:, None, :] + seen).reshape(-1, vocab)
-        pos_step = (step[:, None] + torch.arange(k + 1, device=device)[None, :]).reshape(-1)
-        p, _ = self._distribution(
-            lane_logits, s, pos_step, pos_counts, prompt_mask, k + 1, greedy_only
-        )
-        p = p.view(lanes, k + 1, vocab)
-        u = uniform_noise(seed.repeat_interleave(k + 1), pos_step, 4).view(lanes, k + 1, 4)
         verify = verify_reference
         if device.type == "cuda":
             from kernels.triton.speculative_verify import speculative_verify as verify
-        accepted, emitted, survival = verify(
-            p.contiguous(),
-            q[:, :k].contiguous(),
-            drafted.contiguous(),
-            (q_lens - 1).clamp(min=0),
-            u[:, :k, 0].contiguous(),
-            u[:, :k, 1].contiguous(),
-            u[torch.arange(lanes, device=device), (q_lens - 1).clamp(min=0), 2].contiguous(),
-        )
+        offered = (q_lens - 1).clamp(min=0)
+        if greedy_only:  # every lane greedy, nothing adjusted: exact match on the argmax
+            p = lane_logits.view(lanes, k + 1, vocab)
+            accepted, emitted, survival = verify(
+                p, None, drafted.contiguous(), offered, greedy=True
+            )
+        else:
+            # p at position j sees the penalty counts of the proposals before it.
+            seen = torch.zeros(lanes, k + 1, vocab, dtype=counts.dtype, device=device)
+            if k:
+                onehot = torch.zeros(lanes, k, vocab, dtype=counts.dtype, device=device)
+                real = (drafted >= 0).to(counts.dtype)[:, :, None]
+                onehot.scatter_(2, drafted.clamp(min=0)[:, :, None], real)
+                seen[:, 1:] = torch.cumsum(onehot, dim=1)
+            pos_counts = (counts[:, None, :] + seen).reshape(-1, vocab)
+            pos_step = (step[:, None] + torch.arange(k + 1, device=device)[None, :]).reshape(-1)
+            p, _ = self._distribution(
+                lane_logits, s, pos_step, pos_counts, prompt_mask, k + 1, greedy_only
+            )
+            p = p.view(lanes, k + 1, vocab)
+            u = uniform_noise(seed.repeat_interleave(k + 1), pos_step, 4).view(lanes, k + 1, 4)
+            accepted, emitted, survival = verify(
+                p.contiguous(),
+                q[:, :k].contiguous(),
+                drafted.contiguous(),
+                offered,
+                u[:, :k, 0].contiguous(),
+                u[:, :k, 1].contiguous(),
+                u[torch.arange(lanes, device=device), offered, 2].contiguous(),
+            )
         # 5. commit: accepted + 1 tokens, cut after the first EOS (a prompt row: its
         # first token when it commits one).
         scratch = arena.scratch
@@ -431,26 +439,39 @@ class SpeculativeStages:
         proposals = torch.full((lanes, depth), -1, dtype=torch.int64, device=device)
         q = torch.zeros(lanes, depth, vocab, device=device)
         conditional = torch.zeros(lanes, depth, device=device)
-        ones = active.long()
         token = pending
         seen = counts.clone()
         seed = s["seed"]
+        tables = arena.page_tables[:, :width].index_select(0, rows)  # (L, width)
+        lane_index = torch.arange(lanes, device=device)
         for d in range(depth + 1):
-            packed = pack_lanes(
-                arena, rows, start + d, ones, lanes, width, page_size, 1,
-                ids=token[:, None], limit=held,
-            )  # fmt: skip
+            # One token per lane at start + d: a decode step's metadata.
+            positions = torch.where(active, start + d, 0)  # (L,)
+            column = (positions // page_size).clamp(max=width - 1)
+            page = tables.gather(1, column[:, None]).squeeze(1)
+            writes = active & (page >= 0) & (positions < held)
+            meta = AttentionMetadata(
+                query_start=lane_index,
+                query_lens=writes.long(),
+                context_lens=torch.where(writes, positions + 1, 0),
+                page_tables=tables,
+                slot_mapping=torch.where(writes, page * page_size + positions % page_size, -1),
+                max_query_len=1,
+            )
             if d == depth:  # the last proposal's KV only
-                self.draft.feed(packed.input_ids, packed.positions, packed.meta)
+                self.draft.feed(token, positions, meta)
                 break
-            logits = self.draft.step(packed.input_ids, packed.positions, packed.meta)  # (L, V)
+            logits = self.draft.step(token, positions, meta)  # (L, V)
             dist, soft = self._distribution(logits, s, step + d, seen, prompt_mask, 1, greedy_only)
-            u = uniform_noise(seed, step + d, 4)[:, 3]
-            token = sample_inverse_cdf(dist, u)  # (L,)
+            if greedy_only:  # a point mass: its argmax
+                token = logits.argmax(dim=-1)
+            else:
+                u = uniform_noise(seed, step + d, 4)[:, 3]
+                token = sample_inverse_cdf(dist, u)  # (L,)
+                seen = seen + torch.zeros_like(seen).scatter_(1, token[:, None], 1)
             proposals[:, d] = token
             q[:, d] = dist
             conditional[:, d] = soft.gather(1, token[:, None]).squeeze(1)
-            seen = seen + torch.zeros_like(seen).scatter_(1, token[:, None], 1)
         return proposals, q, conditional
 
     def _allocate(
