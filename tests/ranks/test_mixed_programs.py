@@ -317,12 +317,14 @@ def test_mixed_program_shape_is_the_spec_packed_extent():
     assert ProgramShape.of(prefill_program(64)) == ProgramShape(64, 1, 64)
 
 
-def test_wider_mixed_programs_are_refused_until_speculation(checkpoint):
+def test_wider_mixed_programs_need_a_proposer(checkpoint):
+    """Wide mixed programs verify proposals (tests/ranks/test_speculative_programs.py
+    runs them); without a proposal source there is nothing to verify."""
     path, _ = checkpoint
     w = make_worker(path)
     wide = GraphDescriptor(GraphKind.MIXED, 4, token_capacity=2, proposal_depth=1,
                            prompt_capacity=64)  # fmt: skip
-    with pytest.raises(ProgramError, match="W > 1"):
+    with pytest.raises(ProgramError, match="needs a proposer"):
         PreparedProgram(wide, w.model, w.outputs, w.arena, PAGE)
 
 
