@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.ranks.model import default
 from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.config import ModelConfig
 from runtime.ranks.model.default import (
@@ -106,6 +107,7 @@ def test_default_dirs(home: Path, target_dir: Path, draft_dir: Path) -> None:
     )  # no temporary directory left behind
     for d in (target_dir, draft_dir):
         assert sorted(p.name for p in d.iterdir()) == [
+            "SHA256SUMS",  # the committed sums the copy was made from
             "config.json",
             "model.safetensors",
             "tokenizer.json",
@@ -192,3 +194,20 @@ def test_target_is_trained(target_dir: Path, target: LlamaForCausalLM) -> None:
     letters = sum(c.isalpha() or c == " " for c in text)
     assert letters >= 0.8 * len(text), text
     assert len(set(text.split())) >= 4, text
+
+
+def test_a_stale_copy_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy made from other committed weights (another SHA256SUMS) is replaced
+    on first use, so retrained weights never hide behind an old cache."""
+    monkeypatch.setenv("FLARE_HOME", str(tmp_path))
+    first = default.default_model_dir()
+    (first / "SHA256SUMS").write_text("stale\n")
+    (first / "model.safetensors").write_bytes(b"old weights")
+    again = default.default_model_dir()
+    assert again == first
+    sums = (default.WEIGHTS_DIR / "SHA256SUMS").read_bytes()
+    assert (again / "SHA256SUMS").read_bytes() == sums
+    assert (again / "model.safetensors").read_bytes() == (
+        default.WEIGHTS_DIR / "target.safetensors"
+    ).read_bytes()
+    assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]  # no leftovers

@@ -32,6 +32,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", 
 class Server:
     def __init__(self, *extra: str, url: str | None = None) -> None:
         self.port: int | None
+        self.mode = ""  # what a parametrized fixture started it as
         self.proc: subprocess.Popen | None = None
         self.log = None
         if url is not None:

@@ -15,6 +15,7 @@ tests and benchmarks.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -287,25 +288,45 @@ def create_default_draft(model_dir: str | Path) -> Path:
 _FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
+_STAMP = "SHA256SUMS"  # the committed sums the copy was made from
+
+
 def _first_use_dir(name: str, create) -> Path:
+    """``$FLARE_HOME/models/name``, (re)made from the committed files unless it
+    holds a complete copy of the current ones: the copy keeps the
+    ``SHA256SUMS`` it was made from, so retrained weights replace a stale copy."""
     home = Path(os.environ.get("FLARE_HOME") or Path.home() / ".cache" / "flare")
     target = home / "models" / name
-    if all((target / f).is_file() for f in _FILES):
+    sums = (WEIGHTS_DIR / _STAMP).read_bytes()
+
+    def current(path: Path) -> bool:
+        stamp = path / _STAMP
+        complete = all((path / f).is_file() for f in _FILES)
+        return complete and stamp.is_file() and stamp.read_bytes() == sums
+
+    if current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    stale = None
     try:
         create(tmp)
+        (tmp / _STAMP).write_bytes(sums)
+        if target.exists():  # a stale copy (older weights): moved aside, then removed
+            stale = Path(tempfile.mkdtemp(prefix=f".{name}-stale-", dir=target.parent))
+            with contextlib.suppress(OSError):
+                target.rename(stale / "model")
         try:
             tmp.rename(target)
         except OSError:
-            if not all((target / f).is_file() for f in _FILES):
+            if not current(target):
                 raise RuntimeError(
                     f"{target} exists but is not a complete model; remove it"
                 ) from None
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, stale):
+            if leftover is not None and leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return target
 
 
