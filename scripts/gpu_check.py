@@ -200,14 +200,15 @@ def check_penalties(eager: RankWorker, graphs: RankWorker, prompts: list[list[in
     """Logit bias and penalties: graph == eager, batch invariance, device state."""
     plain = [SamplingParams()] * 3 + [SamplingParams(0.9, 0.95, 20, 1006)]
     settings = [
-        SamplingParams(repetition_penalty=1.3),
-        SamplingParams(frequency_penalty=0.7, presence_penalty=0.4),
-        SamplingParams(logit_bias=((5, 3.0), (7, -2.0), (300, 1.0))),
+        # Strong enough to move a trained model's greedy choice within 12 tokens.
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(frequency_penalty=1.5, presence_penalty=1.0),
+        SamplingParams(logit_bias=((5, 12.0), (7, -2.0), (300, 10.0))),
         plain[0],  # no adjustments, beside adjusted lanes
         SamplingParams(0.8, 0.9, 40, 1004, repetition_penalty=1.2, logit_bias=((11, 1.5),)),
         SamplingParams(0.7, 1.0, -1, 1005, frequency_penalty=1.0),
         plain[3],  # seeded, no adjustments
-        SamplingParams(presence_penalty=-1.0, repetition_penalty=0.9),
+        SamplingParams(presence_penalty=-2.0, repetition_penalty=0.5),
     ]
     ok = True
     ref, _ = generate(eager, prompts, settings, 12)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 # Common English words.  A prompt of N words is N * (tokens per word) tokens, and
-# that ratio is the tokenizer's: measured, 2.84 with the embedded default model's
+# that ratio is the tokenizer's: measured, 2.46 with the embedded default model's
 # 512-token vocabulary (EMBEDDED_TOKENS_PER_WORD; tests/loadgen re-measures it).
 # Use token-id prompts for exact lengths.
 WORDS: tuple[str, ...] = (
@@ -31,7 +31,7 @@ WORDS: tuple[str, ...] = (
     "another", "came", "come", "work", "three", "word", "must", "because", "does", "part",
 )  # fmt: skip
 
-EMBEDDED_TOKENS_PER_WORD = 2.84  # 200 seeded 128-word prompts, embedded default model
+EMBEDDED_TOKENS_PER_WORD = 2.46  # 200 seeded 128-word prompts, embedded default model
 
 # Token ids drawn for token-id prompts when the vocabulary is unknown: clear of the
 # low ids that tokenizers use for special tokens, inside every common vocabulary
