@@ -27,6 +27,7 @@ FLAGS = {  # SpeculationConfig field -> the flag that sets it
     "prompt_lookup_max": "--prompt-lookup-max",
     "speculative token capacity": "--speculative-token-capacity",
     "selection": "--speculative-selection",
+    "acceptance prior": "--speculative-acceptance-prior",
 }
 
 
@@ -71,12 +72,31 @@ def add_speculation_flags(run: argparse.ArgumentParser) -> None:
         "fixed selection unless --speculative-selection says adaptive (default: none)",
     )
     group.add_argument(
+        "--speculative-acceptance-prior",
+        metavar="S1,S2,...",
+        type=_probabilities,
+        help="prefix-survival means s_1, s_2, ... that start every request's acceptance "
+        "estimates instead of 0.5^d (an offline measurement of the proposer; default: 0.5^d)",
+    )
+    group.add_argument(
         "--speculative-token-capacity",
         metavar="N",
         type=int,
         help="the target-row envelope R: speculative programs with more target rows "
         "than R are not prepared (default: no envelope)",
     )
+
+
+def _probabilities(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"comma-separated probabilities expected, got {text!r}"
+        ) from None
+    if not values:
+        raise argparse.ArgumentTypeError("at least one probability expected")
+    return values
 
 
 def speculation_config(
@@ -93,6 +113,7 @@ def speculation_config(
             ("prompt_lookup_min", args.prompt_lookup_min),
             ("prompt_lookup_max", args.prompt_lookup_max),
             ("token_capacity", args.speculative_token_capacity),
+            ("acceptance_prior", args.speculative_acceptance_prior),
         )
         if value is not None
     }
@@ -113,6 +134,7 @@ def speculation_config(
                 flag = "--" + next(iter(overrides)).replace("_", "-")
                 flag = flag.replace("--selection", "--speculative-selection")
                 flag = flag.replace("--token-capacity", "--speculative-token-capacity")
+                flag = flag.replace("--acceptance-prior", "--speculative-acceptance-prior")
                 parser.error(f"{flag}: needs --draft-model, --proposer or --speculative-config")
             return None
     except SpeculationError as exc:

@@ -164,6 +164,7 @@ def speculation_settings(speculation: SpeculationConfig | None) -> dict:
         "fixed_speculative_width": speculation.fixed_width,
         "proposer": speculation.proposer,
         "speculative_token_capacity": speculation.token_capacity,
+        "acceptance_prior": speculation.acceptance_prior,
     }
 
 

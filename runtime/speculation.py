@@ -14,12 +14,17 @@ adaptive selection, the proposal source whose acceptance requests track):
   a width per round by expected useful value per time.
 * ``token_capacity`` R (``--speculative-token-capacity``): programs whose
   target rows exceed R are not prepared (0: no envelope).
+* ``acceptance_prior`` (``--speculative-acceptance-prior``): prefix-survival
+  means s_1, s_2, ... that start the population prior of this proposer
+  instead of the spec's 0.5^d (an offline measurement of the draft against
+  the target; deeper depths keep 0.5^d).
 
 :meth:`from_vllm` reads vLLM's ``--speculative-config`` JSON.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 
@@ -49,6 +54,7 @@ class SpeculationConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     token_capacity: int = 0
+    acceptance_prior: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -74,6 +80,18 @@ class SpeculationConfig:
         r = self.token_capacity
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise SpeculationError(f"speculative token capacity must be >= 0, got {r!r}")
+        prior = self.acceptance_prior
+        if not isinstance(prior, tuple) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0
+            for v in prior
+        ):
+            raise SpeculationError(f"acceptance prior must hold probabilities, got {prior!r}")
+        if any(b > a for a, b in itertools.pairwise(prior)):
+            raise SpeculationError(f"acceptance prior must not increase with depth, got {prior}")
+        if len(prior) > n:
+            raise SpeculationError(
+                f"acceptance prior has {len(prior)} depths, num_speculative_tokens is {n}"
+            )
 
     @property
     def widest(self) -> int:
@@ -81,11 +99,13 @@ class SpeculationConfig:
 
     @property
     def widths(self) -> tuple[int, ...]:
-        """The round widths the ranks prepare (width one is ordinary decode)."""
+        """The round widths the ranks prepare (width one is ordinary decode):
+        fixed, the widest; adaptive, every width through 4, then powers of two,
+        and the widest."""
         if self.selection == "fixed":
             return (self.widest,)
-        out = {self.widest}
-        w = 2
+        out = {self.widest, *range(2, min(4, self.widest) + 1)}
+        w = 8
         while w < self.widest:
             out.add(w)
             w *= 2

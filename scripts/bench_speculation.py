@@ -12,8 +12,12 @@ concurrency c the first c prompts of a rotation, each ``--max-tokens`` long.
 
 Configurations, each its own deployment: ``off`` (no speculation);
 ``fixed-W`` for W in ``--widths`` (every decode round verifies W - 1 draft
-tokens: ``--speculative-selection fixed``); ``adaptive`` (widths 2, 4 and the
-widest, plus prefix-limit programs; the scheduler picks per round).  For each
+tokens: ``--speculative-selection fixed``); ``adaptive`` (widths 2, 3, 4, plus
+prefix-limit programs; the scheduler picks per round, every request's
+acceptance estimates starting from the spec's 0.5^d prior);
+``adaptive-preseeded`` (the same with ``--speculative-acceptance-prior``
+a, a^2, a^3 from the draft's held-out greedy agreement a, ``--prior-agreement``,
+0.703 in TRAINING.md: an offline figure, not one measured here).  For each
 concurrency, ``--runs`` repetitions after one warm-up (which also lets the
 scheduler measure its programs); the figure is the median of the runs' output
 tokens/s (all requests' output tokens over the wall time from the first
@@ -141,6 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--widths", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--num-speculative-tokens", type=int, default=3, help="adaptive: deepest")
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument(
+        "--prior-agreement",
+        type=float,
+        default=0.703,
+        help="the draft's held-out greedy agreement (TRAINING.md): adaptive-preseeded's prior",
+    )
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--max-prefill-tokens", type=int, default=512)
@@ -159,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     configs["adaptive"] = SpeculationConfig(
         "draft", "default", num_speculative_tokens=args.num_speculative_tokens
     )
+    # The same, its acceptance prior preseeded from the draft's held-out greedy
+    # agreement a (runtime/ranks/model/weights/TRAINING.md) as s_d = a^d.
+    prior = tuple(args.prior_agreement**d for d in range(1, args.num_speculative_tokens + 1))
+    configs["adaptive-preseeded"] = SpeculationConfig(
+        "draft", "default", num_speculative_tokens=args.num_speculative_tokens,
+        acceptance_prior=prior,
+    )  # fmt: skip
     results = {}
     for name, spec in configs.items():
         if spec is not None and spec.draft_model == "default":
@@ -190,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         flat[f"c{c}_best_fixed"] = best
         flat[f"c{c}_best_fixed_tokens_per_s"] = round(fixed[best], 2)
         flat[f"c{c}_adaptive_tokens_per_s"] = round(results["adaptive"][c]["tokens_per_s"], 2)
+        flat[f"c{c}_adaptive_preseeded_vs_best_fixed"] = round(
+            results["adaptive-preseeded"][c]["tokens_per_s"] / fixed[best], 3
+        )
         ratio = results["adaptive"][c]["tokens_per_s"] / fixed[best]
         flat[f"c{c}_adaptive_vs_best_fixed"] = round(ratio, 3)
         flat[f"c{c}_adaptive_vs_off"] = round(

@@ -82,6 +82,15 @@ def test_bad_config_files_fail_naming_the_key(tmp_path, capsys, toml, needle):
             "--speculative-config",
         ),
         (["--proposer", "copy", "--direct"], "direct"),
+        (
+            ["--proposer", "copy", "--speculative-acceptance-prior", "0.5,0.7"],
+            "--speculative-acceptance-prior",
+        ),
+        (
+            ["--proposer", "copy", "--speculative-acceptance-prior", "x"],
+            "--speculative-acceptance-prior",
+        ),
+        (["--speculative-acceptance-prior", "0.5"], "--speculative-acceptance-prior"),
         (["--mtp-adaptive-verification-alpha", "0"], "--mtp-adaptive-verification-alpha"),
         (["--mtp-adaptive-verification-alpha", "nan"], "--mtp-adaptive-verification-alpha"),
         (["--port", "0"], "--port"),
@@ -387,7 +396,7 @@ def test_speculation_flags_and_vllms_speculative_config():
     assert (spec.proposer, spec.selection, spec.widths, spec.fixed_width) == (
         "copy",
         "adaptive",
-        (2, 4),
+        (2, 3, 4),
         0,
     )
     assert "--device-allocation" in config.rank_args()
@@ -409,7 +418,9 @@ def test_speculation_flags_and_vllms_speculative_config():
     _, config = configure(["--draft-model", "default", "--num-speculative-tokens", "7",
                            "--speculative-token-capacity", "64"])  # fmt: skip
     spec = config.speculation
-    assert spec.proposer == "draft" and spec.widths == (2, 4, 8)
+    assert spec.proposer == "draft" and spec.widths == (2, 3, 4, 8)
     assert spec.draft_model.startswith("/") and spec.token_capacity == 64
+    _, config = configure(["--proposer", "copy", "--speculative-acceptance-prior", "0.8,0.6"])
+    assert config.speculation.acceptance_prior == (0.8, 0.6)
     _, config = configure([])
     assert config.speculation is None

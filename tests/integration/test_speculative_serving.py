@@ -111,3 +111,14 @@ def test_acceptance_estimates_move_on_a_real_run(checkpoints):
     assert means["greedy"] and means["sampled"]
     assert means["sampled"][-1] < 0.15  # from the 0.5 prior down towards 0
     assert means["greedy"][-1] > means["sampled"][-1] + 0.15
+
+
+def test_an_acceptance_prior_preseeds_the_population(checkpoints):
+    """``--speculative-acceptance-prior``: requests start from the given survival
+    means instead of 0.5^d (deeper depths keep 0.5^d)."""
+    target, _, prompts, _ = checkpoints
+    spec = SpeculationConfig("copy", num_speculative_tokens=3, acceptance_prior=(0.9, 0.7))
+    with deployment(target, 1, spec) as d:
+        means = d.engine.scheduler.speculation.prior("copy").means()
+        d.engine.submit(prompts[0], 4, ignore_eos=True).result(timeout=300)
+    assert means == pytest.approx([0.9, 0.7, 0.125])

@@ -93,6 +93,7 @@ class EngineConfig:
     fixed_speculative_width: int = 0
     proposer: str = "draft"
     speculative_token_capacity: int = 0
+    acceptance_prior: tuple[float, ...] = ()  # preseeds the proposer's population prior
 
     def __post_init__(self) -> None:
         ws = self.world_size

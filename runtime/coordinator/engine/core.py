@@ -199,6 +199,9 @@ class Engine:
                 scheduler = DirectScheduler(facts.descriptors, scheduler_config)
             else:
                 scheduler = Scheduler(facts.descriptors, scheduler_config, cfg.policy)
+                model = scheduler.speculation
+                if cfg.acceptance_prior and model is not None:  # an offline measurement
+                    model.preseed(cfg.proposer, cfg.acceptance_prior[: model.depth_cap])
             if self._trace_options is not None:  # an unwritable trace file fails the start
                 self.trace = self._new_trace(facts)
         except BaseException as exc:
