@@ -25,19 +25,22 @@ def prefix_allocation_reference(
     joint: Tensor, ceilings: Tensor, slots: Tensor, rows: int
 ) -> Tensor:
     """Query lengths (R,) int64 for joint (R, D) prefix probabilities, ceilings
-    (R,) and request slots (R,) within ``rows`` target rows (R pending rows always,
-    even when rows < R).  One host read of the inputs; runs on their device."""
+    (R,) and request slots (R,) within ``rows`` target rows (a pending row for
+    every lane with a ceiling, even when rows < R; a lane whose ceiling is 0 is
+    absent: 0 rows, not counted).  One host read of the inputs; runs on their
+    device."""
     lanes, depth = joint.shape
     device = joint.device
-    queries = torch.ones(lanes, dtype=torch.int64, device=device)
+    queries = (ceilings > 0).to(torch.int64)  # a ceiling of 0: no lane, no row
+    present = int(queries.sum())
     if lanes == 0 or depth == 0:
         return queries
     cap = ceilings.to(torch.int64).clamp(max=depth + 1)  # (R,) never past the last prefix
     slot = slots.to(torch.int64)  # (R,)
     lane = torch.arange(lanes, device=device)  # (R,)
     # Each lane grows by at most D rows, so no more admissions than that.
-    for _ in range(min(max(rows - lanes, 0), lanes * depth)):
-        p = joint.gather(1, (queries - 1).clamp(max=depth - 1).unsqueeze(1)).squeeze(1)  # (R,)
+    for _ in range(min(max(rows - present, 0), present * depth)):
+        p = joint.gather(1, (queries - 1).clamp(0, depth - 1).unsqueeze(1)).squeeze(1)  # (R,)
         grow = (queries < cap) & (p > 0)  # (R,) an admissible, possible frontier
         if not bool(grow.any()):
             break

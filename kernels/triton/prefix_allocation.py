@@ -16,9 +16,9 @@ recompute the allocation from the confidence sidecar.
 
 One program does the whole problem (R <= 64, D <= 16): the (R, D) tile stays in
 registers and each admission is a few reductions over the R frontiers.  The grid
-(1,) depends on nothing, so the launch can be captured in a graph.
-
-Not wired into the rank programs yet.
+(1,) depends on nothing, so the launch can be captured in a graph: a program
+with fewer lanes than its capacity passes ceiling 0 for the padding lanes,
+which take no row and do not count against P, so ``rows`` stays P.
 """
 
 from __future__ import annotations
@@ -55,13 +55,15 @@ def _prefix_allocation_kernel(
     tile = tl.load(
         joint_ptr + lane[:, None] * stride_jr + col[None, :] * stride_jd, mask=ok, other=0.0
     )  # (BLOCK_R, BLOCK_D) float32
-    # The pad lanes' ceiling is 1: they never grow.
-    cap = tl.load(ceil_ptr + lane, mask=live, other=1).to(tl.int64)  # (BLOCK_R,)
+    # A ceiling of 0 (and the pad lanes') is no lane: no row, not counted.
+    cap = tl.load(ceil_ptr + lane, mask=live, other=0).to(tl.int64)  # (BLOCK_R,)
     cap = tl.minimum(cap, DEPTH + 1).to(tl.int32)  # never past the last prefix
     slot = tl.load(slot_ptr + lane, mask=live, other=0).to(tl.int64)  # (BLOCK_R,)
-    queries = tl.full((BLOCK_R,), 1, tl.int32)  # (BLOCK_R,) the pending rows
+    present = cap > 0
+    queries = present.to(tl.int32)  # (BLOCK_R,) the pending rows
+    count = tl.sum(queries, axis=0)
     # Each lane grows by at most DEPTH rows.
-    extra = tl.minimum(tl.maximum(rows - LANES, 0), LANES * DEPTH)
+    extra = tl.minimum(tl.maximum(rows - count, 0), count * DEPTH)
     for _ in range(0, extra):
         at = col[None, :] == (queries - 1)[:, None]  # (BLOCK_R, BLOCK_D)
         p = tl.sum(tl.where(at, tile, 0.0), axis=1)  # (BLOCK_R,) frontier probabilities
@@ -106,14 +108,15 @@ def _check(joint: Tensor, ceilings: Tensor, slots: Tensor, rows: int) -> None:
 def prefix_allocation(joint: Tensor, ceilings: Tensor, slots: Tensor, rows: int) -> Tensor:
     """Query lengths (R,) int64 for joint (R, D) float32 prefix probabilities,
     ceilings (R,) and request slots (R,) int32/int64 within ``rows`` target rows
-    (R pending rows always, even when rows < R).  Same contract as
+    (a pending row for every lane with a ceiling, even when rows < R; a lane
+    whose ceiling is 0 is absent: 0 rows).  Same contract as
     ``kernels.allocation.prefix_allocation_reference``.
     """
     _check(joint, ceilings, slots, rows)
     lanes, depth = joint.shape
     out = torch.ones(lanes, dtype=torch.int64, device=joint.device)
     if lanes == 0 or depth == 0:
-        return out
+        return (ceilings > 0).to(torch.int64)
     _prefix_allocation_kernel[(1,)](
         joint,
         ceilings,

@@ -377,8 +377,6 @@ class PreparedProgram:
         """CUDA: capture every variant as a graph (returns the memory pool). CPU: no-op."""
         if self.device.type != "cuda":
             return None
-        if self.desc.device_allocated:  # its allocation budget depends on the lane count
-            return pool
         self._pad()
         for variant in VARIANTS:
             stream = torch.cuda.Stream()
@@ -490,8 +488,6 @@ class PreparedProgram:
         r = checked.lanes
         self._ints[:used].copy_(packed[:used], non_blocking=True)
         spec = self.speculative
-        if spec is not None:
-            spec.lanes = r
         if self.device.type != "cuda":
             RELEASE.arm()
             t0 = time.perf_counter_ns()

@@ -172,9 +172,6 @@ class SpeculativeStages:
         self.rows = desc.target_capacity  # packed rows (mixed: C + (B - 1) x W)
         if desc.kind is GraphKind.MIXED:
             self.rows = desc.prompt_capacity + (lanes - 1) * width
-        # The frame's lane count, set by the program at launch: the allocation
-        # budget depends on it, so device-allocated programs are not captured.
-        self.lanes = desc.batch_capacity
         # A wide mixed program: one prompt row beside the verifying lanes.
         self.mixed = desc.kind is GraphKind.MIXED
         vocab = model.config.vocab_size
@@ -477,15 +474,13 @@ class SpeculativeStages:
     def _allocate(
         self, joint: torch.Tensor, ceilings: torch.Tensor, rows: torch.Tensor, active: torch.Tensor
     ) -> torch.Tensor:
-        """Device allocation within P over the frame's lanes.  Padding lanes take
-        no rows (the coordinator, which sees only the plan's lanes, computes the
-        same): the rule gives every lane its pending row, so the budget passed
-        is P plus the padding lanes, which the host knows (:attr:`lanes`)."""
+        """Device allocation within P over the frame's lanes: padding lanes pass
+        ceiling 0, so they take no row and do not count against P (the
+        coordinator, which sees only the plan's lanes, computes the same)."""
         joint = joint * active[:, None]
         ceilings = torch.where(active, ceilings, 0)
-        budget = self.rows + self.desc.batch_capacity - self.lanes
         if joint.device.type == "cuda":
             from kernels.triton.prefix_allocation import prefix_allocation
 
-            return prefix_allocation(joint.contiguous(), ceilings, rows, budget)
-        return prefix_allocation_reference(joint, ceilings, rows, budget)
+            return prefix_allocation(joint.contiguous(), ceilings, rows, self.rows)
+        return prefix_allocation_reference(joint, ceilings, rows, self.rows)

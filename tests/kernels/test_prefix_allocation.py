@@ -150,3 +150,28 @@ def _with(**changes):
 def test_launcher_names_bad_argument(name, bad):
     with pytest.raises(ValueError, match=rf"^{name}:"):
         prefix_allocation(**bad(_good()))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lanes_with_ceiling_zero_are_absent(seed):
+    """A program with fewer lanes than its capacity passes ceiling 0 for the padding:
+    those lanes take no row and do not count against the rows, so the others
+    get exactly what the coordinator computes for the real lanes alone."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    lanes, depth = 8, 3
+    joint = _joint(gen, lanes, depth, levels=4)
+    ceilings = torch.randint(1, depth + 2, (lanes,), generator=gen)
+    slots = torch.randperm(3 * lanes, generator=gen)[:lanes]
+    real = torch.rand(lanes, generator=gen) < 0.6
+    real[0] = True
+    rows = int(torch.randint(int(real.sum()), 2 * lanes, (1,), generator=gen))
+    padded = torch.where(real, ceilings, 0)
+    got = prefix_allocation(joint, padded, slots, rows).tolist()
+    ref = prefix_allocation_reference(joint, padded, slots, rows).tolist()
+    keep = real.nonzero().flatten()
+    host = device_allocation(
+        joint[keep].tolist(), ceilings[keep].tolist(), slots[keep].tolist(), rows
+    )
+    assert got == ref
+    assert [got[i] for i in keep.tolist()] == host
+    assert all(got[i] == 0 for i in range(lanes) if not real[i])
