@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -45,7 +45,14 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from runtime.frontend.tokenizer import ModelTokenizer, read_model_json
 
-__all__ = ["ROLES", "ChatMessage", "ChatTemplate", "ChatTemplateError", "load_chat_template"]
+__all__ = [
+    "ROLES",
+    "ChatMessage",
+    "ChatTemplate",
+    "ChatTemplateError",
+    "load_chat_template",
+    "message_endpoints",
+]
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
@@ -101,6 +108,39 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+
+
+def message_endpoints(
+    template: ChatTemplate,
+    messages: Sequence[ChatMessage],
+    prompt_ids: Sequence[int],
+    encode: Callable[[str], Sequence[int]],
+) -> tuple[int, ...]:
+    """Each message's token endpoint in ``prompt_ids`` (the rendered conversation):
+    the prompt tokens that hold the conversation through message i, one entry per
+    message, non-decreasing.  These are the checkpoint anchors of issue 14: where a
+    later turn that resends the conversation can resume.
+
+    Message i's endpoint is found by rendering the conversation through it
+    (without a generation prompt) and encoding that text: the endpoint is its
+    longest common token prefix with ``prompt_ids``, since the tokenizer may merge
+    across the boundary differently once more text follows.  A template that
+    renders a shorter conversation as something other than a prefix of the whole
+    (some move the system message) gives the common prefix too: an anchor is
+    only ever a prefix of the prompt.  ``encode``: text to ids, with the special
+    tokens the prompt was encoded with.
+    """
+    ids = list(prompt_ids)
+    out: list[int] = []
+    for i in range(len(messages)):
+        prefix = encode(template.render(messages[: i + 1], add_generation_prompt=False))
+        common = 0
+        for a, b in zip(prefix, ids):
+            if a != b:
+                break
+            common += 1
+        out.append(max(common, out[-1] if out else 0))
+    return tuple(out)
 
 
 def load_chat_template(

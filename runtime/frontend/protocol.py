@@ -58,12 +58,19 @@ Both carry the code ``context_length_exceeded``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from runtime.frontend.chat import ROLES, ChatMessage, ChatTemplate, ChatTemplateError
+from runtime.frontend.chat import (
+    ROLES,
+    ChatMessage,
+    ChatTemplate,
+    ChatTemplateError,
+    message_endpoints,
+)
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.transport.schema import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
 
@@ -192,6 +199,8 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    # Chat: each message's token endpoint in prompt_token_ids (chat.message_endpoints).
+    message_endpoints: tuple[int, ...] = ()
 
 
 class Encoder(Protocol):
@@ -292,10 +301,18 @@ def parse_chat(
         text = template.render(messages)
     except ChatTemplateError as exc:
         raise RequestError(400, str(exc), "messages") from exc
-    ids = tuple(tokenizer.encode(text, add_special_tokens=template.add_special_tokens))
-    return _build(
+    special = template.add_special_tokens
+    ids = tuple(tokenizer.encode(text, add_special_tokens=special))
+    request = _build(
         model, ids, text, "messages", max_tokens, max_param, logprobs, fields, limits, defaults
     )
+    try:
+        ends = message_endpoints(
+            template, messages, ids, lambda t: tokenizer.encode(t, add_special_tokens=special)
+        )
+    except ChatTemplateError:  # a template that refuses a partial conversation: no anchors
+        ends = ()
+    return dataclasses.replace(request, message_endpoints=ends)
 
 
 def parse_tokenize(

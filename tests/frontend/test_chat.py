@@ -160,6 +160,43 @@ def test_bos_is_written_once_through_parse_chat(model_dir):
     assert req.prompt_token_ids == tuple(tok.encode(req.prompt, add_special_tokens=False))
 
 
+@pytest.mark.parametrize("chatml", [True, False])
+def test_each_messages_token_endpoint_is_sent_with_the_chat_request(model_dir, chatml):
+    """The checkpoint anchors: the prompt tokens holding the conversation through each
+    message, a prefix of the prompt that a later turn resending it shares."""
+    if chatml:
+        write_json(model_dir / "tokenizer_config.json", {"chat_template": CHATML})
+    tok = ModelTokenizer.from_dir(model_dir)
+    template = load(model_dir)
+    turns = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a list?"},
+        {"role": "assistant", "content": "A mutable sequence."},
+        {"role": "user", "content": "And a tuple?"},
+    ]
+    limits = ServingLimits("m", 512, 4096)
+    req = parse_chat({"messages": turns}, limits, tok, template)
+    ends = req.message_endpoints
+    ids = req.prompt_token_ids
+    assert len(ends) == 4 and list(ends) == sorted(ends) and ends[-1] < len(ids)
+    special = template.add_special_tokens
+    for i, end in enumerate(ends):
+        through = template.render(
+            [ChatMessage(t["role"], t["content"]) for t in turns[: i + 1]],
+            add_generation_prompt=False,
+        )
+        # The anchor's tokens decode to the conversation through message i, give or
+        # take a token the tokenizer merges across the boundary.
+        text = tok.decode(list(ids[:end]), skip_special_tokens=False)
+        assert through.startswith(text) and len(through) - len(text) <= 4
+        assert tok.encode(through, add_special_tokens=special)[:end] == list(ids[:end])
+    # The next turn resends the conversation: its anchors extend these.
+    more = [*turns, {"role": "assistant", "content": "Immutable."}]
+    later = parse_chat({"messages": more}, limits, tok, template)
+    assert later.message_endpoints[:4] == ends
+    assert later.prompt_token_ids[: ends[-1]] == ids[: ends[-1]]
+
+
 # -- the model directory's tokenizer files ----------------------------------------------------
 
 
