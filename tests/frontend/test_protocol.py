@@ -339,10 +339,16 @@ def test_model_template_prompt_is_encoded_without_special_tokens():
     encoder = RecordingEncoder()
     template = ChatTemplate("{{ bos_token }}{{ messages[0]['content'] }}", bos_token="<s>")
     req = parse_chat({"messages": USER}, LIMITS, encoder, template)
-    assert encoder.calls == [("<s>Hello", False)]
+    # The prompt, then the conversation through each message (its token endpoint),
+    # encoded the same way.
+    assert encoder.calls == [("<s>Hello", False), ("<s>Hello", False)]
     assert req.prompt_token_ids == (1, 2, 3)
+    encoder.calls.clear()
     parse_chat({"messages": USER}, LIMITS, encoder, FALLBACK)
-    assert encoder.calls[-1] == ("<|user|>\nHello\n<|assistant|>\n", True)
+    assert encoder.calls == [
+        ("<|user|>\nHello\n<|assistant|>\n", True),
+        ("<|user|>\nHello\n", True),
+    ]
 
 
 def test_template_refusal_is_a_400_naming_messages(tok):
