@@ -66,3 +66,33 @@ def check_query_and_pages(q: Tensor, k_pages: Tensor, v_pages: Tensor, rows: str
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(f"k_pages: kv_heads {kv_heads} does not divide q's {heads} heads")
     return page_size
+
+
+def check_packed_lanes(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_tables: Tensor,
+    query_start: Tensor,
+    query_lens: Tensor,
+    context_lens: Tensor,
+) -> None:
+    """A packed varlen step (the prefill and verify kernels): q (N, H, d) and the
+    pages as :func:`check_query_and_pages`, a positive page size, page tables
+    (L, P) and the (L,) index vectors ``query_start``, ``query_lens`` and
+    ``context_lens`` on q's device."""
+    page_size = check_query_and_pages(q, k_pages, v_pages, "N")
+    if page_size <= 0:
+        raise ValueError(f"k_pages: page_size {page_size} must be positive")
+    if page_tables.dim() != 2:
+        raise ValueError(f"page_tables: expected (L, P), got shape {tuple(page_tables.shape)}")
+    check_index("page_tables", page_tables, q.device)
+    lanes = page_tables.shape[0]
+    for name, t in (
+        ("query_start", query_start),
+        ("query_lens", query_lens),
+        ("context_lens", context_lens),
+    ):
+        if t.shape != (lanes,):
+            raise ValueError(f"{name}: expected ({lanes},), got shape {tuple(t.shape)}")
+        check_index(name, t, q.device)

@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from kernels.reference import paged_verify_attention_reference
-from kernels.triton.checks import check_device, check_index, check_query_and_pages, interpreted
+from kernels.triton.checks import check_device, check_packed_lanes, interpreted
 
 MAX_QUERY_LEN = 16  # new tokens per lane: the pending token plus up to 15 proposals
 # tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
@@ -251,21 +251,7 @@ def _check(
     max_query_len: int,
 ) -> None:
     """Raise ValueError naming the first bad argument."""
-    page_size = check_query_and_pages(q, k_pages, v_pages, "N")
-    if page_size <= 0:
-        raise ValueError(f"k_pages: page_size {page_size} must be positive")
-    if page_tables.dim() != 2:
-        raise ValueError(f"page_tables: expected (L, P), got shape {tuple(page_tables.shape)}")
-    check_index("page_tables", page_tables, q.device)
-    lanes = page_tables.shape[0]
-    for name, t in (
-        ("query_start", query_start),
-        ("query_lens", query_lens),
-        ("context_lens", context_lens),
-    ):
-        if t.shape != (lanes,):
-            raise ValueError(f"{name}: expected ({lanes},), got shape {tuple(t.shape)}")
-        check_index(name, t, q.device)
+    check_packed_lanes(q, k_pages, v_pages, page_tables, query_start, query_lens, context_lens)
     if (
         not isinstance(max_query_len, int)
         or isinstance(max_query_len, bool)

@@ -16,6 +16,7 @@ tests and benchmarks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -78,22 +79,10 @@ DEFAULT_CONFIG = ModelConfig(
 
 # The draft for speculative decoding: same tokenizer and vocabulary, at most a
 # quarter of the target's matmul FLOPs per token (see matmul_flops_per_token).
-DRAFT_CONFIG = ModelConfig(
-    architecture="LlamaForCausalLM",
-    vocab_size=VOCAB_SIZE,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
+DRAFT_CONFIG = dataclasses.replace(
+    DEFAULT_CONFIG, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    max_position_embeddings=4096,
-    eos_token_ids=(_EOS_ID,),
-    bos_token_id=_BOS_ID,
-)
+)  # fmt: skip
 
 
 def matmul_flops_per_token(config: ModelConfig) -> int:
