@@ -8,7 +8,9 @@ Each configuration is its own ``flare run`` process tree (the embedded default m
 ``--device cpu`` unless ``--device`` says otherwise) on a free loopback port:
 ``cache-on`` is the server's default (prefix caching is on by default, as in vLLM),
 ``cache-off`` adds ``--no-enable-prefix-caching``.  ``--server-arg`` passes more flags
-to both.  The script waits for ``/health``, sends one short warm-up request, runs the
+to both.  The script waits for ``/health``, sends one warm-up request (its own text,
+as long as the longest workload prompt, so first-use costs of long prefills do not
+land on the workloads), runs the
 two workloads, then stops the server (SIGTERM to its process group, SIGKILL after
 ``--stop-timeout`` s).  A server that fails to start (e.g. a ``flare run`` that does
 not know ``--no-enable-prefix-caching`` yet) is reported with its log's tail; its
@@ -239,7 +241,7 @@ def table(flat: dict[str, Any]) -> str:
     notes = []
     for config in CONFIGS:
         if flat.get(f"server_error_{config}"):
-            rows.append((config, "(server failed to start)", *["-"] * (len(header) - 2)))
+            rows.append((config, "(server failed)", *["-"] * (len(header) - 2)))
             continue
         for group, label in (
             ("multiturn_turn1", "multi-turn turn 1"),
@@ -286,7 +288,7 @@ def table(flat: dict[str, Any]) -> str:
     )
     for config in CONFIGS:
         if err := flat.get(f"server_error_{config}"):
-            lines.append(f"{config}: server failed to start: {err}")
+            lines.append(f"{config}: server failed: {err}")
     return "\n".join(lines)
 
 
@@ -352,6 +354,7 @@ class Workload:
     later: list[list[str]]  # [user][turn - 2] messages
     system_prompt: str
     questions: list[str]
+    warmup: str = "Warm up: say anything."
     system_message: str = SYSTEM_MESSAGE
 
 
@@ -364,7 +367,10 @@ def make_workload(chat: Chat, args: argparse.Namespace) -> Workload:
         f"Question {i + 1}: what does this mean? {src.take(args.question_tokens)}"
         for i in range(args.shared_users)
     ]
-    return Workload(first, later, system, questions)
+    # Its own text, as long as the longest prompt, so first-use costs of long (chunked)
+    # prefills fall on it, not on the workloads.
+    warmup = src.take(max(args.system_tokens, args.first_tokens) + args.question_tokens)
+    return Workload(first, later, system, questions, warmup)
 
 
 # ------------------------------------------------------------------ the client
@@ -472,8 +478,8 @@ async def run_workloads(base: str, chat: Chat, work: Workload, args) -> list[Rec
 
     limits = httpx.Limits(max_connections=max(args.users, args.concurrency) + 4)
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as http:
-        # Warm-up: one short request sharing nothing with the workloads but the template.
-        warm = [{"role": "user", "content": "Warm up: say anything."}]
+        # Warm-up: one request sharing nothing with the workloads but the template.
+        warm = [{"role": "user", "content": work.warmup}]
         await stream_chat(http, base, body_for(warm, 4))
         per_user = await asyncio.gather(
             *(multiturn_user(http, base, chat, work, u, args) for u in range(args.users))
@@ -581,6 +587,10 @@ def run_config(name: str, chat: Chat, work: Workload, args) -> tuple[list[Record
         t0 = time.monotonic()
         records = asyncio.run(run_workloads(server.base, chat, work, args))
         print(f"[{name}] workloads took {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    except Exception as exc:  # the warm-up failed: the server is not usable
+        err = f"{type(exc).__name__}: {exc}; server log: {server.tail()}"
+        print(f"[{name}] the warm-up request failed: {err}", file=sys.stderr, flush=True)
+        return None, err
     finally:
         code = server.stop()
         print(f"[{name}] server stopped (exit code {code})", file=sys.stderr, flush=True)
