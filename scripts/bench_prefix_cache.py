@@ -6,15 +6,16 @@ cache on vs off.
 
 Each configuration is its own ``flare run`` process tree (the embedded default model,
 ``--device cpu`` unless ``--device`` says otherwise) on a free loopback port:
-``cache-on`` is the server's default (prefix caching is on by default, as in vLLM),
-``cache-off`` adds ``--no-enable-prefix-caching``.  ``--server-arg`` passes more flags
+``cache_on`` is the server's default (prefix caching is on by default, as in vLLM),
+``cache_off`` adds ``--no-enable-prefix-caching``.  ``--server-arg`` passes more flags
 to both.  The script waits for ``/health``, sends one warm-up request (its own text,
 as long as the longest workload prompt, so first-use costs of long prefills do not
-land on the workloads), runs the
-two workloads, then stops the server (SIGTERM to its process group, SIGKILL after
-``--stop-timeout`` s).  A server that fails to start (e.g. a ``flare run`` that does
-not know ``--no-enable-prefix-caching`` yet) is reported with its log's tail; its
-figures are null and the script exits 1 after printing the JSON line.
+land on the workloads), runs the two workloads, then stops the server (SIGTERM, then
+SIGKILL to its process group after ``--stop-timeout`` s).  A server that fails to
+start (e.g. a ``flare run`` that does not know ``--no-enable-prefix-caching`` yet) or
+fails the warm-up is reported with its log's tail; its figures are null and the
+script exits 1 after printing the JSON line.  Requests that fail during the workloads
+are counted in the ``errors`` figures and left out of the others.
 
 Workloads (both over ``/v1/chat/completions``, ``stream: true`` with
 ``stream_options.include_usage``, ``temperature: 0``, ``ignore_eos: true`` so every
@@ -38,7 +39,7 @@ Figures, per request:
   tokenization, queueing, prefill and the first decode step).
 - prompt tokens: the final usage chunk's ``usage.prompt_tokens``.
 - cached tokens: ``usage.prompt_tokens_details.cached_tokens``.  A server that does not
-  send it (no prefix caching yet) counts as 0 and the table says "not reported".
+  send it (no prefix caching yet) counts as 0; the table shows "n/r (0)" and a note.
 - computed tokens: prompt tokens - cached tokens (prompt tokens the server prefilled).
 - new tokens (multi-turn, turns >= 2): the turn's prompt tokens beyond the longest
   common token prefix with (the previous turn's prompt token ids + the previous turn's
