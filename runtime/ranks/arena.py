@@ -25,6 +25,7 @@ sampled token is committed (its slot when it commits one, else scratch);
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -107,6 +108,14 @@ class SlotArena:
         if self.device.type != "cpu":
             index, values = index.to(self.device), values.to(self.device)
         self.page_tables.view(-1).index_copy_(0, index, values)
+
+    def set_history(self, slot: int, tokens: Sequence[int]) -> None:
+        """``tokens`` at positions 0..len-1 of the slot's history (a restored
+        generation's known prefix); nothing without speculation."""
+        if self.history is None or not tokens:
+            return
+        n = min(len(tokens), self.history_width)
+        self.history[slot, :n].copy_(torch.tensor(tokens[:n], dtype=torch.int64))
 
     def set_sampling(self, slot: int, params: SamplingParams) -> None:
         """A new generation's settings into the slot's rows (nothing to write when

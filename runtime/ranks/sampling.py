@@ -210,6 +210,17 @@ class PenaltyState:
         flat = rows * self.vocab + tokens
         self.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
 
+    def restore(self, row: int, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Row ``row`` as a generation that consumed ``prompt`` and committed
+        ``output`` (a restored request: prompt mask and output counts, nothing
+        else).  Host-built rows, copied in on the current stream (not captured)."""
+        mask = torch.zeros(self.vocab, dtype=torch.bool)
+        if prompt:
+            mask[torch.tensor(prompt, dtype=torch.int64)] = True
+        counts = torch.bincount(torch.tensor(output, dtype=torch.int64), minlength=self.vocab)
+        self.prompt_mask[row].copy_(mask)
+        self.counts[row].copy_(counts.to(torch.int32))
+
     def gather(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The (counts (L, V), prompt mask (L, V)) of rows ``rows`` ((L,) int64)."""
         return self.counts.index_select(0, rows), self.prompt_mask.index_select(0, rows)

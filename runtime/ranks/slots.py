@@ -16,17 +16,24 @@ when the frame is launched: positions, steps and page counts are known before
 its tokens are, which is what lets a rank check and pack the next frame while
 this one runs.  Page tables arrive as appended pages: a lane whose (slot,
 generation) is new starts an empty table.
+
+A new generation starts at position 0, unless its lane carries a restore
+record (:class:`~runtime.transport.restore.Restore`): then it starts at its
+``prompt_start`` over KV its pages already hold, its chunk must agree with the
+record's tokens, and its sampling step starts at the outputs already emitted
+(:meth:`SlotTable.check_restores`).  ``copies`` are checked against the pool
+(:meth:`SlotTable.check_copies`).
 """
 
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from runtime.catalog import GraphKind
-from runtime.transport.schema import Frame, SamplingParams
+from runtime.transport.schema import Frame, Restore, SamplingParams
 
 
 class FrameError(ValueError):
@@ -65,6 +72,7 @@ class CheckedFrame:
     full: bool  # some lane needs the full sampler (non-greedy, bias, penalties, min_tokens)
     logprobs: int  # the most log probabilities a lane asks for; -1: none
     steady: bool = False  # the previous frame's decode lanes, one token on (see check)
+    restores: dict[int, Restore] = field(default_factory=dict)  # lane -> record (new generations)
 
     @property
     def lanes(self) -> int:
@@ -148,14 +156,18 @@ class SlotTable:
         state = self._state[slot]  # (R, 9)
         known = state[:, 0] == generation
         prefill = column(frame.phase) == 1
+        restores = self.check_restores(frame, known.tolist(), vocab)
         # A known slot continues where it stopped (behind a speculative round in
         # flight: anywhere in its slack); a new generation starts at 0 with a
-        # prefill lane; a decode lane needs a pending token.
+        # prefill lane (a restored one at its prompt_start); a decode lane needs
+        # a pending token.
         at = (position <= state[:, 1] + state[:, 8]) & (position >= state[:, 1] - state[:, 7])
         ok = known & at & ((state[:, 2] > 0) | prefill)
         if not ok.all():
             prompt_start = column(frame.prompt_start)
-            ok |= ~known & prefill & (position == 0) & (prompt_start == 0)
+            restored = np.zeros(len(ok), bool)
+            restored[list(restores)] = True
+            ok |= ~known & prefill & ((position == 0) | restored) & (prompt_start == position)
             if not ok.all():
                 i = int(np.argmax(~ok))
                 raise FrameError(self._lane_error(frame, i, bool(known[i]), bool(prefill[i])))
@@ -171,6 +183,9 @@ class SlotTable:
         full = bool((state[:, 4] & known).any())
         logprobs = int(np.where(known, state[:, 5], -1).max(initial=-1))
         sampling, full, logprobs = self._settings(frame, known.tolist(), full, logprobs, vocab)
+        step = np.where(known, state[:, 6], 0)
+        for i, restore in restores.items():
+            step[i] = restore.step
         return CheckedFrame(
             frame=frame,
             slot=slot,
@@ -180,7 +195,7 @@ class SlotTable:
             query_len=query_len,
             commits=column(frame.commits),
             starts=~known,
-            step=np.where(known, state[:, 6], 0),
+            step=step,
             page_base=base,
             page_count=page_count,
             pages=pages,
@@ -188,6 +203,7 @@ class SlotTable:
             sampling=sampling,
             full=full,
             logprobs=logprobs,
+            restores=restores,
         )
 
     def _check_one(self, frame: Frame, vocab: int) -> CheckedFrame:
@@ -196,9 +212,11 @@ class SlotTable:
         generation, held_before, step, slack, short = self._state[slot, [0, 3, 6, 7, 8]].tolist()
         known = generation == frame.generation[0]
         prefill = frame.phase[0] == 1
+        restores = self.check_restores(frame, [known], vocab)
         at = self.next_position[slot] - slack <= position <= self.next_position[slot] + short
         ok = known and at and (prefill or self.pending[slot])
-        ok = ok or (not known and prefill and position == 0 and frame.prompt_start[0] == 0)
+        fresh = position == 0 or bool(restores)
+        ok = ok or (not known and prefill and fresh and frame.prompt_start[0] == position)
         if not ok:
             raise FrameError(self._lane_error(frame, 0, known, prefill))
         prompt_tokens, pages = self._check_ids(frame, vocab)
@@ -210,6 +228,8 @@ class SlotTable:
         full = known and bool(self.full[slot])
         logprobs = int(self.logprobs[slot]) if known else -1
         sampling, full, logprobs = self._settings(frame, [known], full, logprobs, vocab)
+        if restores:
+            step = restores[0].step
         return CheckedFrame(
             frame=frame,
             slot=column(frame.slot),
@@ -219,7 +239,7 @@ class SlotTable:
             query_len=column(frame.query_len),
             commits=column(frame.commits),
             starts=np.array([not known]),
-            step=np.array([step if known else 0]),
+            step=np.array([step if known or restores else 0]),
             page_base=np.array([base]),
             page_count=column(frame.page_count),
             pages=pages,
@@ -227,6 +247,7 @@ class SlotTable:
             sampling=sampling,
             full=full,
             logprobs=logprobs,
+            restores=restores,
         )
 
     def _check_ids(self, frame: Frame, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -243,7 +264,63 @@ class SlotTable:
                 f"fence {frame.fence}: page {int(pages.max())} is outside the "
                 f"rank's {self.num_pages} pages"
             )
+        self.check_copies(frame)
         return prompt_tokens, pages
+
+    def check_copies(self, frame: Frame) -> None:
+        """The frame's page copies inside the pool (the schema checked the rest)."""
+        for src, dst in frame.copies:
+            if max(src, dst) >= self.num_pages:
+                raise FrameError(
+                    f"fence {frame.fence}: copies: page {max(src, dst)} is outside the "
+                    f"rank's {self.num_pages} pages"
+                )
+
+    def check_restores(self, frame: Frame, known: list[bool], vocab: int) -> dict[int, Restore]:
+        """The frame's restore records, lane -> record, checked against the table.
+
+        A restored lane starts a new generation (its slot's generation is new to
+        the rank) at ``position == prompt_start <= len(tokens)``; its chunk equals
+        ``tokens[position:]`` where they overlap and runs past them only when the
+        record has no output (``output_start == len(tokens)``); every token lies
+        inside the vocabulary.  Raises :class:`FrameError` naming the lane.
+        """
+        if not frame.restores:
+            return {}
+        offsets = frame.prompt_offsets()
+        out: dict[int, Restore] = {}
+        for i, restore in frame.restores:
+            head = f"fence {frame.fence}: lane {i}: restore"
+            tokens, position = restore.tokens, frame.position[i]
+            if known[i]:
+                raise FrameError(
+                    f"{head}: slot {frame.slot[i]} generation {frame.generation[i]} is not "
+                    "new on this rank (a restore starts a generation)"
+                )
+            if tokens and max(tokens) >= vocab:
+                raise FrameError(
+                    f"{head}: token {max(tokens)} is outside the vocabulary [0, {vocab})"
+                )
+            if frame.prompt_start[i] != position or position > len(tokens):
+                raise FrameError(
+                    f"{head}: position {position} (prompt_start {frame.prompt_start[i]}) must "
+                    f"equal prompt_start and lie in [0, {len(tokens)}], the record's tokens"
+                )
+            chunk = frame.prompt_tokens[offsets[i] : offsets[i + 1]]
+            inside = tokens[position : position + len(chunk)]
+            if tuple(chunk[: len(inside)]) != inside:
+                at = next(k for k, (a, b) in enumerate(zip(chunk, inside)) if a != b)
+                raise FrameError(
+                    f"{head}: the chunk's token at position {position + at} is "
+                    f"{chunk[at]}, the record's is {inside[at]}"
+                )
+            if len(chunk) > len(inside) and restore.output_start != len(tokens):
+                raise FrameError(
+                    f"{head}: the chunk runs past the record's {len(tokens)} tokens, which "
+                    f"end with output (output_start {restore.output_start})"
+                )
+            out[i] = restore
+        return out
 
     def _context_error(self, frame: Frame, i: int, context: int, held: int) -> str:
         return (
@@ -278,6 +355,8 @@ class SlotTable:
             or frame.release_slots
             or frame.sampling
             or frame.pages
+            or frame.copies
+            or frame.restores
             or frame.slot != last.frame.slot
             or frame.generation != last.frame.generation
             or frame.phase != last.frame.phase
@@ -327,7 +406,10 @@ class SlotTable:
             return (
                 f"{head}: decode for slot {slot} generation {gen}, which has no state on this rank"
             )
-        return f"{head}: slot {slot} generation {gen} is new, so its first prefill must start at 0"
+        return (
+            f"{head}: slot {slot} generation {gen} is new, so its first prefill must start at 0 "
+            "with prompt_start 0 (a restored lane: at its prompt_start)"
+        )
 
     def apply(self, checked: CheckedFrame) -> None:
         """Apply a checked frame at launch: releases, positions, steps, pages, settings."""

@@ -70,6 +70,7 @@ from runtime.transport.schema import (
     Control,
     Frame,
     RankStatus,
+    Restore,
     Tensor,
     tensor_from_torch,
 )
@@ -257,9 +258,11 @@ class RankWorker:
         Raises FrameError / ProgramError with nothing changed.  The slot table
         and the device rows are updated here, before the frame finishes.
         """
-        if not frame.slot:  # an empty frame: releases only, no program runs
+        if not frame.slot:  # an empty frame: page copies and releases, no program runs
             if frame.program.key not in self.programs:
                 self.check(frame)  # names the unknown program
+            self.slots.check_copies(frame)
+            self._copy_pages(frame)
             for slot in frame.release_slots:
                 self.slots.release(slot)
             return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
@@ -271,6 +274,7 @@ class RankWorker:
             tensor, array_ = self.staging.take()
             used, width = program.pack(checked, array_, self.staging.memo)  # may refuse
         t2 = time.perf_counter_ns()
+        self._copy_pages(frame)
         self._update_rows(checked)
         host = self._host[self._next_host]
         self._next_host ^= 1
@@ -304,6 +308,29 @@ class RankWorker:
         for i, params in checked.sampling.items():
             if checked.starts[i]:
                 self.arena.set_sampling(int(checked.slot[i]), params)
+        for i, restore in checked.restores.items():
+            self._restore_rows(int(checked.slot[i]), restore, int(checked.position[i]))
+
+    def _copy_pages(self, frame: Frame) -> None:
+        """The frame's page copies in every KV cache this rank holds (the target's,
+        the draft's), before its program: eager on the current (compute) stream,
+        so on CUDA they follow the frames already launched and precede this
+        frame's replay.  Each rank copies its own head shard of the pages."""
+        if not frame.copies:
+            return
+        self.model.kv_cache.copy_pages(frame.copies)
+        if self.draft_model is not None:
+            self.draft_model.kv_cache.copy_pages(frame.copies)
+
+    def _restore_rows(self, slot: int, restore: Restore, position: int) -> None:
+        """A restored generation's device rows: the penalty row as if the slot had
+        consumed ``restore.tokens[:output_start]`` and committed the rest (the
+        program does not reset it, see ``PreparedProgram.pack``), and the known
+        prefix ``tokens[:position]`` in the slot's history (speculation); the
+        sampling step travels in the frame's packed step."""
+        tokens, start = restore.tokens, restore.output_start
+        self.outputs.penalties.restore(slot, tokens[:start], tokens[start:])
+        self.arena.set_history(slot, tokens[:position])
 
     def _hang(self) -> None:
         log.warning("rank %d: FLARE_DEBUG_HANG_FENCE: hanging", self.rank)

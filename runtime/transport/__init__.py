@@ -2,8 +2,9 @@
 
 ``schema``: one frozen, validated dataclass per message (``frame``: the
 columnar Frame; ``columns``: int64 column helpers; ``sampling``:
-SamplingParams).  ``codec``: the versioned msgpack envelope.  ``channels``:
-the coordinator's and the ranks' ZeroMQ ends, with the start-up handshake.
+SamplingParams; ``restore``: Restore and the frame's page copies).
+``codec``: the versioned msgpack envelope.  ``channels``: the coordinator's
+and the ranks' ZeroMQ ends, with the start-up handshake.
 """
 
 from runtime.transport.channels import (
@@ -24,6 +25,7 @@ from runtime.transport.schema import (
     FrameLane,
     LaneResult,
     ProtocolError,
+    Restore,
     SamplingParams,
     Tensor,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "LaneResult",
     "ProtocolError",
     "RankChannel",
+    "Restore",
     "SamplingParams",
     "Tensor",
     "TransportError",

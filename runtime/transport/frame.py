@@ -49,6 +49,13 @@ from runtime.transport.fields import (
     parse_nested,
     set_field,
 )
+from runtime.transport.restore import (
+    Restore,
+    check_copies,
+    check_restores,
+    copies_from_wire,
+    restores_from_wire,
+)
 from runtime.transport.sampling import SamplingParams
 
 MAX_SLOTS = MAX_BATCH_CAPACITY  # slots are 0..63
@@ -84,6 +91,8 @@ class FrameLane:
     lane commits, 0 or 1 (always 1 for decode; in a speculative round, up to its
     query length, which is then also what it feeds).  ``sampling``: a prefill lane's
     settings, which the ranks keep for the slot; decode lanes carry None.
+    ``restore``: a prefill lane's :class:`~runtime.transport.restore.Restore`
+    record (a new generation resuming a known sequence), or None.
     """
 
     slot: int
@@ -95,6 +104,7 @@ class FrameLane:
     pages: tuple[int, ...]
     commits: int
     sampling: SamplingParams | None = None
+    restore: Restore | None = None
 
     def __post_init__(self) -> None:
         phase = check_choice("phase", self.phase, PHASE_NAMES)
@@ -106,6 +116,10 @@ class FrameLane:
             raise ProtocolError("sampling", "a prefill lane needs its SamplingParams")
         if phase == "decode" and self.sampling is not None:
             raise ProtocolError("sampling", "a decode lane carries none (the slot keeps its own)")
+        if self.restore is not None and (
+            phase != "prefill" or not isinstance(self.restore, Restore)
+        ):
+            raise ProtocolError("restore", "only a prefill lane carries one, a Restore")
         set_field(self, "phase", phase)
         set_field(self, "prompt_tokens", tokens)
         set_field(self, "pages", pages)
@@ -196,6 +210,16 @@ class Frame:
     coordinator's estimate of the frame's device time (0 = unknown), for a
     per-frame hang timeout on the ranks.
 
+    Prefix reuse (protocol version 6, :mod:`runtime.transport.restore`):
+    ``copies``, (source page, destination page) pairs every rank copies in
+    each KV cache it holds before the program runs (an empty frame's too),
+    in order; ``restores``, (lane index, :class:`Restore`) for prefill lanes
+    starting a new generation from a known sequence (at most one per lane):
+    such a lane may start at ``position == prompt_start`` > 0 over KV its
+    appended pages already hold, and its slot's sampling step, penalty state
+    and history resume as the record says.  A frame with either is never the
+    ranks' steady decode path.
+
     Columns are ``array('q')``; a list or tuple of ints is converted.  Treat
     them as read-only once the frame is built.
     """
@@ -216,6 +240,8 @@ class Frame:
     prompt_row: int = -1
     release_slots: tuple[int, ...] = ()
     expected_ns: int = 0
+    copies: tuple[tuple[int, int], ...] = ()
+    restores: tuple[tuple[int, Restore], ...] = ()
 
     def __post_init__(self) -> None:
         check_int("fence", self.fence)
@@ -250,6 +276,10 @@ class Frame:
                 raise ProtocolError("release_slots", f"slot(s) {sorted(overlap)} also run in lanes")
         set_field(self, "release_slots", released)
         check_int("expected_ns", self.expected_ns)
+        if self.copies or type(self.copies) is not tuple:
+            set_field(self, "copies", check_copies(self.copies))
+        if self.restores or type(self.restores) is not tuple:
+            set_field(self, "restores", check_restores(self.restores, prefill))
 
     def _check_lanes(self) -> tuple[int, ...]:
         """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
@@ -404,6 +434,7 @@ class Frame:
         """Every lane as a :class:`FrameLane` (tests and debugging; builds objects)."""
         tokens, pages = self.prompt_offsets(), self.page_offsets()
         settings = dict(self.sampling)
+        restores = dict(self.restores)
         return tuple(
             FrameLane(
                 self.slot[i],
@@ -415,6 +446,7 @@ class Frame:
                 tuple(self.pages[pages[i] : pages[i + 1]]),
                 self.commits[i],
                 settings.get(i),
+                restores.get(i),
             )
             for i in range(self.num_lanes)
         )
@@ -428,8 +460,10 @@ class Frame:
         prompt_row: int = -1,
         release_slots: Sequence[int] = (),
         expected_ns: int = 0,
+        copies: Sequence[tuple[int, int]] = (),
     ) -> Frame:
-        """The frame of per-lane views (tests and scripts)."""
+        """The frame of per-lane views (tests and scripts); each lane's
+        ``restore`` goes into ``restores``."""
         lanes = check_seq("lanes", lanes, MAX_SEQUENCE)
         for i, lane in enumerate(lanes):
             if not isinstance(lane, FrameLane):
@@ -452,6 +486,10 @@ class Frame:
             prompt_row=prompt_row,
             release_slots=tuple(release_slots),
             expected_ns=expected_ns,
+            copies=tuple(copies),
+            restores=tuple(
+                (i, lane.restore) for i, lane in enumerate(lanes) if lane.restore is not None
+            ),
         )
 
     # ------------------------------------------------------------------ wire
@@ -474,6 +512,8 @@ class Frame:
             "prompt_row": self.prompt_row,
             "release_slots": list(self.release_slots),
             "expected_ns": self.expected_ns,
+            "copies": [[src, dst] for src, dst in self.copies],
+            "restores": [[lane, restore.to_wire()] for lane, restore in self.restores],
         }
 
     @classmethod
@@ -494,6 +534,8 @@ class Frame:
                 pairs.append((entry[0], params))
             sampling = tuple(pairs)
         fields["sampling"] = sampling
+        fields["copies"] = copies_from_wire(fields["copies"])
+        fields["restores"] = restores_from_wire(fields["restores"])
         return cls(**fields)
 
 
@@ -506,4 +548,5 @@ __all__ = [
     "PHASE_PREFILL",
     "Frame",
     "FrameLane",
+    "Restore",
 ]

@@ -11,7 +11,9 @@ Protocol version 2: the per-lane data of :class:`Frame` (``frame.py``) and of
 :class:`Completion` travel as int64 columns (``columns.py``: ``array('q')``
 here, little-endian msgpack ``bin`` on the wire).  :class:`FrameLane` and
 :class:`LaneResult` are per-lane views of them for tests and consumers; they
-are not messages.  Sequences are stored as tuples; sidecar tensors travel as
+are not messages.  Protocol version 6 adds the frame's ``copies`` and
+``restores`` (``restore.py``: page copies and restored rows for prefix reuse
+and preemption).  Sequences are stored as tuples; sidecar tensors travel as
 raw little-endian bytes with dtype and shape.  Integers on the wire are bounded
 so that a rank can copy them into int32/int64 device buffers without overflow.
 
@@ -66,6 +68,7 @@ from runtime.transport.frame import (
     FrameLane,
 )
 from runtime.transport.inspection import RankStatus
+from runtime.transport.restore import Restore
 from runtime.transport.sampling import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
@@ -77,7 +80,7 @@ from runtime.transport.sampling import (
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 MAX_WORLD_SIZE = 4096
 MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
@@ -121,6 +124,7 @@ __all__ = [
     "Message",
     "ProtocolError",
     "RankStatus",
+    "Restore",
     "SamplingParams",
     "Tensor",
     "tensor_from_torch",

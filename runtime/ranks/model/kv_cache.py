@@ -1,13 +1,16 @@
 """Paged KV cache: per layer, K and V of shape (num_pages, page_size, kv_heads, head_dim).
 
-Pages are allocated by the coordinator; this module only holds the memory and
-writes new entries. A token's slot is ``page * page_size + offset``; slot -1 means
+Pages are allocated by the coordinator; this module only holds the memory,
+writes new entries and copies whole pages (:meth:`PagedKVCache.copy_pages`,
+copy-on-write of a shared prefix). A token's slot is ``page * page_size + offset``; slot -1 means
 "write nothing" (padded tokens, inactive lanes). Such writes are routed to one
 hidden scratch slot past the last page, so the write is a fixed-shape
 ``index_copy_`` (capturable in a CUDA graph) and no visible entry ever changes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -83,6 +86,22 @@ class PagedKVCache:
             kv_write(k_slots, v_slots, k, v, slot_mapping)
         else:
             write_kv(k_slots, v_slots, k, v, slot_mapping)
+
+    def pages(self) -> Tensor:
+        """(layers, 2, num_pages, page_size, kv_heads, head_dim) view of every page."""
+        flat = self._storage[:, :, : self.num_slots]  # (layers, 2, slots, kv_heads, d)
+        return flat.unflatten(2, (self.num_pages, self.page_size))
+
+    def copy_pages(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy each (source, destination) page's K and V, every layer, in order.
+
+        One device-to-device copy per pair on the current stream (no host
+        transfer, no synchronization): issued before a frame's program, it is
+        ordered after the frames already launched and before this one.
+        """
+        pages = self.pages()
+        for src, dst in copies:
+            pages[:, :, dst].copy_(pages[:, :, src])
 
     def zero_(self) -> None:
         self._storage.zero_()
