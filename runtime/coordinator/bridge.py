@@ -158,6 +158,7 @@ class FrontendBridge:
                     event.finish_reason,
                     error,
                     event.logprobs,
+                    stream.cached_tokens,
                 )
             )
             if event.finished:
@@ -173,6 +174,8 @@ class FrontendBridge:
                 message.ignore_eos,
                 listener=listener,
                 group=message.group,
+                cache_salt=message.cache_salt,
+                message_endpoints=message.message_endpoints,
             )
         except ValueError as exc:  # the request does not fit (the frontend checked the rest)
             self._send(Output(rid, 0, finish_reason=REFUSED, error=str(exc)[:MAX_ERROR_CHARS]))

@@ -107,9 +107,11 @@ class SchedulerConfig:
     """Resources the coordinator owns.
 
     ``max_slots`` resident request slots (selection is bounded to 64), and a KV
-    page pool of ``num_pages`` pages of ``page_size`` tokens.  A request becomes
-    resident only when its worst-case pages (prompt + output limit) can be
-    reserved, so admitted work can never deadlock on pages.
+    page pool of ``num_pages`` pages of ``page_size`` tokens, allocated on
+    demand with preemption (runtime.coordinator.residency).
+    ``enable_prefix_caching``: completed pages are published by content and
+    reused (runtime.coordinator.kvcache).  ``debug_page_accounting``: check the
+    page-accounting invariant after every completion.
 
     Speculation (spec, "Speculative graph coverage"):
     ``fixed_speculative_width`` 0 is adaptive selection: every loaded width
@@ -128,6 +130,8 @@ class SchedulerConfig:
     fixed_speculative_width: int = 0
     proposer: str = "draft"
     speculative_token_capacity: int = 0
+    enable_prefix_caching: bool = True
+    debug_page_accounting: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_slots", "page_size", "num_pages"):
@@ -144,6 +148,9 @@ class SchedulerConfig:
             raise ConfigError(
                 f"speculative_token_capacity must be a non-negative integer, got {envelope!r}"
             )
+        for name in ("enable_prefix_caching", "debug_page_accounting"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if self.proposer not in ("draft", "copy"):
             raise ConfigError(f"proposer must be 'draft' or 'copy', got {self.proposer!r}")
         if self.max_slots > 64:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from runtime.catalog import GraphKind
 from runtime.coordinator.cost import CostCatalog, CostEntry
 from runtime.coordinator.requests import Request
-from runtime.coordinator.utility import value_rate
+from runtime.coordinator.utility import prompt_chunk_value, value_rate
 
 
 @dataclass(slots=True)
@@ -49,6 +49,13 @@ class LaneView:
     output_start: int  # committed output once queued work completes
     decode_value: float  # decoders: priced service + c*sigma*A (T-independent)
     lru: int  # selection sequence of its last frame (-1: never)
+    # Prefills: restored history ends here (no value below it), and the value of
+    # the output token the final chunk commits (utility.prompt_chunk_value).
+    history_end: int = 0
+    finish_value: float = 0.0
+    # Decoders: target rows its KV pages hold from its pending token on
+    # (pages on demand; runtime.coordinator.residency).
+    room: int = 1 << 30
 
 
 @dataclass(slots=True)
@@ -164,12 +171,8 @@ def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
         return
     beta = ctx.beta
     for lane in ctx.prefill:
-        request = lane.request
         avail = lane.available
         to_end = lane.to_endpoint
-        remaining = request.spec.prompt_len - lane.prompt_pos
-        a = 1.0 + lane.token_price
-        finish_bonus = beta + lane.token_price
         included = 0  # largest capacity kept as a candidate so far
         previous = 0  # largest smaller capacity seen, kept or not
         for index, entry in enumerate(entries):
@@ -182,8 +185,7 @@ def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
                 previous = capacity
                 continue
             tokens = capacity if capacity < avail else avail
-            finishes = tokens == remaining
-            value = tokens * a + (finish_bonus if finishes else 0.0)
+            value = prompt_lane_value(lane, tokens, beta)
             padding = capacity - tokens
             out.append(
                 Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx, 0)
@@ -222,11 +224,18 @@ def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
 
 
 def prompt_lane_value(lane: LaneView, tokens: int, beta: float) -> float:
-    """Consumed prompt tokens, plus the one output token a chunk ending the prompt commits."""
-    value = tokens * (1.0 + lane.token_price)
-    if lane.prompt_pos + tokens == lane.request.spec.prompt_len:
-        value += beta + lane.token_price
-    return value
+    """Consumed uncached prompt tokens, plus the one output token a chunk ending the
+    prefill commits (:func:`~runtime.coordinator.utility.prompt_chunk_value`).
+    ``beta`` is the output-token value already folded into ``lane.finish_value``."""
+    del beta
+    return prompt_chunk_value(
+        lane.prompt_pos,
+        tokens,
+        lane.request.prefill_target,
+        lane.history_end,
+        lane.token_price,
+        lane.finish_value,
+    )
 
 
 def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:

@@ -98,7 +98,12 @@ def build_context(
     policy: PolicyConfig,
     catalog: CostCatalog,
     view: CatalogView,
+    page_size: int = 0,
 ) -> SelectionContext | None:
+    """The selection context of ``runnable`` at the planning start.  With
+    ``page_size``, each lane's work is capped by the KV pages it holds (a
+    prefill chunk, a decode round's rows); a lane whose pages hold nothing more
+    is left out (the residency preempts for it)."""
     if not runnable:
         return None
     start = queue.expected_end_ns(now_ns)
@@ -121,28 +126,38 @@ def build_context(
         state[r.handle.id] = [x, z, last_visible]
     _project_queue(state, queue, policy.adaptation_ms)
 
-    n_decoders = sum(1 for r in runnable if r.consumed_prompt >= r.spec.prompt_len)
+    n_decoders = sum(1 for r in runnable if r.consumed_prompt >= r.prefill_target)
     slope = c * view.decode_sigma_ms(n_decoders) if n_decoders else 0.0
     prefill: list[LaneView] = []
     decode: list[LaneView] = []
     for r in runnable:
         x, z, last_visible = state[r.handle.id]
         token_price = f / x
-        if r.consumed_prompt < r.spec.prompt_len:
+        held = len(r.pages) * page_size if page_size else 1 << 30
+        if r.consumed_prompt < r.prefill_target:
             if r.inflight_fences:
                 continue  # one prefill chunk at a time; its completion is feedback
             pos = r.consumed_prompt
+            available = min(r.prefill_available(pos), held - pos)
+            if available <= 0:
+                continue
+            finish = beta + token_price
+            if r.committed_output:  # a resumed decoder: its final chunk is its next step
+                age_ms = max(0, start - last_visible) / 1e6
+                finish = decode_lane_value(1.0, 1.0, token_price, g / z, beta) + slope * age_ms
             prefill.append(
                 LaneView(
                     r,
                     token_price,
                     0.0,
                     pos,
-                    r.prefill_available(pos),
-                    r.distance_to_endpoint(pos),
+                    available,
+                    min(r.distance_to_endpoint(pos), available),
                     r.committed_output,
                     0.0,
                     r.last_selected,
+                    r.history_end,
+                    finish,
                 )
             )
             continue
@@ -150,6 +165,9 @@ def build_context(
             r.spec.step_feedback or r.remaining_output - r.inflight_output < 1
         ):
             continue  # needs the in-flight completion first
+        room = held - (r.spec.prompt_len + r.committed_output + r.inflight_output - 1)
+        if room <= 0:
+            continue  # no page for its next token
         delivery_price = g / z
         age_ms = max(0, start - last_visible) / 1e6
         value = decode_lane_value(1.0, 1.0, token_price, delivery_price, beta) + slope * age_ms
@@ -164,6 +182,7 @@ def build_context(
                 r.committed_output + r.inflight_output,
                 value,
                 r.last_selected,
+                room=room,
             )
         )
     return SelectionContext(

@@ -69,6 +69,7 @@ class GeneratedToken:
     first: bool  # the request's first output
     finished: bool
     finish_reason: str | None
+    cached_tokens: int = 0  # prompt tokens its first residency found in the prefix cache
 
 
 def validate_timing(timing: ExecutionTiming) -> None:

@@ -38,7 +38,8 @@ class RequestHandle:
 class RequestSpec:
     """What the scheduler needs to know of a request.
 
-    * ``prompt_len``: uncached prompt tokens to consume.
+    * ``prompt_len``: prompt tokens (a prefix found in the cache is attached,
+      not consumed: only the uncached rest is prompt work).
     * ``max_output_tokens``: output limit (the final prefill chunk commits the first).
     * ``boundaries``: hard prompt positions a prefill chunk never crosses
       (system boundaries, atomic spans).
@@ -48,6 +49,10 @@ class RequestSpec:
       needs the previous step's completion first.
     * ``grammar``: constrained decoding whose mask the host computes from the
       previous token; the same dependency.
+    * ``prompt_tokens``: the prompt's token ids, the content key of its pages in
+      the prefix cache; empty: the request neither reuses nor publishes pages
+      (and, naming no tokens to recompute, is never chosen for preemption).
+    * ``cache_salt``: requests share cached pages only with equal salts.
     * ``group``: the admission group (the frontend's HTTP request: every choice
       of one request shares it).  Residency goes round-robin across groups,
       first come first served within one; None is a group of its own.
@@ -60,6 +65,8 @@ class RequestSpec:
     host_stop: bool = False
     grammar: bool = False
     group: int | None = None
+    prompt_tokens: tuple[int, ...] = ()
+    cache_salt: str = ""
 
     @property
     def step_feedback(self) -> bool:
@@ -74,6 +81,16 @@ class RequestSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise AdmissionError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.cache_salt, str):
+            raise AdmissionError(f"cache_salt must be a string, got {self.cache_salt!r}")
+        tokens = tuple(self.prompt_tokens)
+        if tokens and len(tokens) != self.prompt_len:
+            raise AdmissionError(
+                f"prompt_tokens has {len(tokens)} ids, prompt_len is {self.prompt_len}"
+            )
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in tokens):
+            raise AdmissionError("prompt_tokens must hold non-negative integers")
+        object.__setattr__(self, "prompt_tokens", tokens)
         for name in ("boundaries", "message_endpoints"):
             points = tuple(getattr(self, name))
             for p in points:
@@ -95,26 +112,36 @@ class Request:
     __slots__ = (
         "accounted_output",
         "accounted_prompt",
+        "admitted_seq",
         "arrival_ns",
         "became_decoder_ns",
+        "cached_tokens",
         "cancelled",
         "committed_output",
         "consumed_prompt",
+        "copy_fence",
+        "copy_sources",
         "delivery_rate",
         "finish_reason",
         "generation",
         "handle",
+        "history_end",
         "inflight_fences",
         "inflight_output",
         "inflight_prompt",
         "last_selected",
         "last_visible_ns",
+        "output_tokens",
         "pages",
         "pending_delivery",
+        "preempted",
+        "preemptions",
+        "prefill_target",
         "resident",
         "slot",
         "spec",
         "speculation",
+        "start",
         "token_rate",
         "unpublished",
     )
@@ -127,6 +154,23 @@ class Request:
         self.generation = 0
         self.resident = False
         self.pages: list[int] = []
+        # Prefix cache and preemption (runtime.coordinator.residency): the KV
+        # positions to fill before decoding (the prompt; after a preemption the
+        # prompt and the output emitted so far), positions below which filling is
+        # restored history (no value, no service), the first residency's cached
+        # prompt tokens (usage), every committed output token, the copy-on-write
+        # source held until the generation's first frame (``copy_fence``) ran,
+        # and how the current generation starts on the ranks.
+        self.prefill_target = spec.prompt_len
+        self.history_end = 0
+        self.cached_tokens: int | None = None
+        self.output_tokens: list[int] = []
+        self.copy_sources: list[int] = []
+        self.copy_fence: int | None = None
+        self.start: GenerationStart | None = None
+        self.preempted = False
+        self.preemptions = 0
+        self.admitted_seq = 0
         self.consumed_prompt = 0
         self.committed_output = 0
         self.inflight_prompt = 0  # prompt tokens scheduled in submitted frames
@@ -161,7 +205,7 @@ class Request:
             return Phase.FINISHED
         if not self.resident:
             return Phase.WAITING
-        if self.consumed_prompt < self.spec.prompt_len:
+        if self.consumed_prompt < self.prefill_target:
             return Phase.PREFILL
         return Phase.DECODE
 
@@ -171,7 +215,7 @@ class Request:
 
     @property
     def runnable(self) -> bool:
-        return self.resident and not self.finished and not self.cancelled
+        return self.resident and not (self.finished or self.cancelled or self.preempted)
 
     @property
     def in_flight(self) -> bool:
@@ -183,17 +227,51 @@ class Request:
 
     def prefill_available(self, position: int) -> int:
         """Tokens a chunk starting at ``position`` may consume (up to a hard boundary)."""
-        end = _next_point(self.spec.boundaries, position, self.spec.prompt_len)
-        return end - position
+        end = _next_point(self.spec.boundaries, position, self.prefill_target)
+        return min(end, self.prefill_target) - position
 
     def distance_to_endpoint(self, position: int) -> int:
         """Tokens from ``position`` to the next message endpoint, boundary or prompt end."""
-        end = _next_point(self.spec.message_endpoints, position, self.spec.prompt_len)
+        end = _next_point(self.spec.message_endpoints, position, self.prefill_target)
         return min(end, position + self.prefill_available(position)) - position
 
-    def pages_needed(self, page_size: int) -> int:
-        total = self.spec.prompt_len + self.spec.max_output_tokens
-        return -(-total // page_size)
+    @property
+    def kv_filled(self) -> int:
+        """KV positions the ranks hold for this request once its in-flight work is
+        done: the filled prefix while it prefills; else the prompt and every
+        committed output token but the last (the pending one, fed by the next
+        decode step)."""
+        if self.consumed_prompt < self.prefill_target or not self.committed_output:
+            return self.consumed_prompt
+        return self.spec.prompt_len + self.committed_output - 1
+
+    def known_tokens(self) -> tuple[int, ...]:
+        """Its prompt and committed output, by position (empty without prompt ids)."""
+        if not self.spec.prompt_tokens:
+            return ()
+        return self.spec.prompt_tokens + tuple(self.output_tokens)
+
+
+@dataclass(frozen=True)
+class GenerationStart:
+    """How a request's new generation (slot tenancy) begins on the ranks.
+
+    ``tokens``: its known sequence (prompt, then output already emitted, which
+    a resumed request recomputes); ``output_start``: where the output begins in
+    ``tokens``; ``position``: KV positions already valid in its attached cached
+    pages; ``copies``: (cached page, private page) copy-on-write pairs to run
+    before its first frame.  A plain start (position 0, no output, no copies)
+    needs nothing beyond today's first prefill lane.
+    """
+
+    tokens: tuple[int, ...]
+    output_start: int
+    position: int
+    copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def plain(self) -> bool:
+        return not self.position and self.output_start == len(self.tokens) and not self.copies
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,9 +63,9 @@ SurvivalFn = Callable[[LaneView, int], Sequence[float]]
 
 def ceiling(lane: LaneView, width: int, depth: int) -> int:
     """The most target rows ``lane`` can use: min(D + 1, W, output left after
-    what queued frames may still add)."""
+    what queued frames may still add, the rows its KV pages hold)."""
     r = lane.request
-    left = r.remaining_output - r.inflight_output
+    left = min(r.remaining_output - r.inflight_output, lane.room)
     return max(0, min(depth + 1, width, left))
 
 

@@ -11,7 +11,7 @@ frontend makes output visible.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
@@ -43,8 +43,14 @@ from runtime.coordinator.records import (
     validate_timing,
 )
 from runtime.coordinator.refresh import choose_refresh, timing_ledger
-from runtime.coordinator.requests import Phase, Request, RequestHandle, RequestSpec
-from runtime.coordinator.resources import PagePool, SlotTable
+from runtime.coordinator.requests import (
+    GenerationStart,
+    Phase,
+    Request,
+    RequestHandle,
+    RequestSpec,
+)
+from runtime.coordinator.residency import Residency
 from runtime.coordinator.rounds import (
     expected_tokens,
     round_candidates,
@@ -53,7 +59,7 @@ from runtime.coordinator.rounds import (
 from runtime.coordinator.service import account_interval, starting_rate
 from runtime.coordinator.sidecars import Confidence, check_confidence, check_survival, round_offers
 from runtime.coordinator.speculation import SpeculationModel
-from runtime.coordinator.utility import log_scale_for, prefill_lane_value
+from runtime.coordinator.utility import log_scale_for
 
 # Bursts kept per request awaiting publication (oldest dropped beyond this).
 MAX_UNPUBLISHED = 64
@@ -78,14 +84,17 @@ class Scheduler:
         self.catalog = CostCatalog(descriptors, self.policy.estimate_ttl_ns)
         self.now_ns = 0
         self._queue = ExecutionQueue()
-        self._slots = SlotTable(self.config.max_slots)
-        self._pages = PagePool(self.config.num_pages, self.config.page_size)
+        config = self.config
+        self._res = Residency(
+            config.max_slots,
+            config.num_pages,
+            config.page_size,
+            prefix_caching=config.enable_prefix_caching,
+            max_chunk=max((d.prompt_capacity for d in descriptors), default=1),
+            max_width=max((d.token_capacity for d in descriptors), default=1),
+        )
         self._requests: dict[int, Request] = {}  # admitted and not yet retired
-        # Waiting requests by admission group, in rotation order (the group whose
-        # turn is next first); FCFS within a group.  See _admit_waiting.
-        self._waiting: OrderedDict[object, deque[Request]] = OrderedDict()
-        self._num_waiting = 0
-        self._resident: dict[int, Request] = {}
+        self._resident = self._res.resident
         self._next_handle = 0
         self._next_plan = 0
         self._selection_seq = 0
@@ -141,41 +150,10 @@ class Scheduler:
         if self.speculation is not None:
             request.speculation = self.speculation.new_request()
         self._requests[handle.id] = request
-        key = _group_key(request)
-        if key not in self._waiting:
-            self._waiting[key] = deque()  # a group with nothing waiting joins at the end
-        self._waiting[key].append(request)
-        self._num_waiting += 1
+        self._res.enqueue(request)
         self._admitted_any = True
-        self._admit_waiting()
+        self._settle_memory()
         return handle
-
-    def _admit_waiting(self) -> None:
-        """Residency while a slot and worst-case pages are free, round-robin across
-        admission groups (``RequestSpec.group``): the group whose turn it is gives
-        its oldest waiting request, then goes to the end of the rotation.  Groups
-        enter the rotation in the order of their first waiting request, so
-        ungrouped requests alone are first come, first served, and a request with
-        many choices cannot hold a later one back for more than one turn of the
-        groups.  A head that needs more pages than are free waits (and so does
-        everyone behind it: no skipping, so no request starves)."""
-        waiting = self._waiting
-        while waiting and self._slots.free_count:
-            key, queue = next(iter(waiting.items()))
-            request = queue[0]
-            needed = request.pages_needed(self.config.page_size)
-            if needed > self._pages.free_count:
-                return
-            queue.popleft()
-            self._num_waiting -= 1
-            if queue:
-                waiting.move_to_end(key)
-            else:
-                del waiting[key]
-            request.slot, request.generation = self._slots.acquire()
-            request.pages = self._pages.reserve(needed)
-            request.resident = True
-            self._resident[request.handle.id] = request
 
     def cancel(self, handle: RequestHandle) -> bool:
         """Stop selecting ``handle`` now; resources stay owned through its last fence."""
@@ -184,28 +162,73 @@ class Scheduler:
             return False
         request.cancelled = True
         if not request.resident:
-            key = _group_key(request)
-            queue = self._waiting[key]
-            queue.remove(request)
-            self._num_waiting -= 1
-            if not queue:
-                del self._waiting[key]
+            self._res.dequeue(request)
             del self._requests[handle.id]
         else:
             self._retire_if_done(request)
+        self._settle_memory()
         self._check_idle()
         return True
 
     def _retire_if_done(self, request: Request) -> None:
+        """Release a resident request that will run nothing more: finished,
+        cancelled or preempted, with its last fence completed."""
         if request.runnable or request.inflight_fences or not request.resident:
             return
-        self._slots.release(request.slot)
-        self._pages.release(request.pages)
-        request.pages = []
-        request.resident = False
-        self._resident.pop(request.handle.id, None)
-        self._requests.pop(request.handle.id, None)
-        self._admit_waiting()
+        self._res.retire(request)
+        if not request.preempted or request.cancelled or request.finished:
+            self._requests.pop(request.handle.id, None)
+
+    def _settle_memory(self) -> None:
+        """Pages for every runnable request's next frame; preemption when one
+        lacks a page (module docstring of runtime.coordinator.residency); then
+        admission, unless a request still waits for pages."""
+        res = self._res
+        for _ in range(len(res.resident) + 1):
+            lacking = res.provision()
+            if not lacking:
+                break
+            if any(r.preempted for r in res.resident.values()):
+                return  # a victim's pages are still coming back: no second victim
+            victim = self._victim()
+            if victim is None:
+                return
+            res.preempt(victim)
+            if victim.inflight_fences:
+                return  # its pages come back when its last fence completes
+            self._retire_if_done(victim)
+        else:
+            return
+        if res.admit_waiting():
+            res.provision()
+
+    def _victim(self) -> Request | None:
+        """The resident request with the lowest lane value per held page (ties:
+        the most recently admitted), among those that name their tokens (so they
+        can resume).  A lane's value is what selection would give its next frame
+        now; a request selection cannot serve now (waiting on feedback) ranks
+        after every servable one."""
+        candidates = [
+            r for r in self._resident.values() if r.runnable and r.pages and r.spec.prompt_tokens
+        ]
+        if not candidates:
+            return None
+        values: dict[int, float] = {}
+        ctx = self._context()
+        if ctx is not None:
+            for view in ctx.decode:
+                values[view.request.handle.id] = view.decode_value
+            for view in ctx.prefill:
+                tokens = min(view.available, self._res.max_chunk)
+                values[view.request.handle.id] = selection.prompt_lane_value(view, tokens, 0.0)
+        return min(
+            candidates,
+            key=lambda r: (
+                r.handle.id not in values,
+                values.get(r.handle.id, 0.0) / len(r.pages),
+                -r.admitted_seq,
+            ),
+        )
 
     def _check_idle(self) -> None:
         if self._queue.empty and not any(r.runnable for r in self._resident.values()):
@@ -216,7 +239,13 @@ class Scheduler:
     def _context(self) -> selection.SelectionContext | None:
         runnable = [r for r in self._resident.values() if r.runnable]
         return build_context(
-            self.now_ns, runnable, self._queue, self.policy, self.catalog, self._view
+            self.now_ns,
+            runnable,
+            self._queue,
+            self.policy,
+            self.catalog,
+            self._view,
+            self.config.page_size,
         )
 
     def plan(self) -> ScheduledPlan | None:
@@ -324,7 +353,7 @@ class Scheduler:
                 continue
             if i == winner.prompt_row:
                 tokens = winner.prompt_tokens
-                finishes = view.prompt_pos + tokens == r.spec.prompt_len
+                finishes = view.prompt_pos + tokens == r.prefill_target
                 lanes.append(
                     LaneWork(
                         r.handle,
@@ -337,7 +366,7 @@ class Scheduler:
                         1 if finishes else 0,
                         1.0 if finishes else 0.0,
                         0.0,
-                        prefill_lane_value(tokens, finishes, view.token_price, beta),
+                        selection.prompt_lane_value(view, tokens, beta),
                     )
                 )
             else:
@@ -407,6 +436,8 @@ class Scheduler:
             r.inflight_output += lane.max_tokens
             r.inflight_fences.append(fence)
             r.last_selected = self._selection_seq
+            if r.copy_sources and r.copy_fence is None:
+                r.copy_fence = fence  # the generation's first frame runs its copies
         entry.last_attempt_ns = now
         if plan.reason is SelectionReason.TIMING_REFRESH:
             self.refresh_ledger.open_episode()
@@ -426,6 +457,7 @@ class Scheduler:
             )
         )
         self._last_fence = fence
+        self._res.provision()  # pages for what the lanes may run behind this frame
         desc = plan.graph
         if len(self._trace) == TRACE_LIMIT:
             self.trace_dropped += 1
@@ -501,8 +533,15 @@ class Scheduler:
             seen.add(lane.handle.id)
             if (lane.slot, lane.generation) != (r.slot, r.generation):
                 raise CommitError(f"request {lane.handle.id}: slot epoch changed")
-            if len(r.pages) < r.pages_needed(self.config.page_size):
-                raise CommitError(f"request {lane.handle.id} holds no page reservation")
+            if lane.phase is LanePhase.PREFILL:
+                context = lane.prompt_start + lane.prompt_tokens
+            else:
+                context = r.spec.prompt_len + lane.output_start - 1 + lane.max_tokens
+            if context > self._res.capacity(r):
+                raise CommitError(
+                    f"request {lane.handle.id}: the lane writes a context of {context} tokens, "
+                    f"its pages hold {self._res.capacity(r)}"
+                )
             if lane.phase is LanePhase.PREFILL:
                 if r.phase is not Phase.PREFILL or r.inflight_fences:
                     raise CommitError(f"request {lane.handle.id} cannot run a prefill chunk now")
@@ -512,7 +551,7 @@ class Scheduler:
                     raise CommitError(f"request {lane.handle.id}: prompt extent out of range")
                 if lane.prompt_tokens > plan.graph.prompt_capacity:
                     raise CommitError(f"request {lane.handle.id}: chunk exceeds prompt capacity")
-                ends = lane.prompt_start + lane.prompt_tokens == r.spec.prompt_len
+                ends = lane.prompt_start + lane.prompt_tokens == r.prefill_target
                 if lane.max_tokens != (1 if ends else 0):
                     raise CommitError(
                         f"request {lane.handle.id}: a prompt row commits one token exactly "
@@ -627,13 +666,14 @@ class Scheduler:
             r.inflight_fences.remove(fence)
             r.inflight_prompt -= lane.prompt_tokens
             r.inflight_output -= lane.max_tokens
-            if not r.runnable:
+            self._res.copied(r, fence)
+            if r.cancelled or r.finished:
                 self._retire_if_done(r)
-                continue  # cancelled or already finished: results are discarded
+                continue  # results are discarded (a preempted request keeps its own)
             first = r.committed_output == 0
             if lane.phase is LanePhase.PREFILL:
                 r.consumed_prompt += lane.prompt_tokens
-                if r.consumed_prompt >= r.spec.prompt_len:
+                if r.consumed_prompt >= r.prefill_target and r.became_decoder_ns is None:
                     r.became_decoder_ns = now
             tokens = tuple(record.tokens)
             if r.speculation is not None and tokens:
@@ -644,6 +684,7 @@ class Scheduler:
                 )  # fmt: skip
             if tokens:
                 r.committed_output += len(tokens)
+                r.output_tokens += tokens
                 r.unpublished[fence] = frame_ms
                 if len(r.unpublished) > MAX_UNPUBLISHED:  # a frontend that never publishes
                     del r.unpublished[next(iter(r.unpublished))]
@@ -652,7 +693,15 @@ class Scheduler:
                 elif r.committed_output >= r.spec.max_output_tokens:
                     r.finish_reason = "length"
                 generated.append(
-                    GeneratedToken(r.handle, fence, tokens, first, r.finished, r.finish_reason)
+                    GeneratedToken(
+                        r.handle,
+                        fence,
+                        tokens,
+                        first,
+                        r.finished,
+                        r.finish_reason,
+                        r.cached_tokens or 0,
+                    )
                 )
         if raw > 0:
             population = len(frame.participants)
@@ -668,6 +717,9 @@ class Scheduler:
             )
         for r in frame.lane_requests:
             self._retire_if_done(r)
+        self._settle_memory()
+        if self.config.debug_page_accounting:
+            self._res.check()
         self._check_idle()
         return generated
 
@@ -775,22 +827,47 @@ class Scheduler:
     def running(self) -> int:
         return sum(1 for r in self._resident.values() if r.runnable)
 
+    def generation_start(self, handle: RequestHandle) -> GenerationStart | None:
+        """How ``handle``'s current generation begins on the ranks (cached prefix,
+        copies, restored output): what its generation's first frame carries."""
+        r = self._requests.get(handle.id)
+        return r.start if r is not None else None
+
+    def request_tokens(self, handle: RequestHandle) -> tuple[int, ...]:
+        """``handle``'s prompt and committed output token ids."""
+        r = self._requests.get(handle.id)
+        return r.known_tokens() if r is not None else ()
+
     @property
     def waiting(self) -> int:
-        return self._num_waiting
+        return self._res.num_waiting
 
     @property
     def free_pages(self) -> int:
-        return self._pages.free_count
+        """Pages an allocation can obtain now: free ones and idle cached ones."""
+        return self._res.cache.available
+
+    def memory_stats(self) -> dict[str, int]:
+        """KV memory and prefix-cache counters (metrics)."""
+        cache = self._res.cache
+        return {
+            "kv_pages_total": cache.num_pages,
+            "kv_pages_free": cache.free_count,
+            "kv_pages_held": cache.held_count,
+            "kv_pages_cached": cache.cached_count,
+            "kv_pages_cached_idle": cache.idle_count,
+            "prefix_cache_queried_tokens": cache.queried_tokens,
+            "prefix_cache_hit_tokens": cache.hit_tokens,
+            "prefix_cache_evicted_pages": cache.evicted_pages,
+            "preemptions": self._res.preemptions,
+        }
+
+    def check_page_accounting(self) -> None:
+        """Raise unless every page is free, held or cached exactly as recorded."""
+        self._res.check()
 
     def active_requests(self) -> Iterable[Request]:
         return list(self._requests.values())
-
-
-def _group_key(request: Request) -> object:
-    """The admission group of ``request``: its spec's group, or its own."""
-    group = request.spec.group
-    return ("request", request.handle.id) if group is None else group
 
 
 def _fixed_width_allows(candidate: selection.Candidate, width: int) -> bool:

@@ -30,6 +30,39 @@ def prefill_lane_value(tokens: int, finishes: bool, token_price: float, beta: fl
     return value
 
 
+def prompt_chunk_value(
+    position: int,
+    tokens: int,
+    target: int,
+    history_end: int,
+    token_price: float,
+    finish_value: float,
+) -> float:
+    """A prompt chunk [position, position + tokens) of a prefill to ``target``.
+
+    Uncached prompt tokens are worth 1 + f/x each; a chunk that reaches
+    ``target`` also commits the next output token, worth ``finish_value``
+    (beta + f/x for a new request; a resumed decoder's lane value, age
+    included).  Tokens below ``history_end`` are restored history (a preempted
+    request recomputing what it had): no value of their own (spec, "Prompt
+    progress counts consumed uncached prompt tokens"); the restore is a
+    prerequisite of the output it enables, so a restoring chunk that does not
+    finish carries the continuation index V*T/(T+F) (spec, "Prerequisites and
+    completion") of that output, with the further time F extrapolated at the
+    chunk's own rate: F = T * (rest / tokens), so V*T/(T+F) = V * tokens /
+    (target - position).
+    """
+    end = position + tokens
+    fresh = max(0, end - max(position, history_end))
+    value = fresh * (1.0 + token_price)
+    if end >= target:
+        return value + finish_value
+    restored = tokens - fresh
+    if restored > 0:
+        value += finish_value * restored / (target - position)
+    return value
+
+
 def decode_lane_value(
     expected_tokens: float,
     expected_deliveries: float,

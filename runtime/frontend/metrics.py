@@ -96,6 +96,8 @@ class _StatusCollector(Collector):
             ("frames_in_flight", "Frames dispatched and not yet completed.", "in_flight"),
             ("kv_pages_total", "KV cache pages.", "num_pages"),
         )
+        # kv_pages_used: pages requests hold (cached pages nobody holds are free
+        # to take: they count as free here and under kv_pages_cached_idle).
         for name, doc, key in gauges:
             yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=v.get(key, 0.0))
         total = v.get("num_pages", 0.0)
@@ -106,6 +108,7 @@ class _StatusCollector(Collector):
             "Fraction of KV cache pages in use (0..1).",
             value=used / total if total else 0.0,
         )
+        yield from prefix_cache_families(v)
         yield GaugeMetricFamily(
             f"{PREFIX}_engine_serving", "1 while the engine accepts requests.", value=status.serving
         )
@@ -118,6 +121,44 @@ class _StatusCollector(Collector):
             estimates.add_metric([graph], ns / 1e9)
         yield estimates
         yield from rank_families(v)
+
+
+def prefix_cache_families(v: dict[str, float]) -> Iterator:
+    """KV pages held by the prefix cache, its lookups and hits (in tokens, like
+    vLLM's prefix_cache_queries/hits), the hit rate, evictions and preemptions."""
+    yield GaugeMetricFamily(
+        f"{PREFIX}_kv_pages_cached",
+        "KV pages published in the prefix cache (held by requests or idle).",
+        value=v.get("kv_pages_cached", 0.0),
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_kv_pages_cached_idle",
+        "Prefix-cache pages no request holds (evictable).",
+        value=v.get("kv_pages_cached_idle", 0.0),
+    )
+    queried = v.get("prefix_cache_queried_tokens", 0.0)
+    hits = v.get("prefix_cache_hit_tokens", 0.0)
+    yield CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", queried
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_hits", "Prompt tokens found in the prefix cache.", hits
+    )
+    yield GaugeMetricFamily(
+        f"{PREFIX}_prefix_cache_hit_rate",
+        "Prefix-cache hits over lookups, in tokens, since start (0 before any lookup).",
+        value=hits / queried if queried else 0.0,
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_prefix_cache_evicted_pages",
+        "Prefix-cache pages evicted to make room.",
+        v.get("prefix_cache_evicted_pages", 0.0),
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_num_preemptions",
+        "Requests preempted (their pages released; they resume later).",
+        v.get("preemptions", 0.0),
+    )
 
 
 RANK_GAUGES = (

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from runtime.transport.fields import (
@@ -44,6 +45,7 @@ OUTPUT_FINISH_REASONS = ("stop", "length", "cancelled", "aborted", "error", "ref
 MAX_ERROR_CHARS = 4096
 MAX_STATUS_VALUES = 1024
 MAX_NAME = 256
+MAX_SALT_CHARS = 256
 
 
 def _check_bool(name: str, value: Any) -> bool:
@@ -84,6 +86,9 @@ class Submit:
 
     ``group``: the admission group, the HTTP request this is a choice of (None:
     a group of its own); the scheduler admits round-robin across groups.
+    ``cache_salt``: prefix-cache pages are shared only between requests with
+    equal salts (a tenant's).  ``message_endpoints``: each chat message's end
+    in ``prompt_token_ids`` (increasing, within the prompt): checkpoint anchors.
     """
 
     request_id: int
@@ -92,6 +97,8 @@ class Submit:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     ignore_eos: bool = False
     group: int | None = None
+    cache_salt: str = ""
+    message_endpoints: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         check_int("request_id", self.request_id)
@@ -104,7 +111,13 @@ class Submit:
         _check_bool("ignore_eos", self.ignore_eos)
         if self.group is not None:
             check_int("group", self.group)
+        if self.cache_salt != "":  # "" is no salt
+            check_str("cache_salt", self.cache_salt, MAX_SALT_CHARS)
+        ends = check_ints("message_endpoints", self.message_endpoints, 1, len(prompt), 4096)
+        if any(a >= b for a, b in pairwise(ends)):
+            raise ProtocolError("message_endpoints", "must be strictly increasing")
         set_field(self, "prompt_token_ids", prompt)
+        set_field(self, "message_endpoints", ends)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -114,6 +127,8 @@ class Submit:
             "sampling": self.sampling.to_wire(),
             "ignore_eos": self.ignore_eos,
             "group": self.group,
+            "cache_salt": self.cache_salt,
+            "message_endpoints": list(self.message_endpoints),
         }
 
     @classmethod
@@ -225,7 +240,8 @@ class Output:
     (the engine failed; ``error`` says why) or "refused" (the request cannot
     run, e.g. it needs more KV pages than the ranks hold; ``error`` says why).
     ``logprobs``: one entry per token when the request asked for them, else
-    empty.
+    empty.  ``cached_tokens``: prompt tokens the request found in the prefix
+    cache (usage's ``prompt_tokens_details.cached_tokens``).
     """
 
     request_id: int
@@ -234,6 +250,7 @@ class Output:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_int("request_id", self.request_id)
@@ -250,6 +267,7 @@ class Output:
                 raise ProtocolError(f"logprobs[{i}]", "must be a TokenLogprobs")
         if logprobs and len(logprobs) != len(tokens):
             raise ProtocolError("logprobs", f"{len(logprobs)} entries for {len(tokens)} tokens")
+        check_int("cached_tokens", self.cached_tokens, 0, INT32_MAX)
         set_field(self, "token_ids", tokens)
         set_field(self, "logprobs", logprobs)
 
@@ -265,6 +283,7 @@ class Output:
             "finish_reason": self.finish_reason,
             "error": self.error,
             "logprobs": [item.to_wire() for item in self.logprobs],
+            "cached_tokens": self.cached_tokens,
         }
 
     @classmethod

@@ -3,10 +3,13 @@
 :class:`FakeRank` keeps per-slot state like the real worker (generation, next
 KV position, pending token, a digest of the prompt, and the slot's page table,
 which a new generation starts empty and every lane appends its pages to),
-checks every frame against it, and "samples" ``(31 * input + 7 * position + digest + 3) % vocab``,
-where ``input`` is the token at ``position``: the chunk's last prompt token for
-a prefill lane, the slot's pending token for a decode lane (decode lanes carry
-no tokens).  :func:`reference` gives what a request must receive.
+and the "KV" of every page (the token written at each of its positions, so
+an attached cached prefix and a copy-on-write page are checked to hold the
+tokens the coordinator claims), checks every frame against it, and "samples"
+``(31 * input + 7 * position + digest + 3) % vocab``, where ``input`` is the
+token at ``position``: the chunk's last prompt token for a prefill lane, the
+slot's pending token for a decode lane (decode lanes carry no tokens).
+:func:`reference` gives what a request must receive.
 
 :func:`main` runs it as a rank process: handshake, one CatalogReport, then one
 Completion per Frame (lanes on rank 0 only) until shutdown.  A frame that does
@@ -92,6 +95,7 @@ class _Slot:
     pending: int | None = None
     digest: int = 0
     pages: tuple[int, ...] = ()  # the slot's table: every page its lanes appended
+    output_start: int = 1 << 62  # positions from here on are output (a restored generation)
 
 
 @dataclass
@@ -161,6 +165,24 @@ class FakeRank:
         self.lanes_run = 0
         self.generations: dict[int, list[int]] = {}  # slot -> generations seen, in order
         self.appended: list[tuple[int, int, int, tuple[int, ...]]] = []  # fence, slot, gen, pages
+        self.kv: dict[int, dict[int, int]] = {}  # page -> offset -> the token written there
+        self.restored: list[tuple[int, int, int]] = []  # (fence, slot, position) of restores
+        self.copied = 0  # pages copied
+
+    def _write(self, table: tuple[int, ...], position: int, token: int) -> None:
+        size = self.spec.page_size
+        self.kv.setdefault(table[position // size], {})[position % size] = token
+
+    def _check_restored(self, i: int, table: tuple[int, ...], tokens, position: int) -> None:
+        """Positions before ``position`` must hold ``tokens`` in the lane's table."""
+        size = self.spec.page_size
+        for q in range(position):
+            held = self.kv.get(table[q // size], {}).get(q % size)
+            if held != tokens[q]:
+                raise BadFrame(
+                    f"lane {i}: attached page {table[q // size]} holds {held} at position {q}, "
+                    f"the restore says {tokens[q]}"
+                )
 
     def report(self) -> CatalogReport:
         s = self.spec
@@ -197,6 +219,11 @@ class FakeRank:
         if frame.program not in s.descriptors:
             raise BadFrame(f"fence {frame.fence}: unknown program {frame.program.describe()}")
         released = set(frame.release_slots)
+        restores = dict(frame.restores)
+        kv = self.kv
+        for src, dst in frame.copies:  # before anything reads or writes
+            kv[dst] = dict(kv.get(src, {}))
+            self.copied += 1
         plans = []
         for i, lane in enumerate(frame.lanes):
             state = None if lane.slot in released else self.slots.get(lane.slot)
@@ -205,7 +232,18 @@ class FakeRank:
                     raise BadFrame(f"lane {i}: slot {lane.slot} generation went backwards")
                 state = None
             if lane.phase == "prefill":
-                if state is None:
+                restore = restores.get(i)
+                output_start = 1 << 62
+                if state is None and restore is not None:
+                    if lane.prompt_start != lane.position or lane.position > len(restore.tokens):
+                        raise BadFrame(f"lane {i}: a restored prefill starts at its position")
+                    table = self._table(i, (), lane.pages)
+                    self._check_restored(i, table, restore.tokens, lane.position)
+                    output_start = restore.output_start
+                    known = restore.tokens[: min(lane.position, output_start)]
+                    digest = digest_of(known, 0, 0, s.vocab_size)
+                    self.restored.append((frame.fence, lane.slot, lane.position))
+                elif state is None:
                     if lane.position != 0 or lane.prompt_start != 0:
                         raise BadFrame(f"lane {i}: a new tenant's prefill must start at 0")
                     digest = 0
@@ -218,6 +256,7 @@ class FakeRank:
                     if state.pending is not None:
                         raise BadFrame(f"lane {i}: prefill after the prompt ended")
                     digest = state.digest
+                    output_start = state.output_start
                 tokens = lane.prompt_tokens
                 for t in tokens:
                     if not 0 <= t < s.vocab_size:
@@ -225,8 +264,9 @@ class FakeRank:
                 last = lane.position + len(tokens) - 1
                 table = self._table(i, () if state is None else state.pages, lane.pages)
                 self._check_pages(i, table, last)
-                digest = digest_of(tokens, lane.position, digest, s.vocab_size)
-                plans.append((lane, digest, tokens[-1], last, table))
+                prompt_part = tokens[: max(0, output_start - lane.position)]  # outputs: no digest
+                digest = digest_of(prompt_part, lane.position, digest, s.vocab_size)
+                plans.append((lane, digest, tokens[-1], last, table, output_start))
             else:
                 if state is None or state.pending is None:
                     raise BadFrame(f"lane {i}: decode for slot {lane.slot} without a pending token")
@@ -238,7 +278,9 @@ class FakeRank:
                             f"{state.next_position}"
                         )
                     table = self._table(i, state.pages, lane.pages)
-                    plans.append((lane, state.digest, state.pending, state.next_position, table))
+                    plans.append(
+                        (lane, state.digest, state.pending, state.next_position, table, 0)
+                    )
                     continue
                 if lane.position != state.next_position:
                     raise BadFrame(
@@ -247,7 +289,7 @@ class FakeRank:
                     )
                 table = self._table(i, state.pages, lane.pages)
                 self._check_pages(i, table, lane.position)
-                plans.append((lane, state.digest, state.pending, lane.position, table))
+                plans.append((lane, state.digest, state.pending, lane.position, table, 0))
 
         start = time.perf_counter_ns()
         if s.sleep_s:
@@ -261,12 +303,16 @@ class FakeRank:
         if rows is not None and frame.program.device_allocated:
             sidecars["confidence"] = self._confidence(frame)
         slots, generations, counts, sampled_tokens, finished = [], [], [], [], []
-        for i, (lane, digest, token, last, table) in enumerate(plans):
+        for i, (lane, digest, token, last, table, output_start) in enumerate(plans):
+            if lane.phase == "prefill":
+                for q, t in enumerate(lane.prompt_tokens):
+                    self._write(table, lane.position + q, t)
             if rows is not None:  # a speculative round: accepted proposals + 1, in order
                 n = min(self.spec.accept, rows[i] - 1) + 1
                 chain = []
                 for position in range(last, last + n):
                     self._check_pages(i, table, position)
+                    self._write(table, position, token)
                     token = sample(digest, token, position, s.vocab_size)
                     chain.append(token)
                     if token == s.eos:
@@ -284,9 +330,11 @@ class FakeRank:
                 continue
             state = self.slots.get(lane.slot)
             if state is None or state.generation != lane.generation:
-                state = _Slot(lane.generation)
+                state = _Slot(lane.generation, output_start=output_start)
                 self.slots[lane.slot] = state
                 self.generations.setdefault(lane.slot, []).append(lane.generation)
+            if lane.phase == "decode":
+                self._write(table, last, token)
             state.digest = digest
             state.pages = table
             self.appended.append((frame.fence, lane.slot, lane.generation, lane.pages))

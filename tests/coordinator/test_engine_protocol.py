@@ -273,26 +273,30 @@ def test_tokens_follow_the_fake_model_and_ignore_eos(rig_factory: Any) -> None:
         rig.ranks.serve(timeout_ms=1)
 
 
-def test_each_generation_sends_its_page_table_once(rig_factory: Any) -> None:
-    """Pages are appended on the ranks: a generation's first lane brings its whole table."""
+def test_each_generation_appends_its_pages_as_its_context_grows(rig_factory: Any) -> None:
+    """Pages on demand: a generation's lanes append pages as its context grows,
+    each page once; its table ends holding its context (prompt + output - 1)."""
     rig = rig_factory(2, max_slots=2).start()
-    cases = [(p, 6) for p in prompts(6, seed=9, lo=60, hi=150)]  # chunked prefills
+    cases = [(p, 40) for p in prompts(6, seed=9, lo=60, hi=150)]  # chunked prefills
     streams = [rig.engine.submit(p, n, ignore_eos=True) for p, n in cases]
     rig.drive(streams)
     for stream, (prompt, n) in zip(streams, cases):
         check(stream, prompt, n, ignore_eos=True)
+    size = fake_rank.PAGE_SIZE
     for fake in rig.ranks.fakes:  # every rank gets the same frames
         by_generation: dict[tuple[int, int], list[tuple[int, ...]]] = {}
         for _, slot, generation, pages in fake.appended:
             by_generation.setdefault((slot, generation), []).append(pages)
         assert len(by_generation) == len(cases)
         assert {slot for slot, _ in by_generation} == {0, 1}  # both slots reused
+        tables = []
         for (slot, _), appended in by_generation.items():
-            first, *later = appended
-            assert first and later and not any(later), (slot, appended)
-        tables = sorted(len(first) for first, *_ in by_generation.values())
-        needed = sorted(-(-(len(p) + n) // fake_rank.PAGE_SIZE) for p, n in cases)
-        assert tables == needed  # the whole reservation, on the first lane
+            table = [page for pages in appended for page in pages]
+            assert len(set(table)) == len(table), (slot, appended)
+            assert sum(1 for pages in appended if pages) > 1  # appended as it grew
+            tables.append(len(table))
+        needed = [-(-(len(p) + n - 1) // size) for p, n in cases]
+        assert sorted(tables) == sorted(needed)  # never more than the context needs
 
 
 def test_completions_are_applied_in_fence_order(rig_factory: Any) -> None:

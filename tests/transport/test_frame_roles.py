@@ -94,7 +94,8 @@ def live(slot: int, prompt_len: int = 10, sent: bool = False) -> Live:
         False,
     )
     made = Live(stream, RequestHandle(slot))
-    made.reside(slot, 1, (slot * 2, slot * 2 + 1))
+    made.reside(slot, 1, None)
+    made.pages = [slot * 2, slot * 2 + 1]
     if sent:
         mark_pages_sent([made])
     return made
@@ -160,7 +161,8 @@ def test_pages_go_out_once_per_generation():
     decoding = build_frame(plan(DECODE, (work(1, LanePhase.DECODE),)), 3, [request], set())
     assert decoding.page_count == column([0])
     # The slot's next tenant (a new generation) starts an empty table on the ranks.
-    request.reside(1, 2, (9, 4, 7))
+    request.reside(1, 2, None)
+    request.pages = [9, 4, 7]
     lane = LaneWork(
         RequestHandle(1), 1, 2, LanePhase.PREFILL, 0, 4, 0, 0, 1.0, 1.0, 1.0
     )  # fmt: skip

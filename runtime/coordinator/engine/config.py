@@ -94,6 +94,8 @@ class EngineConfig:
     proposer: str = "draft"
     speculative_token_capacity: int = 0
     acceptance_prior: tuple[float, ...] = ()  # preseeds the proposer's population prior
+    enable_prefix_caching: bool = True  # SchedulerConfig.enable_prefix_caching
+    debug_page_accounting: bool = False  # check page accounting after every completion
 
     def __post_init__(self) -> None:
         ws = self.world_size

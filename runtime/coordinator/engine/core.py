@@ -192,6 +192,8 @@ class Engine:
                 fixed_speculative_width=cfg.fixed_speculative_width,
                 proposer=cfg.proposer,
                 speculative_token_capacity=cfg.speculative_token_capacity,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                debug_page_accounting=cfg.debug_page_accounting,
             )
             if cfg.direct:  # flare run --direct: the diagnostic scheduler of runtime/direct
                 from runtime.direct import DirectScheduler
@@ -251,6 +253,8 @@ class Engine:
         ignore_eos: bool = False,
         listener: Callable[[RequestStream, TokenEvent], None] | None = None,
         group: int | None = None,
+        cache_salt: str = "",
+        message_endpoints: Sequence[int] = (),
     ) -> RequestStream:
         """Queue a request; returns its stream at once (any thread).
 
@@ -259,8 +263,10 @@ class Engine:
         (see :class:`RequestStream`).  ``group``: the admission group, say the
         HTTP request whose choice this is; residency goes round-robin across
         groups, first come first served within one (None: a group of its own;
-        see ``Scheduler._admit_waiting``).  Raises ValueError naming the
-        argument for invalid input.
+        see runtime.coordinator.residency).  ``cache_salt``: prefix-cache pages
+        are shared only between requests with equal salts.  ``message_endpoints``:
+        each chat message's end in the prompt (checkpoint anchors).  Raises
+        ValueError naming the argument for invalid input.
         """
         facts = self.facts
         if facts is None:
@@ -270,6 +276,11 @@ class Engine:
         )
         if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
             raise ValueError(f"group must be an integer or None, got {group!r}")
+        if not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {cache_salt!r}")
+        ends = tuple(message_endpoints)
+        if any(isinstance(e, bool) or not isinstance(e, int) for e in ends):
+            raise ValueError(f"message_endpoints must hold integers, got {ends!r}")
         with self._command_lock:
             self._check_open()
             request_id = self._next_request
@@ -277,6 +288,7 @@ class Engine:
             stream = RequestStream(
                 self, request_id, prompt, max_tokens, sampling, ignore_eos, listener, group
             )
+            stream.cache_salt, stream.message_endpoints = cache_salt, ends
             self._commands.append(("submit", stream))
         self.stats.add(requests_submitted=1)
         self._wake.set()
@@ -519,7 +531,15 @@ class Engine:
         scheduler = self.scheduler
         assert scheduler is not None
         scheduler.advance_to(time.monotonic_ns())
-        spec = RequestSpec(len(stream.prompt_token_ids), stream.max_tokens, group=stream.group)
+        prompt = stream.prompt_token_ids
+        spec = RequestSpec(
+            len(prompt),
+            stream.max_tokens,
+            message_endpoints=tuple(e for e in stream.message_endpoints if 0 < e <= len(prompt)),
+            group=stream.group,
+            prompt_tokens=prompt,
+            cache_salt=stream.cache_salt,
+        )
         try:
             handle = scheduler.admit(spec)
         except (SchedulerError, ValueError) as exc:  # submit() checks first; defensive
@@ -650,8 +670,9 @@ class Engine:
         for lane in plan.lanes:
             live = self._by_handle[lane.handle.id]
             if (live.slot, live.generation) != (lane.slot, lane.generation):
-                live.reside(lane.slot, lane.generation, tuple(scheduler.page_table(lane.handle)))
+                live.reside(lane.slot, lane.generation, scheduler.generation_start(lane.handle))
                 live.stream.slot, live.stream.generation = lane.slot, lane.generation
+            live.pages = scheduler.page_table(lane.handle)  # pages on demand: it grows
             lives.append(live)
         return build_frame(plan, fence, lives, self._release), lives
 
@@ -749,6 +770,7 @@ class Engine:
             reason = item.finish_reason if item.finished else None
             entry = by_handle.get(item.handle.id)
             logprobs = entry if entry is not None and len(item.tokens) == len(entry) else ()
+            live.stream.cached_tokens = item.cached_tokens
             if live.stream._push(item.tokens, reason, item.fence, logprobs):
                 tokens += len(item.tokens)
                 finished += item.finished
@@ -853,6 +875,9 @@ class Engine:
             out["in_flight"] = scheduler.in_flight
             out["free_pages"] = scheduler.free_pages
             out["num_pages"] = scheduler.config.num_pages
+            memory = getattr(scheduler, "memory_stats", None)  # direct mode has none
+            if memory is not None:
+                out.update(memory())
         return out
 
     def graph_estimates(self) -> dict[str, int]:

@@ -11,8 +11,9 @@ from runtime.coordinator.engine.config import EngineError
 from runtime.coordinator.engine.stream import RequestStream
 from runtime.coordinator.plan import LanePhase, ScheduledPlan
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
-from runtime.coordinator.requests import RequestHandle
+from runtime.coordinator.requests import GenerationStart, RequestHandle
 from runtime.transport.api import TokenLogprobs
+from runtime.transport.restore import Restore
 from runtime.transport.schema import (
     PHASE_DECODE,
     PHASE_PREFILL,
@@ -28,25 +29,35 @@ RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.MIXED, GraphKin
 class Live:
     """A submitted request the scheduler still knows.
 
-    ``slot``/``generation``/``pages``: its residency, learnt from its first
-    planned lane (the page table is the whole reservation, fixed while
-    resident).  ``pages_sent``: how many of ``pages`` the ranks have been sent
-    for this generation; frames append only the rest (:func:`build_frame`,
-    :func:`mark_pages_sent`), so the generation's first lane carries the whole
-    table and later lanes none.
+    ``slot``/``generation``: its residency, learnt from its first planned
+    lane; ``start``: how that generation begins (cached prefix, copies,
+    restored output; None: a plain start).  ``pages``: its page table as the
+    scheduler holds it now (it grows as tokens arrive); ``pages_sent``: how
+    many of them the ranks have been sent for this generation; frames append
+    only the rest (:func:`build_frame`, :func:`mark_pages_sent`).
+    ``start_sent``: the generation's first frame is out (it carried the start).
     """
 
     stream: RequestStream
     handle: RequestHandle
     slot: int = -1
     generation: int = 0
-    pages: tuple[int, ...] = ()
+    pages: list[int] = field(default_factory=list)
     pages_sent: int = 0
+    start: GenerationStart | None = None
+    start_sent: bool = False
 
-    def reside(self, slot: int, generation: int, pages: tuple[int, ...]) -> None:
+    def reside(self, slot: int, generation: int, start: GenerationStart | None) -> None:
         """A new (slot, generation): the ranks start its page table empty."""
         self.slot, self.generation = slot, generation
-        self.pages, self.pages_sent = pages, 0
+        self.pages_sent = 0
+        self.start, self.start_sent = start, False
+
+    def tokens(self) -> Sequence[int]:
+        """The token ids prefill chunks read, by position: the prompt, and for a
+        resumed request the output it recomputes."""
+        start = self.start
+        return start.tokens if start is not None and start.tokens else self.stream.prompt_token_ids
 
 
 @dataclass(slots=True)
@@ -91,6 +102,11 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
     state anyway).  A mixed plan's ``prompt_row`` is the index of its prefill
     lane (-1 when it has none); it may have at most one.  ``expected_ns``: the
     plan's duration estimate (0 when the scheduler has none).
+
+    A generation's first frame carries its start (``Live.start``, unless
+    plain): a restore record (its known tokens, where the output begins), so
+    its lane may start past the cached prefix its first pages hold, and the
+    copy-on-write page copies the ranks run before the program.
     """
     kind = plan.graph.kind
     if kind not in RUNNABLE_KINDS:
@@ -106,6 +122,8 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
     page_count: list[int] = []
     pages: list[int] = []
     sampling: list[tuple[int, SamplingParams]] = []
+    restores: list[tuple[int, Restore]] = []
+    copies: list[tuple[int, int]] = []
     for i, (lane, live) in enumerate(zip(plan.lanes, lives, strict=True)):
         stream = live.stream
         slot.append(lane.slot)
@@ -117,8 +135,12 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
             position.append(start)
             query_len.append(count)
             commits.append(lane.max_tokens)
-            prompt_tokens += stream.prompt_token_ids[start : start + count]
+            prompt_tokens += live.tokens()[start : start + count]
             sampling.append((i, stream.sampling))
+            begin = live.start
+            if begin is not None and not live.start_sent and not begin.plain:
+                restores.append((i, Restore(begin.tokens, begin.output_start)))
+                copies += begin.copies
         else:
             phase.append(PHASE_DECODE)
             position.append(len(stream.prompt_token_ids) + lane.output_start - 1)
@@ -150,13 +172,17 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
         prompt_row=prompt_row,
         release_slots=tuple(sorted(release.difference(slot))),
         expected_ns=plan.estimated_duration_ns,
+        copies=tuple(copies),
+        restores=tuple(restores),
     )
 
 
 def mark_pages_sent(lives: Sequence[Live]) -> None:
-    """After a frame of ``lives`` is out: the ranks now hold every page of theirs."""
+    """After a frame of ``lives`` is out: the ranks now hold every page of theirs
+    (and each generation's start)."""
     for live in lives:
         live.pages_sent = len(live.pages)
+        live.start_sent = True
 
 
 def completion_records(

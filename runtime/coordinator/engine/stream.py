@@ -78,6 +78,11 @@ class RequestStream:
         self.sampling = sampling
         self.ignore_eos = ignore_eos
         self.group = group  # the admission group (RequestSpec.group)
+        self.cache_salt = ""  # prefix-cache tenant (RequestSpec.cache_salt)
+        self.message_endpoints: tuple[int, ...] = ()  # checkpoint anchors
+        # Prompt tokens its first residency found in the prefix cache (set with
+        # its first output).
+        self.cached_tokens = 0
         self.submitted_ns = time.monotonic_ns()
         # Set by the engine thread when the request first runs (informational).
         self.slot: int | None = None

@@ -1,0 +1,236 @@
+"""Residency: slots and KV pages of admitted requests, admission, pages on
+demand, preemption and the prefix cache's publication (docs/checkpoints.md).
+
+* **Admission.**  A waiting request becomes resident when a slot is free and
+  its first prompt chunk fits: the pages its uncached prefix's first chunk
+  needs (after attaching what the prefix cache holds) plus one page of
+  headroom for each resident request (each may cross a page boundary on its
+  next frame).  Preempted requests resume before any new request is admitted,
+  in the order they were preempted; new ones go round-robin across admission
+  groups, first come first served within one (``RequestSpec.group``).
+* **Pages on demand.**  :meth:`Residency.provision` gives each runnable
+  request, oldest resident first, the pages its largest possible next frame
+  writes (a whole prompt chunk, or the widest decode round, within its output
+  limit); when pages are short it gets what is there, and selection caps its
+  chunk or width by the pages it holds.  Pages stay owned through the
+  request's last submitted fence and are released only at retirement.
+* **Preemption.**  A runnable request with nothing in flight that cannot get a
+  page for its next token *lacks pages*; the scheduler then preempts the
+  resident request with the lowest lane value per held page (ties: the most
+  recently admitted).  Its pages are published to the prefix cache and
+  released once its in-flight work completes; it resumes later with a new
+  generation, restoring its prefix from the cache and recomputing the rest.
+
+Pure Python: no torch, sockets or clocks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from runtime.coordinator.kvcache import Match, PageAccountingError, PageCache
+from runtime.coordinator.requests import GenerationStart, Request
+from runtime.coordinator.resources import SlotTable
+
+
+class Residency:
+    def __init__(
+        self,
+        max_slots: int,
+        num_pages: int,
+        page_size: int,
+        *,
+        prefix_caching: bool = True,
+        max_chunk: int = 1,
+        max_width: int = 1,
+    ) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.slots = SlotTable(max_slots)
+        self.cache = PageCache(num_pages, page_size, enabled=prefix_caching)
+        self.max_chunk = max(1, max_chunk)  # the largest prompt chunk a program takes
+        self.max_width = max(1, max_width)  # the widest decode row a program runs
+        # Waiting requests by admission group, in rotation order; preempted ones
+        # wait in their own queue, ahead of every group.
+        self.waiting: OrderedDict[object, deque[Request]] = OrderedDict()
+        self.resuming: deque[Request] = deque()
+        self.num_waiting = 0
+        self.resident: dict[int, Request] = {}
+        self._seq = 0
+        self.preemptions = 0
+
+    # ------------------------------------------------------------ waiting
+    def enqueue(self, request: Request) -> None:
+        key = group_key(request)
+        if key not in self.waiting:
+            self.waiting[key] = deque()  # a group with nothing waiting joins at the end
+        self.waiting[key].append(request)
+        self.num_waiting += 1
+
+    def dequeue(self, request: Request) -> None:
+        """A waiting request leaves (cancelled)."""
+        if request.preempted:
+            self.resuming.remove(request)
+        else:
+            key = group_key(request)
+            queue = self.waiting[key]
+            queue.remove(request)
+            if not queue:
+                del self.waiting[key]
+        self.num_waiting -= 1
+
+    def admit_waiting(self) -> list[Request]:
+        """Make waiting requests resident while they fit (module docstring);
+        returns those that became resident."""
+        out: list[Request] = []
+        while self.slots.free_count and self.num_waiting:
+            if self.resuming:
+                request, key = self.resuming[0], None
+            else:
+                key, queue = next(iter(self.waiting.items()))
+                request = queue[0]
+            if not self._reside(request):
+                break  # no skipping: the head waits, and everyone behind it
+            self.num_waiting -= 1
+            if key is None:
+                self.resuming.popleft()
+            else:
+                queue = self.waiting[key]
+                queue.popleft()
+                if queue:
+                    self.waiting.move_to_end(key)
+                else:
+                    del self.waiting[key]
+            out.append(request)
+        return out
+
+    def _reside(self, r: Request) -> bool:
+        """Attach ``r``'s cached prefix and its first chunk's pages, or nothing."""
+        size = self.page_size
+        cache = self.cache
+        tokens = r.known_tokens()
+        target = r.prefill_target
+        match = cache.match(r.spec.cache_salt, tokens, target - 1) if tokens else Match()
+        cached = match.tokens(size)
+        first = min(self.max_chunk, r.prefill_available(cached))
+        need = -(-(cached + first) // size) - len(match.pages)
+        if need + len(self.resident) > cache.available - cache.idle_among(match):
+            return False
+        held = cache.attach(match)
+        fresh = cache.allocate(need)
+        if fresh is None:  # eviction could not free enough (pages held for copies)
+            cache.release(held + ([match.partial[0]] if match.partial else []))
+            return False
+        cache.record(max(0, min(target - 1, len(tokens))), cached)
+        copies: tuple[tuple[int, int], ...] = ()
+        if match.partial is not None:
+            r.copy_sources = [match.partial[0]]
+            copies = ((match.partial[0], fresh[0]),)
+        r.copy_fence = None
+        r.pages = held + fresh
+        r.slot, r.generation = self.slots.acquire()
+        r.resident = True
+        r.preempted = False
+        r.consumed_prompt = cached
+        r.accounted_prompt = max(r.accounted_prompt, cached)
+        if r.cached_tokens is None:
+            r.cached_tokens = min(cached, r.spec.prompt_len)
+        output_start = min(r.spec.prompt_len, len(tokens))
+        r.start = GenerationStart(tokens, output_start, cached, copies)
+        self._seq += 1
+        r.admitted_seq = self._seq
+        self.resident[r.handle.id] = r
+        return True
+
+    # ---------------------------------------------------------- provision
+    def want_tokens(self, r: Request) -> tuple[int, int]:
+        """(context its largest next frame writes to, the least it needs to run)."""
+        if r.consumed_prompt < r.prefill_target:
+            pos = r.consumed_prompt
+            chunk = min(self.max_chunk, r.prefill_available(pos))
+            return pos + chunk, pos + 1
+        start = r.spec.prompt_len + r.committed_output + r.inflight_output - 1
+        rows = min(self.max_width, r.remaining_output - r.inflight_output)
+        return start + max(rows, 1), start + 1
+
+    def provision(self) -> list[Request]:
+        """Pages for every runnable request's next frame (module docstring);
+        returns the runnable requests with nothing in flight that lack a page for
+        their next token (the preemption trigger)."""
+        size = self.page_size
+        lacking: list[Request] = []
+        for r in sorted(self.resident.values(), key=lambda q: q.admitted_seq):
+            if not r.runnable:
+                continue
+            want, least = self.want_tokens(r)
+            short = -(-want // size) - len(r.pages)
+            if short > 0:
+                got = self.cache.allocate(min(short, self.cache.available))
+                if got:
+                    r.pages += got
+            if len(r.pages) * size < least and not r.inflight_fences:
+                lacking.append(r)
+        return lacking
+
+    def capacity(self, r: Request) -> int:
+        """Tokens of context ``r``'s pages hold."""
+        return len(r.pages) * self.page_size
+
+    # --------------------------------------------------------- retirement
+    def preempt(self, r: Request) -> None:
+        """Stop selecting ``r``; its pages go at :meth:`retire` (after its fences)."""
+        r.preempted = True
+        r.preemptions += 1
+        self.preemptions += 1
+
+    def retire(self, r: Request) -> None:
+        """Publish ``r``'s computed pages and release them and its slot.  A
+        preempted request goes back to wait (first in line); any other leaves."""
+        filled = r.kv_filled
+        tokens = r.known_tokens()[:filled]
+        if tokens:
+            anchors = [e for e in r.spec.message_endpoints if e <= filled] + [filled]
+            self.cache.publish(r.spec.cache_salt, tokens, r.pages, anchors)
+        self.cache.release(r.pages + r.copy_sources)
+        r.pages, r.copy_sources, r.copy_fence, r.start = [], [], None, None
+        self.slots.release(r.slot)
+        r.resident = False
+        self.resident.pop(r.handle.id, None)
+        if r.preempted and not (r.cancelled or r.finished):
+            # Resume: recompute (or restore from the cache) the prompt and every
+            # emitted token; the final chunk samples the next one.  What was filled
+            # before is restored history: no value, no service.
+            r.history_end = max(r.history_end, filled, r.consumed_prompt)
+            if r.committed_output:
+                r.prefill_target = r.spec.prompt_len + r.committed_output
+                r.history_end = r.prefill_target
+            r.accounted_prompt = max(r.accounted_prompt, r.history_end)
+            r.consumed_prompt = 0
+            self.resuming.append(r)
+            self.num_waiting += 1
+
+    def copied(self, r: Request, fence: int) -> None:
+        """``fence`` completed: a copy-on-write source its generation's first frame
+        read is no longer needed."""
+        if r.copy_sources and r.copy_fence is not None and fence >= r.copy_fence:
+            self.cache.release(r.copy_sources)
+            r.copy_sources = []
+
+    # ----------------------------------------------------------- checking
+    def check(self) -> None:
+        """The page-accounting invariant (debug mode: after every completion)."""
+        holders: list[list[int]] = []
+        for r in self.resident.values():
+            holders.append(r.pages)
+            if r.copy_sources:
+                holders.append(r.copy_sources)
+        try:
+            self.cache.check(holders)
+        except PageAccountingError as exc:
+            raise PageAccountingError(f"page accounting broken: {exc}") from None
+
+
+def group_key(request: Request) -> object:
+    """The admission group of ``request``: its spec's group, or its own."""
+    group = request.spec.group
+    return ("request", request.handle.id) if group is None else group
