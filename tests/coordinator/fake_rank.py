@@ -278,9 +278,7 @@ class FakeRank:
                             f"{state.next_position}"
                         )
                     table = self._table(i, state.pages, lane.pages)
-                    plans.append(
-                        (lane, state.digest, state.pending, state.next_position, table, 0)
-                    )
+                    plans.append((lane, state.digest, state.pending, state.next_position, table, 0))
                     continue
                 if lane.position != state.next_position:
                     raise BadFrame(
