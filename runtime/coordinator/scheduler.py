@@ -103,6 +103,7 @@ class Scheduler:
         self._admitted_any = False
         self.refresh_ledger = timing_ledger()
         self.learning_ledger = acceptance_ledger()
+        self.prompt_tokens_computed = 0  # prompt (and restored) tokens prefill lanes ran
         self.executions = {reason: 0 for reason in SelectionReason}
         self.execution_ns = {reason: 0 for reason in SelectionReason}
         # Trace records since the last drain_trace(); bounded so a runtime that
@@ -665,6 +666,7 @@ class Scheduler:
         for i, (lane, r, record) in enumerate(zip(frame.plan.lanes, frame.lane_requests, records)):
             r.inflight_fences.remove(fence)
             r.inflight_prompt -= lane.prompt_tokens
+            self.prompt_tokens_computed += lane.prompt_tokens
             r.inflight_output -= lane.max_tokens
             self._res.copied(r, fence)
             if r.cancelled or r.finished:
@@ -860,6 +862,7 @@ class Scheduler:
             "prefix_cache_hit_tokens": cache.hit_tokens,
             "prefix_cache_evicted_pages": cache.evicted_pages,
             "preemptions": self._res.preemptions,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
         }
 
     def check_page_accounting(self) -> None:

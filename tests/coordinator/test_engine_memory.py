@@ -1,0 +1,80 @@
+"""The engine with pages on demand, the prefix cache and preemption, against fake
+ranks that model each page's KV (tests/coordinator/fake_rank.py): an attached
+prefix and a copy-on-write page must hold exactly the tokens the coordinator
+claims, or the fake refuses the frame."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.coordinator import fake_rank
+from tests.coordinator.fake_rank import FakeSpec
+from tests.coordinator.test_engine_protocol import check, prompts, rig_factory  # noqa: F401
+
+
+def test_a_shared_prefix_is_attached_on_the_ranks_and_tokens_are_unchanged(
+    rig_factory: Any,  # noqa: F811
+) -> None:
+    rig = rig_factory(2, max_slots=4, debug_page_accounting=True).start()
+    system = prompts(1, seed=3, lo=90, hi=90)[0]
+    first = rig.engine.submit([*system, 5, 6, 7], 6, ignore_eos=True)
+    rig.drive([first])
+    later = [[*system, *tail] for tail in prompts(3, seed=4, lo=5, hi=30)]
+    streams = [rig.engine.submit(p, 6, ignore_eos=True) for p in later]
+    rig.drive(streams)
+    check(first, [*system, 5, 6, 7], 6, ignore_eos=True)
+    for stream, p in zip(streams, later):
+        check(stream, p, 6, ignore_eos=True)
+        assert stream.cached_tokens >= 80  # 5 full pages of the 90 shared, at least
+    assert first.cached_tokens == 0
+    for fake in rig.ranks.fakes:  # both ranks restored and copied the same way
+        assert len(fake.restored) >= 3
+        assert fake.copied >= 1
+    metrics = rig.engine.metrics()
+    assert metrics["prefix_cache_hit_tokens"] >= 3 * 80
+    assert metrics["kv_pages_held"] == 0
+
+
+def test_a_pool_too_small_for_everyone_preempts_and_every_request_is_exact(
+    rig_factory: Any,  # noqa: F811
+) -> None:
+    spec = FakeSpec(num_pages=12)
+    rig = rig_factory(1, spec, max_slots=4, debug_page_accounting=True).start()
+    cases = [(p, 50) for p in prompts(4, seed=11, lo=30, hi=45)]
+    streams = [rig.engine.submit(p, n, ignore_eos=True) for p, n in cases]
+    rig.drive(streams, limit_s=60)
+    for stream, (p, n) in zip(streams, cases):
+        check(stream, p, n, ignore_eos=True)
+    metrics = rig.engine.metrics()
+    assert metrics["preemptions"] >= 1
+    assert metrics["kv_pages_held"] == 0
+    assert rig.ranks.fakes[0].restored  # a resumed request started from its restore
+
+
+def test_without_prefix_caching_nothing_is_attached(rig_factory: Any) -> None:  # noqa: F811
+    rig = rig_factory(1, max_slots=2, enable_prefix_caching=False).start()
+    text = prompts(1, seed=5, lo=70, hi=70)[0]
+    streams = []
+    for _ in range(2):
+        streams.append(rig.engine.submit(text, 4, ignore_eos=True))
+        rig.drive(streams)
+    for stream in streams:
+        check(stream, text, 4, ignore_eos=True)
+        assert stream.cached_tokens == 0
+    assert not rig.ranks.fakes[0].restored
+    assert rig.engine.metrics()["prefix_cache_hit_tokens"] == 0
+
+
+def test_cache_salts_are_respected_by_the_engine(rig_factory: Any) -> None:  # noqa: F811
+    rig = rig_factory(1, max_slots=2).start()
+    text = prompts(1, seed=6, lo=70, hi=70)[0]
+    a = rig.engine.submit(text, 3, ignore_eos=True, cache_salt="a")
+    rig.drive([a])
+    b = rig.engine.submit(text, 3, ignore_eos=True, cache_salt="b")
+    rig.drive([b])
+    a2 = rig.engine.submit(text, 3, ignore_eos=True, cache_salt="a")
+    rig.drive([a2])
+    assert (a.cached_tokens, b.cached_tokens, a2.cached_tokens) == (0, 0, 69)
+    for stream in (a, b, a2):
+        check(stream, text, 3, ignore_eos=True)
+    assert fake_rank.PAGE_SIZE < 69
