@@ -137,17 +137,31 @@ class CoordinatorClient:
         sampling: SamplingParams,
         ignore_eos: bool = False,
         group: int | None = None,
+        *,
+        cache_salt: str = "",
+        message_endpoints: tuple[int, ...] = (),
     ) -> asyncio.Queue[Output]:
         """Send a request; its outputs arrive on the returned queue, the last one finished.
         ``group``: the admission group (:meth:`new_group_id`), shared by one HTTP
-        request's choices."""
+        request's choices.  ``cache_salt``: prefix-cache pages are shared only with
+        requests of an equal salt ("" none); ``message_endpoints``: each chat
+        message's end offset in the prompt (:class:`Submit`)."""
         if not self._connected:
             raise CoordinatorGone("the coordinator is not connected")
         queue: asyncio.Queue[Output] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
             self._send(
-                Submit(request_id, prompt_token_ids, max_tokens, sampling, ignore_eos, group)
+                Submit(
+                    request_id,
+                    prompt_token_ids,
+                    max_tokens,
+                    sampling,
+                    ignore_eos,
+                    group,
+                    cache_salt=cache_salt,
+                    message_endpoints=message_endpoints,
+                )
             )
         except CoordinatorGone:
             del self._queues[request_id]

@@ -28,6 +28,9 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
 - completions ``logprobs``: int 0..20, the number of top alternatives per token; chat
   ``logprobs: bool`` with ``top_logprobs`` 0..20 (which needs ``logprobs: true``). Both
   end up as ``GenerationRequest.logprobs`` (None: no logprobs).
+- ``cache_salt`` (vLLM): a non-empty string of at most 256 characters; requests share
+  prefix-cache pages only with requests of an equal salt (null or absent: no salt).
+  With several API keys the server adds each key's own salt (``runtime.frontend.server``).
 - ``stream``, ``stream_options.include_usage`` (stream_options only with stream: true),
   ``ignore_eos`` (vLLM), ``min_tokens`` (0..max_tokens, vLLM); ``echo: true`` is refused.
 - ``logit_bias``: an object of at most 300 token-id strings (ids in ``[0, vocab_size)``)
@@ -72,6 +75,7 @@ from runtime.frontend.chat import (
     message_endpoints,
 )
 from runtime.frontend.defaults import GenerationDefaults
+from runtime.transport.api import MAX_SALT_CHARS
 from runtime.transport.schema import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
 
 __all__ = [
@@ -201,6 +205,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
     # Chat: each message's token endpoint in prompt_token_ids (chat.message_endpoints).
     message_endpoints: tuple[int, ...] = ()
+    cache_salt: str = ""  # the request's own prefix-cache salt ("" none)
 
 
 class Encoder(Protocol):
@@ -473,7 +478,27 @@ def _common(
         "frequency_penalty": frequency,
         "repetition_penalty": _repetition_penalty(obj, defaults.repetition_penalty),
         "logit_bias": _logit_bias(obj.get("logit_bias"), limits),
+        "cache_salt": _cache_salt(obj.get("cache_salt")),
     }
+
+
+def _cache_salt(value: Any) -> str:
+    """vLLM's ``cache_salt``: a non-empty string of at most MAX_SALT_CHARS ("" absent)."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RequestError(
+            400, f"cache_salt must be a string, got {_json_type(value)}", "cache_salt"
+        )
+    if not value:
+        raise RequestError(400, "cache_salt must not be empty", "cache_salt")
+    if len(value) > MAX_SALT_CHARS:
+        raise RequestError(
+            400,
+            f"cache_salt takes at most {MAX_SALT_CHARS} characters, got {len(value)}",
+            "cache_salt",
+        )
+    return _utf8(value, "cache_salt")
 
 
 def _unsupported(obj: Mapping[str, Any], n: int) -> None:

@@ -111,7 +111,7 @@ def test_sixteen_requests_without_output_limits_are_all_resident():
 
 def test_a_request_that_can_never_fit_is_refused_naming_the_limit():
     s = Scheduler(list(CATALOG), SchedulerConfig(max_slots=4, page_size=16, num_pages=8))
-    with pytest.raises(SchedulerError, match="needs 9 KV pages.*pool has 8"):
+    with pytest.raises(SchedulerError, match=r"needs 9 KV pages.*pool has 8"):
         s.admit(RequestSpec(100, 40))
 
 
@@ -156,7 +156,7 @@ def test_a_shared_prefix_is_attached_and_only_the_suffix_is_computed():
     first = sim.admit(system + prompt(8, 10), 5)
     sim.run()
     second = sim.admit(system + prompt(9, 30), 5)
-    r = sim.s.request(sim.s._res.resident[second].handle)  # noqa: SLF001
+    r = sim.s.request(sim.s._res.resident[second].handle)
     assert r is not None and r.cached_tokens == 96 + 4  # 6 full pages + 4 of the 7th
     start = sim.s.generation_start(r.handle)
     assert start is not None and start.position == 100 and len(start.copies) == 1
@@ -204,8 +204,8 @@ def test_the_victim_has_the_lowest_value_per_held_page():
         if sim.s.memory_stats()["preemptions"]:
             break
     assert sim.s.memory_stats()["preemptions"] == 1
-    assert sim.s.request(sim.s._res.resident[short].handle) is not None  # noqa: SLF001
-    assert long not in sim.s._res.resident  # noqa: SLF001
+    assert sim.s.request(sim.s._res.resident[short].handle) is not None
+    assert long not in sim.s._res.resident
     sim.run()
     assert sim.out[long] == [1000 * long + k for k in range(40)]
 
