@@ -42,7 +42,7 @@ from runtime.cli_debug import (
     cmd_replay,
     debug_config,
 )
-from runtime.cli_memory import add_kv_flags, kv_pool
+from runtime.cli_memory import add_kv_flags, add_prefix_cache_flags, kv_pool, prefix_cache_config
 from runtime.cli_speculation import add_speculation_flags, speculation_config
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
@@ -221,6 +221,7 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         help="the most choices (prompts x n) one HTTP request may ask for",
     )
     add_kv_flags(run, _positive)
+    add_prefix_cache_flags(run)
     run.add_argument(
         "--max-model-len",
         metavar="N",
@@ -273,9 +274,13 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--port", metavar="N", type=_port, default=8000, help="HTTP port")
     run.add_argument(
         "--api-key",
-        default=os.environ.get("FLARE_API_KEY"),
-        help="require this bearer key on every route but /health (default: "
-        "$FLARE_API_KEY, else none)",
+        metavar="KEY[,KEY...]",
+        action="append",
+        default=None,
+        help="require one of these bearer keys on every route but /health and /version: "
+        "a key, a comma-separated list, or the flag repeated; with several keys each key "
+        "is a tenant with its own prefix-cache salt, so tenants never share cached pages "
+        "(default: $FLARE_API_KEY, read the same way, else none)",
     )
     run.add_argument(
         "--frame-timeout-multiple",
@@ -419,6 +424,9 @@ def _apply_config_file(args: argparse.Namespace, parser: argparse.ArgumentParser
                 raise argparse.ArgumentTypeError(f"must be one of {sorted(action.choices)}")
             elif action.nargs == 0 and not isinstance(value, bool):  # a switch
                 raise argparse.ArgumentTypeError(f"must be true or false, got {value!r}")
+            elif action.nargs == 0 and isinstance(action, argparse.BooleanOptionalAction):
+                # no-enable-prefix-caching = true: the --no- form turns the switch off
+                value = value != key.replace("_", "-").startswith("no-")
             elif action.nargs != 0 and not isinstance(value, str):
                 raise argparse.ArgumentTypeError(f"must be a string, got {value!r}")
         except (argparse.ArgumentTypeError, ValueError) as exc:
@@ -466,6 +474,24 @@ def _model_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tup
     return path, f"the default model {path}"
 
 
+def _split_keys(value: str) -> list[str]:
+    return [key.strip() for key in value.split(",") if key.strip()]
+
+
+def _api_keys(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    """The API keys: ``--api-key`` (repeated, or comma-separated; a [run] ``api-key``
+    string too), else ``$FLARE_API_KEY`` read the same way (empty: none)."""
+    given = args.api_key
+    if isinstance(given, tuple):  # already checked
+        return given
+    if given is None:
+        return tuple(dict.fromkeys(_split_keys(os.environ.get("FLARE_API_KEY") or "")))
+    values = [given] if isinstance(given, str) else list(given)
+    if any(not _split_keys(value) for value in values):
+        parser.error("--api-key: give a key or a comma-separated list of keys, not an empty value")
+    return tuple(dict.fromkeys(key for value in values for key in _split_keys(value)))
+
+
 def _check_chat_template(path: str | None, parser: argparse.ArgumentParser) -> str | None:
     if path is None:
         return None
@@ -498,6 +524,7 @@ def checked_run(
     if not 0 < args.startup_timeout < float("inf"):
         parser.error("--startup-timeout must be a finite number of seconds > 0")
     args.chat_template = _check_chat_template(args.chat_template, parser)
+    args.api_key = _api_keys(args, parser)
     try:
         args.trace = check_trace_path(args.trace)
     except ValueError as exc:
@@ -553,6 +580,7 @@ def checked_run(
             frame_timeout_multiple=args.frame_timeout_multiple,
             frame_timeout_margin_s=args.frame_timeout_margin,
             speculation=speculation_config(args, parser, model),
+            **prefix_cache_config(args),
             **debug_config(args),
         )
     except ValueError as exc:
@@ -708,7 +736,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
             model_dir=config.model,
             host=args.host,
             port=args.port,
-            api_key=args.api_key,
+            api_key=args.api_key or None,
             startup_timeout_s=args.startup_timeout,
             coordinator_args=_without_secrets(argv),
             chat_template=args.chat_template,

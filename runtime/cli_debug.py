@@ -42,6 +42,13 @@ def add_debug_flags(run: argparse.ArgumentParser) -> None:
         "DIR/profile-<n>/rank<r>.json (default with --debug-endpoints: ./flare-profiles)",
     )
     run.add_argument(
+        "--debug-page-accounting",
+        action="store_true",
+        help="check the coordinator's KV page accounting (pages held, cached, free) after "
+        "every completion and fail the server on a mismatch; slow, for debugging "
+        "(default: off)",
+    )
+    run.add_argument(
         "--log-level", choices=LOG_LEVELS, default="info", help="the rank processes' log level"
     )
     run.add_argument(
@@ -62,6 +69,7 @@ def debug_config(args: argparse.Namespace) -> dict[str, object]:
         "record_frames": args.record_frames,
         "log_level": args.log_level,
         "log_dir": args.log_dir,
+        "debug_page_accounting": bool(getattr(args, "debug_page_accounting", False)),
     }
 
 

@@ -4,6 +4,8 @@
 and ``--page-size`` reach the ranks, which size their cache with
 ``runtime.ranks.memory``; the command line checks the same pool first whenever
 it is known without a device (everything but the CUDA utilization rule).
+``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` (vLLM's flags, on by
+default) reach the coordinator, which keeps the prefix cache.
 """
 
 from __future__ import annotations
@@ -57,6 +59,21 @@ def add_kv_flags(run: argparse.ArgumentParser, positive: Callable[[str], int]) -
     run.add_argument(
         "--page-size", metavar="N", type=positive, default=16, help="tokens per KV page"
     )
+
+
+def add_prefix_cache_flags(run: argparse.ArgumentParser) -> None:
+    run.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the KV pages of equal prompt prefixes between requests (of equal "
+        "cache_salt); --no-enable-prefix-caching turns it off",
+    )
+
+
+def prefix_cache_config(args: argparse.Namespace) -> dict[str, object]:
+    """The DeploymentConfig fields of the prefix-cache flags."""
+    return {"enable_prefix_caching": bool(args.enable_prefix_caching)}
 
 
 def uses_cuda(device: str) -> bool:

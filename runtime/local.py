@@ -74,6 +74,8 @@ class DeploymentConfig:
     external_publication: bool = False  # a frontend reports publications
     direct: bool = False  # the diagnostic direct-mode scheduler (runtime/direct)
     speculation: SpeculationConfig | None = None  # speculative decoding (runtime/speculation.py)
+    enable_prefix_caching: bool = True  # share KV pages of equal prompt prefixes (salted)
+    debug_page_accounting: bool = False  # check KV page accounting after every completion
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -88,8 +90,9 @@ class DeploymentConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level!r}"
             )
-        if not isinstance(self.mixed_prefill, bool):
-            raise ValueError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
+        for name in ("mixed_prefill", "enable_prefix_caching", "debug_page_accounting"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("num_pages", "kv_cache_memory_bytes"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 1):
@@ -183,6 +186,8 @@ class LocalDeployment:
                 external_publication=cfg.external_publication,
                 record_dir=cfg.record_frames,
                 direct=cfg.direct,
+                enable_prefix_caching=cfg.enable_prefix_caching,
+                debug_page_accounting=cfg.debug_page_accounting,
                 **speculation_settings(cfg.speculation),
             )
         )

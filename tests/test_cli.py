@@ -424,3 +424,84 @@ def test_speculation_flags_and_vllms_speculative_config():
     assert config.speculation.acceptance_prior == (0.8, 0.6)
     _, config = configure([])
     assert config.speculation is None
+
+
+def test_prefix_caching_is_on_by_default_and_the_flags_reach_the_engine(tmp_path):
+    from runtime.local import LocalDeployment
+
+    _, config = configure([])
+    assert config.enable_prefix_caching is True and config.debug_page_accounting is False
+    engine = LocalDeployment(config).engine.config
+    assert engine.enable_prefix_caching is True and engine.debug_page_accounting is False
+    _, config = configure(["--no-enable-prefix-caching", "--debug-page-accounting"])
+    assert config.enable_prefix_caching is False and config.debug_page_accounting is True
+    engine = LocalDeployment(config).engine.config
+    assert engine.enable_prefix_caching is False and engine.debug_page_accounting is True
+    _, config = configure(["--no-enable-prefix-caching", "--enable-prefix-caching"])
+    assert config.enable_prefix_caching is True  # the last one wins
+    # --config's [run] takes either name; the --no- name turns caching off.
+    for toml, on in [
+        ("enable-prefix-caching = false", False),
+        ("no-enable-prefix-caching = true", False),
+        ("no-enable-prefix-caching = false", True),
+        ("debug-page-accounting = true", True),
+    ]:
+        path = tmp_path / "run.toml"
+        path.write_text(f"[run]\n{toml}\n")
+        _, config = configure(["--config", str(path)])
+        assert config.enable_prefix_caching is on, toml
+    _, config = configure(["--config", str(path)])
+    assert config.debug_page_accounting is True
+    path.write_text("[run]\nenable-prefix-caching = false\n")
+    _, config = configure(["--config", str(path), "--enable-prefix-caching"])
+    assert config.enable_prefix_caching is True  # the command line wins
+
+
+def test_the_prefix_cache_flags_show_in_help(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "--help"])
+    out = capsys.readouterr().out
+    for flag in (
+        "--enable-prefix-caching",
+        "--no-enable-prefix-caching",
+        "--debug-page-accounting",
+    ):
+        assert flag in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "keys"),
+    [
+        ([], None, ()),
+        ([], "", ()),
+        ([], "e1", ("e1",)),
+        ([], "e1,e2", ("e1", "e2")),
+        (["--api-key", "k1"], "e1", ("k1",)),  # the flag beats the environment
+        (["--api-key", "k1,k2"], None, ("k1", "k2")),
+        (["--api-key", "k1", "--api-key=k2", "--api-key", "k3, k1"], None, ("k1", "k2", "k3")),
+    ],
+)
+def test_api_keys_from_the_flag_repeated_or_listed_or_the_environment(
+    monkeypatch, flags, env, keys
+):
+    if env is None:
+        monkeypatch.delenv("FLARE_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("FLARE_API_KEY", env)
+    args, _ = configure(flags)
+    assert args.api_key == keys
+
+
+def test_an_empty_api_key_fails_naming_the_flag(monkeypatch, capsys):
+    monkeypatch.delenv("FLARE_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        configure(["--api-key", "k1", "--api-key", " , "])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--api-key" in err and len(err.splitlines()) == 1
+
+
+def test_every_api_key_is_kept_off_the_coordinator_command_line():
+    from runtime.cli import _without_secrets
+
+    argv = ["--api-key", "k1", "--api-key=k2,k3", "--port", "1", "--api-key", "k4"]
+    assert _without_secrets(argv) == ("--port", "1")

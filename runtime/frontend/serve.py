@@ -46,7 +46,7 @@ class ServeOptions:
     model_dir: str
     host: str
     port: int
-    api_key: str | None
+    api_key: str | tuple[str, ...] | None  # --api-key: the keys (several: tenants)
     startup_timeout_s: float
     coordinator_args: tuple[str, ...]  # the run flags, passed on unchanged
     chat_template: str | None = None  # --chat-template FILE (None: the model's)

@@ -22,19 +22,30 @@ the coordinator, which stops selecting it at once.
 Every invalid input gets a 4xx JSON error in OpenAI's shape naming the field.
 With an API key, every route but /health and /version requires
 ``Authorization: Bearer KEY`` (the scheme in any case, as HTTP says).
+
+Prefix caching: each choice's ``Submit`` carries its chat messages' token
+endpoints and a cache salt (requests share cached KV pages only with equal
+salts).  The salt is the request's ``cache_salt``; with several API keys each
+key also has its own salt (:func:`tenant_salts`: a keyed hash, never the key),
+combined with the request's (:func:`combined_salt`), so tenants never share
+cached pages.  ``usage.prompt_tokens_details.cached_tokens`` reports the prompt
+tokens found in the cache (:class:`Usage`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import hashlib
+import hmac
 import importlib.metadata
 import json
 import math
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +79,54 @@ MAX_BODY_BYTES = 32 << 20
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "aborted": "abort"}
 # Routes open without the API key: liveness, and the version (vLLM leaves it open too).
 OPEN_ROUTES = frozenset({"/health", "/version"})
+MAX_MESSAGE_ENDPOINTS = 4096  # Submit's bound on message_endpoints
+# Where ApiKeyMiddleware leaves the matched key's cache salt in the ASGI scope.
+TENANT_SALT_SCOPE_KEY = "flare.tenant_salt"
+# Keys the per-key salts' HMAC: a salt reveals nothing of its key, even a weak one.
+# Per process: cached pages live no longer than the coordinator this frontend starts.
+_TENANT_SALT_SECRET = secrets.token_bytes(32)
+
+
+def api_keys(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The API keys ``--api-key`` gives: a key, a comma-separated list of keys, or
+    several such values (the flag repeated); blanks dropped, duplicates once."""
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else list(value)
+    keys = (key.strip() for v in values for key in v.split(","))
+    return tuple(dict.fromkeys(key for key in keys if key))
+
+
+def tenant_salts(keys: Sequence[str]) -> dict[str, str]:
+    """Each API key's own prefix-cache salt when there are several keys (tenants);
+    none with one key or none.  A salt is an HMAC of its key under a per-process
+    secret (``k`` + 32 hex digits): distinct per key, never the key itself."""
+    if len(keys) < 2:
+        return {}
+    return {
+        key: "k" + hmac.new(_TENANT_SALT_SECRET, key.encode(), hashlib.sha256).hexdigest()[:32]
+        for key in keys
+    }
+
+
+def combined_salt(tenant: str, request_salt: str) -> str:
+    """The cache salt a request's ``Submit`` carries: the request's ``cache_salt``
+    alone without a tenant salt; else the tenant's salt, followed by a hash of the
+    request's when it gave one (the tenant part keeps tenants apart whatever salts
+    their requests choose; the hash keeps the result within Submit's bound)."""
+    if not tenant:
+        return request_salt
+    if not request_salt:
+        return tenant
+    return f"{tenant}/{hashlib.sha256(request_salt.encode()).hexdigest()[:32]}"
+
+
+def submit_endpoints(ends: Sequence[int], prompt_len: int) -> tuple[int, ...]:
+    """Chat message endpoints as ``Submit`` takes them: strictly increasing, each in
+    [1, prompt_len] (a message that adds no token of its own gives no anchor), at
+    most MAX_MESSAGE_ENDPOINTS (the last ones: the longest prefixes)."""
+    out = sorted({end for end in ends if 1 <= end <= prompt_len})
+    return tuple(out[-MAX_MESSAGE_ENDPOINTS:])
 
 
 def package_version() -> str:
@@ -87,7 +146,9 @@ class Frontend:
     template: ChatTemplate
     limits: ServingLimits
     metrics: ServingMetrics
-    api_key: str | None = None
+    # --api-key: one key, or several (a sequence, or a comma-separated string), each a
+    # tenant with its own prefix-cache salt; None: no key needed.
+    api_key: str | Sequence[str] | None = None
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     debug: DebugLink | None = None  # --debug-endpoints: the /debug/* routes' link
@@ -104,6 +165,7 @@ class Piece:
     request_id: int
     fence: int
     finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens its request found in the prefix cache
 
 
 class EngineRefused(Exception):
@@ -154,12 +216,15 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
         _sampling(req, index, seed, fe.limits.vocab_size),
         req.ignore_eos,
         group=group,
+        cache_salt=req.cache_salt,
+        message_endpoints=submit_endpoints(req.message_endpoints, len(req.prompt_token_ids)),
     )
     detok = IncrementalDetokenizer(
         fe.tokenizer, req.prompt_token_ids, req.stop, min_tokens=req.min_tokens
     )
     stop_ids = frozenset(req.stop_token_ids)
     produced = 0
+    cached = 0
     done = False
     try:
         while not done:
@@ -171,6 +236,7 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
             if out.finish_reason == "error":
                 raise RuntimeError(f"the engine failed: {out.error}")
             tokens, logprobs = out.token_ids, out.logprobs
+            cached = max(cached, out.cached_tokens)
             finish = FINISH_REASONS.get(out.finish_reason or "")
             stop_at = next(
                 (
@@ -199,7 +265,7 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
             if done and not out.finished:
                 with contextlib.suppress(CoordinatorGone):
                     client.cancel(rid)  # ended here: the coordinator stops selecting it
-            yield Piece(index, text, tokens, logprobs, rid, out.fence, finish)
+            yield Piece(index, text, tokens, logprobs, rid, out.fence, finish, cached)
     finally:
         if not done:
             with contextlib.suppress(CoordinatorGone):
@@ -252,15 +318,34 @@ async def _merged(fe: Frontend, reqs: list[GenerationRequest], seed: int) -> Asy
 
 
 class Usage:
-    def __init__(self, prompt_tokens: int) -> None:
+    """A response's token counts.  ``prompt_tokens`` counts each prompt once, however
+    many choices (n) it has; so does ``prompt_tokens_details.cached_tokens``: per
+    prompt, the most prompt tokens any of its choices found in the prefix cache
+    (each choice is its own coordinator request, and a later one may find pages an
+    earlier one cached), summed over the prompts.  Always present (0: none found)."""
+
+    def __init__(self, prompt_tokens: int, n: int = 1) -> None:
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.n = n  # choices per prompt: choice i is prompt i // n's
+        self._cached: dict[int, int] = {}
 
-    def json(self) -> dict[str, int]:
+    def add(self, piece: Piece) -> None:
+        """Count a piece's tokens and its request's cached prompt tokens."""
+        self.completion_tokens += len(piece.token_ids)
+        prompt = piece.index // self.n
+        self._cached[prompt] = max(self._cached.get(prompt, 0), piece.cached_tokens)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self._cached.values())
+
+    def json(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -356,7 +441,7 @@ def _seed(req: GenerationRequest) -> int:
 
 
 def _usage(reqs: list[GenerationRequest]) -> Usage:
-    return Usage(sum(len(req.prompt_token_ids) for req in reqs))  # each prompt once
+    return Usage(sum(len(req.prompt_token_ids) for req in reqs), reqs[0].n)  # each prompt once
 
 
 async def _stream(
@@ -382,7 +467,7 @@ async def _stream(
             )  # fmt: skip
     try:
         async for piece in _merged(fe, reqs, seed):
-            usage.completion_tokens += len(piece.token_ids)
+            usage.add(piece)
             timing.tokens(piece)
             if not piece.text and piece.finish_reason is None and req.logprobs is None:
                 continue  # held back (stop-string prefix, partial character)
@@ -426,7 +511,7 @@ async def _collect(
     completion_lp: list[dict | None] = [None] * total
     chat_lp: list[list] = [[] for _ in range(total)]
     async for piece in _merged(fe, reqs, seed):
-        usage.completion_tokens += len(piece.token_ids)
+        usage.add(piece)
         timing.tokens(piece)
         if req.logprobs is not None and piece.token_ids:
             if chat:
@@ -477,31 +562,46 @@ async def _until_disconnect(request: Request) -> None:
 
 
 class ApiKeyMiddleware:
-    """Every HTTP route but /health and /version needs ``Authorization: Bearer KEY``;
-    the scheme is case-insensitive (``bearer KEY`` too), as HTTP auth schemes are.
+    """Every HTTP route but /health and /version needs ``Authorization: Bearer KEY``
+    with one of ``keys``; the scheme is case-insensitive (``bearer KEY`` too), as HTTP
+    auth schemes are.  ``salts``: each key's cache salt (:func:`tenant_salts`), left
+    in the scope under TENANT_SALT_SCOPE_KEY for the routes.
 
     Plain ASGI rather than ``@app.middleware``: Starlette's BaseHTTPMiddleware
     hides client disconnects from the routes, and a route must see them to
     cancel the requests of a client that left.
     """
 
-    def __init__(self, app, key: str) -> None:
+    def __init__(self, app, keys: Sequence[str], salts: dict[str, str] | None = None) -> None:
+        if not keys:
+            raise ValueError("ApiKeyMiddleware needs at least one key")
         self.app = app
-        self.expected = key.encode()
+        self.expected = [key.encode() for key in keys]
+        self.salts = [(salts or {}).get(key, "") for key in keys]
+
+    def matched(self, header: bytes) -> int | None:
+        """The index of the key the header carries (None: none).  Every key is
+        compared, in constant time each, whichever matches."""
+        scheme, _, credentials = header.strip().partition(b" ")
+        credentials = credentials.strip()
+        found = None
+        for i, key in enumerate(self.expected):
+            if secrets.compare_digest(credentials, key) and found is None:
+                found = i
+        return found if scheme.lower() == b"bearer" else None
 
     def authorized(self, header: bytes) -> bool:
-        scheme, _, credentials = header.strip().partition(b" ")
-        return scheme.lower() == b"bearer" and secrets.compare_digest(
-            credentials.strip(), self.expected
-        )
+        return self.matched(header) is not None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_ROUTES:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not self.authorized(given):
+            found = self.matched(given)
+            if found is None:
                 response = _error(401, "missing or wrong API key", None, "authentication_error")
                 await response(scope, receive, send)
                 return
+            scope[TENANT_SALT_SCOPE_KEY] = self.salts[found]
         await self.app(scope, receive, send)
 
 
@@ -555,8 +655,9 @@ def _text_chars(body: object, chat: bool) -> int:
 
 def create_app(fe: Frontend) -> FastAPI:
     app = FastAPI(title="flare", docs_url=None, redoc_url=None, openapi_url=None)
-    if fe.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, key=fe.api_key)
+    keys = api_keys(fe.api_key)
+    if keys:
+        app.add_middleware(ApiKeyMiddleware, keys=keys, salts=tenant_salts(keys))
     # No token decodes to more characters than the longest in the vocabulary, so
     # a text longer than this cannot fit the context: refused before tokenizing.
     max_chars = fe.limits.max_context * fe.tokenizer.max_token_chars
@@ -676,6 +777,11 @@ def create_app(fe: Frontend) -> FastAPI:
                 req = reqs[0]
         except RequestError as exc:
             return JSONResponse(exc.to_json(), status_code=exc.status)
+        tenant = request.scope.get(TENANT_SALT_SCOPE_KEY, "")
+        if tenant:  # several API keys: this key's pages are its own
+            salt = combined_salt(tenant, req.cache_salt)
+            reqs = [dataclasses.replace(r, cache_salt=salt) for r in reqs]
+            req = reqs[0]
         try:
             _sampling(req, 0, 0, fe.limits.vocab_size)
         except ProtocolError as exc:

@@ -4,6 +4,7 @@ frontend-side stops, health.  (tests/frontend/test_server.py runs the real proce
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -16,7 +17,7 @@ from runtime.frontend.protocol import ServingLimits
 from runtime.frontend.server import Frontend, create_app
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
-from runtime.transport.api import Output, Status
+from runtime.transport.api import Output, Status, Submit
 
 MODEL = "tiny"
 
@@ -34,6 +35,7 @@ class ScriptedClient:
         self.groups: list[int | None] = []
         self.sampling: list = []
         self.prompts: list[tuple[int, ...]] = []
+        self.submits: list[Submit] = []
         self._ids = iter(range(1, 1000))
         self._groups = iter(range(1, 1000))
 
@@ -43,16 +45,30 @@ class ScriptedClient:
     def new_group_id(self) -> int:
         return next(self._groups)
 
-    def submit(self, request_id, prompt, max_tokens, sampling, ignore_eos=False, group=None):
+    def submit(
+        self,
+        request_id,
+        prompt,
+        max_tokens,
+        sampling,
+        ignore_eos=False,
+        group=None,
+        *,
+        cache_salt="",
+        message_endpoints=(),
+    ):
+        # What CoordinatorClient would send: Submit validates the fields.
+        self.submits.append(
+            Submit(request_id, tuple(prompt), max_tokens, sampling, ignore_eos, group,
+                   cache_salt=cache_salt, message_endpoints=message_endpoints)
+        )  # fmt: skip
         self.submitted.append(request_id)
         self.groups.append(group)
         self.sampling.append(sampling)
         self.prompts.append(tuple(prompt))
         queue: asyncio.Queue[Output] = asyncio.Queue()
         for out in self.script:
-            queue.put_nowait(
-                Output(request_id, out.fence, out.token_ids, out.finish_reason, out.error)
-            )
+            queue.put_nowait(dataclasses.replace(out, request_id=request_id))
         return queue
 
     def cancel(self, request_id: int) -> None:
