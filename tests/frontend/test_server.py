@@ -121,6 +121,31 @@ def test_chat_completion_streams_role_then_content_with_usage(client, model):
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
 
 
+def test_a_shared_system_prompt_is_found_in_the_prefix_cache(server, client, model):
+    """Two chats sharing a ~300-token system prompt: the second finds it cached
+    (usage.prompt_tokens_details.cached_tokens), the first found nothing."""
+    system = {"role": "system", "content": words(300, 11)}
+    salt = {"cache_salt": f"e2e-{server.mode}"}  # no other test's pages share this salt
+    usages = []
+    for question in ("What comes next?", "Say it again, shorter."):
+        out = client.chat.completions.create(
+            model=model, messages=[system, {"role": "user", "content": question}],
+            max_tokens=4, temperature=0, extra_body={"ignore_eos": True, **salt},
+        )  # fmt: skip
+        usages.append(out.usage)
+    first, second = usages
+    assert first.prompt_tokens > 300 and second.prompt_tokens > 300
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert 0 < second.prompt_tokens_details.cached_tokens < second.prompt_tokens
+    # Streaming reports it in the final usage chunk too.
+    chunks = list(client.chat.completions.create(
+        model=model, messages=[system, {"role": "user", "content": "Once more."}],
+        max_tokens=4, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, **salt},
+    ))  # fmt: skip
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_stop_strings_and_stop_token_ids_end_the_choice(client, model):
     prompt = "The value of the expression"
     base = client.completions.create(model=model, prompt=prompt, max_tokens=24,
