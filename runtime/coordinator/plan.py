@@ -20,6 +20,10 @@ class SelectionReason(str, Enum):
 class LanePhase(str, Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    # State-program rows (runtime.coordinator.state_ops): a resumed request's
+    # restore, and a terminal request's retirement (its snapshot).
+    RESTORE = "restore"
+    TERMINAL = "terminal"
 
 
 @dataclass(frozen=True)

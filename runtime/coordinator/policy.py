@@ -29,6 +29,7 @@ by the exploration rule dominates nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.cost import CostCatalog, CostEntry
@@ -73,6 +74,8 @@ class SelectionContext:
     # once per decision by sort_decoders(), shared by decode and mixed builders.
     prefix_value: list[float] | None = None
     prefix_lru: list[int] | None = None
+    # Terminal requests and restores awaiting a state program (state_ops.StateViews).
+    states: Any = None
 
     def sort_decoders(self) -> tuple[list[float], list[int]]:
         if self.prefix_value is None or self.prefix_lru is None:
@@ -105,6 +108,7 @@ class Candidate:
         "prompt_row",
         "prompt_tokens",
         "queries",
+        "roles",
         "score",
         "stale",
         "t_ms",
@@ -136,6 +140,7 @@ class Candidate:
         self.prompt_row = prompt_row
         self.queries: list[int] | None = None  # speculative: each lane's query length
         self.ceilings: list[int] | None = None  # device-allocated: each lane's ceiling
+        self.roles: list[str] | None = None  # state programs: each lane's role (state_ops)
         estimate_ns = entry.estimate_ns
         if estimate_ns <= 0:  # indeterminate (CostEntry.known is False)
             self.unknown = True

@@ -24,6 +24,7 @@ from runtime.coordinator.service import (
     starting_rate,
     update_rate,
 )
+from runtime.coordinator.state_ops import StateViews, snapshot_sigma_ms
 from runtime.coordinator.utility import decode_lane_value, reference_interval_ms
 
 
@@ -99,22 +100,28 @@ def build_context(
     catalog: CostCatalog,
     view: CatalogView,
     page_size: int = 0,
+    terminal: list[Request] | None = None,
+    restoring: list[Request] | None = None,
 ) -> SelectionContext | None:
     """The selection context of ``runnable`` at the planning start.  With
     ``page_size``, each lane's work is capped by the KV pages it holds (a
     prefill chunk, a decode round's rows); a lane whose pages hold nothing more
-    is left out (the residency preempts for it)."""
-    if not runnable:
+    is left out (the residency preempts for it).  ``terminal``: requests awaiting
+    their terminal snapshot (oldest first); ``restoring``: resumed requests
+    awaiting their restore; both go to ``ctx.states`` (runtime.coordinator.state_ops)."""
+    terminal = terminal or []
+    restoring = restoring or []
+    if not (runnable or terminal or restoring):
         return None
     start = queue.expected_end_ns(now_ns)
-    population = len(runnable)
+    population = max(1, len(runnable))
     f, g, c = policy.token_fairness, policy.delivery_fairness, policy.decode_age_price
     beta = policy.output_token_value
 
     # Current dual rates; a request with no history starts at its fair share.
     x0 = starting_rate(view.decode_sigma_ms(population), population)
     state: dict[int, list] = {}
-    for r in runnable:
+    for r in (*runnable, *restoring):
         if r.last_visible_ns is not None:
             last_visible = r.last_visible_ns
         elif r.became_decoder_ns is not None:
@@ -185,7 +192,7 @@ def build_context(
                 room=room,
             )
         )
-    return SelectionContext(
+    ctx = SelectionContext(
         now_ns=now_ns,
         start_ns=start,
         beta=beta,
@@ -194,5 +201,69 @@ def build_context(
         prefill=prefill,
         decode=decode,
         decode_age_slope=slope,
-        active_age_price=c * n_decoders,
+        active_age_price=c * n_decoders + policy.terminal_age_price * len(terminal),
     )
+    if terminal or restoring:
+        ctx.states = _state_views(ctx, state, terminal, restoring, policy, slope, start)
+    return ctx
+
+
+def _state_views(
+    ctx: SelectionContext,
+    state: dict[int, list],
+    terminal: list[Request],
+    restoring: list[Request],
+    policy: PolicyConfig,
+    slope: float,
+    start: int,
+) -> StateViews:
+    """Terminal lanes with their ages; resumed requests as the lanes their restore
+    makes ready: a decoder when only the pending token is left to feed, else a
+    prompt row at the restored position."""
+    f, g, beta = policy.token_fairness, policy.delivery_fairness, policy.output_token_value
+    ages = []
+    for r in terminal:
+        since = r.terminal_since_ns if r.terminal_since_ns is not None else start
+        view = LaneView(r, 0.0, 0.0, r.consumed_prompt, 0, 0, r.committed_output, 0.0,
+                        r.last_selected)  # fmt: skip
+        ages.append((view, max(0, start - since) / 1e6))
+    decode_ready: list[LaneView] = []
+    prompt_ready: list[LaneView] = []
+    for r in restoring:
+        x, z, last_visible = state[r.handle.id]
+        token_price, delivery_price = f / x, g / z
+        age_ms = max(0, start - last_visible) / 1e6
+        value = decode_lane_value(1.0, 1.0, token_price, delivery_price, beta) + slope * age_ms
+        pos = r.consumed_prompt
+        if pos == r.prefill_target - 1:
+            decode_ready.append(
+                LaneView(
+                    r,
+                    token_price,
+                    delivery_price,
+                    r.spec.prompt_len,
+                    0,
+                    0,
+                    r.committed_output,
+                    value,
+                    r.last_selected,
+                )
+            )
+        else:
+            available = r.prefill_available(pos)
+            prompt_ready.append(
+                LaneView(
+                    r,
+                    token_price,
+                    0.0,
+                    pos,
+                    available,
+                    min(r.distance_to_endpoint(pos), available),
+                    r.committed_output,
+                    0.0,
+                    r.last_selected,
+                    r.history_end,
+                    value,
+                )
+            )
+    return StateViews(ages, decode_ready, prompt_ready, snapshot_sigma_ms(ctx, len(terminal)))

@@ -138,10 +138,12 @@ class Request:
         "preemptions",
         "prefill_target",
         "resident",
+        "restore_pending",
         "slot",
         "spec",
         "speculation",
         "start",
+        "terminal_since_ns",
         "token_rate",
         "unpublished",
     )
@@ -170,6 +172,11 @@ class Request:
         self.start: GenerationStart | None = None
         self.preempted = False
         self.preemptions = 0
+        # State programs (runtime.coordinator.state_ops): a resumed request's
+        # restore row is still to run; when termination (finish or preemption)
+        # was identified, the start of its terminal age.
+        self.restore_pending = False
+        self.terminal_since_ns: int | None = None
         self.admitted_seq = 0
         self.consumed_prompt = 0
         self.committed_output = 0
@@ -215,7 +222,9 @@ class Request:
 
     @property
     def runnable(self) -> bool:
-        return self.resident and not (self.finished or self.cancelled or self.preempted)
+        return self.resident and not (
+            self.finished or self.cancelled or self.preempted or self.restore_pending
+        )
 
     @property
     def in_flight(self) -> bool:

@@ -43,6 +43,7 @@ class Residency:
         prefix_caching: bool = True,
         max_chunk: int = 1,
         max_width: int = 1,
+        restore_programs: bool = False,
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
@@ -50,6 +51,9 @@ class Residency:
         self.cache = PageCache(num_pages, page_size, enabled=prefix_caching)
         self.max_chunk = max(1, max_chunk)  # the largest prompt chunk a program takes
         self.max_width = max(1, max_width)  # the widest decode row a program runs
+        # With RESTORE programs a resumed request's restore is its own row
+        # (state_ops); without, it rides on its first prefill frame.
+        self.restore_programs = restore_programs
         # Waiting requests by admission group, in rotation order; preempted ones
         # wait in their own queue, ahead of every group.
         self.waiting: OrderedDict[object, deque[Request]] = OrderedDict()
@@ -130,7 +134,9 @@ class Residency:
         r.pages = held + fresh
         r.slot, r.generation = self.slots.acquire()
         r.resident = True
+        r.restore_pending = self.restore_programs and r.preempted
         r.preempted = False
+        r.terminal_since_ns = None
         r.consumed_prompt = cached
         r.accounted_prompt = max(r.accounted_prompt, cached)
         if r.cached_tokens is None:

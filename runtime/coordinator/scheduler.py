@@ -59,6 +59,8 @@ from runtime.coordinator.rounds import (
 from runtime.coordinator.service import account_interval, starting_rate
 from runtime.coordinator.sidecars import Confidence, check_confidence, check_survival, round_offers
 from runtime.coordinator.speculation import SpeculationModel
+from runtime.coordinator.state_ops import RESTORE as RESTORE_ROLE
+from runtime.coordinator.state_ops import state_candidates
 from runtime.coordinator.utility import log_scale_for
 
 # Bursts kept per request awaiting publication (oldest dropped beyond this).
@@ -85,6 +87,10 @@ class Scheduler:
         self.now_ns = 0
         self._queue = ExecutionQueue()
         config = self.config
+        kinds = {d.kind for d in descriptors}
+        # Terminal snapshots retire finished and preempted requests when the
+        # catalog has snapshot programs (else they retire at once).
+        self._snapshots = GraphKind.SNAPSHOT in kinds
         self._res = Residency(
             config.max_slots,
             config.num_pages,
@@ -92,6 +98,7 @@ class Scheduler:
             prefix_caching=config.enable_prefix_caching,
             max_chunk=max((d.prompt_capacity for d in descriptors), default=1),
             max_width=max((d.token_capacity for d in descriptors), default=1),
+            restore_programs=GraphKind.RESTORE in kinds and self._snapshots,
         )
         self._requests: dict[int, Request] = {}  # admitted and not yet retired
         self._resident = self._res.resident
@@ -171,11 +178,18 @@ class Scheduler:
         self._check_idle()
         return True
 
-    def _retire_if_done(self, request: Request) -> None:
+    def _retire_if_done(self, request: Request, snapshot: bool = False) -> None:
         """Release a resident request that will run nothing more: finished,
-        cancelled or preempted, with its last fence completed."""
+        cancelled or preempted, with its last fence completed.  With snapshot
+        programs a finished or preempted request first waits for its terminal
+        snapshot (``snapshot``: it just completed); cancellation never waits."""
         if request.runnable or request.inflight_fences or not request.resident:
             return
+        if not request.cancelled and not snapshot:
+            if request.restore_pending:
+                return  # resumed: its restore row is still to run
+            if self._snapshots:
+                return  # terminal: awaits its snapshot (state_ops)
         self._res.retire(request)
         if not request.preempted or request.cancelled or request.finished:
             self._requests.pop(request.handle.id, None)
@@ -189,12 +203,13 @@ class Scheduler:
             lacking = res.provision()
             if not lacking:
                 break
-            if any(r.preempted for r in res.resident.values()):
-                return  # a victim's pages are still coming back: no second victim
+            if any(r.preempted or r.finished for r in res.resident.values()):
+                return  # a victim's (or a terminal request's) pages are still to come back
             victim = self._victim()
             if victim is None:
                 return
             res.preempt(victim)
+            victim.terminal_since_ns = self.now_ns  # its retirement's age starts now
             if victim.inflight_fences:
                 return  # its pages come back when its last fence completes
             self._retire_if_done(victim)
@@ -232,13 +247,30 @@ class Scheduler:
         )
 
     def _check_idle(self) -> None:
-        if self._queue.empty and not any(r.runnable for r in self._resident.values()):
+        if self._queue.empty and not any(
+            r.runnable or self._awaits_state_program(r) for r in self._resident.values()
+        ):
             self.refresh_ledger.idle()
             self.learning_ledger.idle()
 
+    def _awaits_state_program(self, r: Request) -> bool:
+        """A resident request whose next step is a state program's row: its
+        restore, or its terminal snapshot."""
+        if not r.resident or r.cancelled or r.inflight_fences:
+            return False
+        return r.restore_pending or (self._snapshots and (r.finished or r.preempted))
+
     # ----------------------------------------------------------- selection
     def _context(self) -> selection.SelectionContext | None:
-        runnable = [r for r in self._resident.values() if r.runnable]
+        runnable = []
+        terminal = []
+        restoring = []
+        for r in self._resident.values():
+            if r.runnable:
+                runnable.append(r)
+            elif self._awaits_state_program(r):
+                (restoring if r.restore_pending else terminal).append(r)
+        terminal.sort(key=lambda r: (r.terminal_since_ns or 0, r.handle.id))
         return build_context(
             self.now_ns,
             runnable,
@@ -247,6 +279,8 @@ class Scheduler:
             self.catalog,
             self._view,
             self.config.page_size,
+            terminal,
+            restoring,
         )
 
     def plan(self) -> ScheduledPlan | None:
@@ -281,6 +315,8 @@ class Scheduler:
 
     def _candidates(self, ctx: selection.SelectionContext) -> list[selection.Candidate]:
         cands = selection.candidates(ctx)
+        if ctx.states is not None:
+            state_candidates(ctx, ctx.states, self.policy, cands)
         fixed = self._fixed_width
         if self.speculation is not None and fixed != 1:
             round_candidates(
@@ -339,8 +375,18 @@ class Scheduler:
         lanes: list[LaneWork] = []
         beta = ctx.beta
         queries, ceilings = winner.queries, winner.ceilings
+        roles = winner.roles or ()
         for i, view in enumerate(winner.lanes):
             r = view.request
+            if roles:  # a state program's row: it feeds and commits nothing
+                phase = LanePhase.RESTORE if roles[i] == RESTORE_ROLE else LanePhase.TERMINAL
+                lanes.append(
+                    LaneWork(
+                        r.handle, r.slot, r.generation, phase, r.consumed_prompt, 0,
+                        r.committed_output, 0, 0.0, 0.0, 0.0,
+                    )
+                )  # fmt: skip
+                continue
             if queries is not None and i != winner.prompt_row:  # a round lane
                 q = queries[i]
                 rows = q if ceilings is None else ceilings[i]
@@ -523,10 +569,22 @@ class Scheduler:
                 )
             if any(lane.max_tokens > desc.proposal_depth + 1 for lane in plan.lanes):
                 raise CommitError("a query length exceeds the proposal depth + 1")
+        state_kind = kind in (GraphKind.RESTORE, GraphKind.SNAPSHOT)
         seen: set[int] = set()
         out: list[Request] = []
         for lane in plan.lanes:
             r = self._requests.get(lane.handle.id)
+            state_lane = lane.phase in (LanePhase.RESTORE, LanePhase.TERMINAL)
+            if state_lane != state_kind:
+                raise CommitError(
+                    f"request {lane.handle.id}: a {lane.phase.value} row in a {kind.value} program"
+                )
+            if state_lane:
+                if lane.handle.id in seen:
+                    raise CommitError(f"request {lane.handle.id} appears twice in the plan")
+                seen.add(lane.handle.id)
+                out.append(self._check_state_lane(lane, r, kind))
+                continue
             if r is None or not r.runnable:
                 raise CommitError(f"request {lane.handle.id} is no longer runnable")
             if lane.handle.id in seen:
@@ -574,6 +632,21 @@ class Scheduler:
                     raise CommitError(f"request {lane.handle.id}: output limit reached")
             out.append(r)
         return out
+
+    def _check_state_lane(self, lane: LaneWork, r: Request | None, kind: GraphKind) -> Request:
+        """A state program's row: a pending restore, or a request awaiting its snapshot."""
+        if r is None or not self._awaits_state_program(r):
+            raise CommitError(f"request {lane.handle.id} awaits no state program")
+        if (lane.slot, lane.generation) != (r.slot, r.generation):
+            raise CommitError(f"request {lane.handle.id}: slot epoch changed")
+        if lane.phase is LanePhase.RESTORE:
+            if kind is not GraphKind.RESTORE or not r.restore_pending:
+                raise CommitError(f"request {lane.handle.id} has no restore to run")
+            if lane.prompt_start != r.consumed_prompt:
+                raise CommitError(f"request {lane.handle.id}: restore position changed")
+        elif r.restore_pending:
+            raise CommitError(f"request {lane.handle.id} is restoring, not terminal")
+        return r
 
     # ----------------------------------------------------------- completion
     def complete(
@@ -669,6 +742,21 @@ class Scheduler:
             self.prompt_tokens_computed += lane.prompt_tokens
             r.inflight_output -= lane.max_tokens
             self._res.copied(r, fence)
+            if lane.phase is LanePhase.RESTORE:
+                r.restore_pending = False
+                if r.consumed_prompt == r.prefill_target - 1:
+                    r.consumed_prompt = r.prefill_target  # decode-ready: its pending token
+                continue
+            if lane.phase is LanePhase.TERMINAL:  # the snapshot completes the response
+                if r.finished and not r.cancelled:
+                    generated.append(
+                        GeneratedToken(
+                            r.handle, fence, (), False, True, r.finish_reason,
+                            r.cached_tokens or 0,
+                        )
+                    )  # fmt: skip
+                self._retire_if_done(r, snapshot=True)
+                continue
             if r.cancelled or r.finished:
                 self._retire_if_done(r)
                 continue  # results are discarded (a preempted request keeps its own)
@@ -694,14 +782,19 @@ class Scheduler:
                     r.finish_reason = record.finish_reason
                 elif r.committed_output >= r.spec.max_output_tokens:
                     r.finish_reason = "length"
+                # With snapshot programs the response completes visibly when its
+                # terminal snapshot does; its terminal age starts now.
+                visible = r.finished and not self._snapshots
+                if r.finished:
+                    r.terminal_since_ns = now
                 generated.append(
                     GeneratedToken(
                         r.handle,
                         fence,
                         tokens,
                         first,
-                        r.finished,
-                        r.finish_reason,
+                        visible,
+                        r.finish_reason if visible else None,
                         r.cached_tokens or 0,
                     )
                 )
