@@ -72,3 +72,36 @@ def test_a_shared_system_prompt_is_computed_once(model):
     assert computed == 20  # the suffix only
     assert results[False][1] == len(second)
     assert metrics["kv_pages_held"] == 0 and metrics["kv_pages_cached"] > 0
+
+
+def test_sixteen_requests_without_max_tokens_are_resident_at_once():
+    """The embedded default model, --max-num-seqs 16 and the issue's pool of 1,024
+    pages of 16 tokens (4,096-token context): 16 requests whose max_tokens is the
+    rest of the context are all resident together (worst-case reservations let
+    4 in)."""
+    import time
+
+    config = DeploymentConfig(
+        max_concurrency=16, num_pages=1024, device="cpu", startup_timeout_s=120
+    )
+    with LocalDeployment(config) as d:
+        facts = d.engine.facts
+        assert facts is not None
+        streams = []
+        for i in range(16):
+            prompt = [5 + i, 6, 7, 8, 9, 10, 11, 12]
+            streams.append(d.engine.submit(prompt, facts.max_context - len(prompt)))
+        deadline = time.monotonic() + 60
+        running = 0
+        while time.monotonic() < deadline:
+            metrics = d.engine.metrics()
+            running = int(metrics["running"])
+            if running == 16:
+                break
+            time.sleep(0.05)
+        assert running == 16 and metrics["waiting"] == 0
+        assert facts.num_pages * facts.page_size < 16 * facts.max_context  # a real test
+        for stream in streams:
+            d.engine.cancel(stream)
+        for stream in streams:
+            assert stream.result(timeout=60).finish_reason == "cancelled"

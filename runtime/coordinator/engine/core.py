@@ -774,7 +774,8 @@ class Engine:
             if live.stream._push(item.tokens, reason, item.fence, logprobs):
                 tokens += len(item.tokens)
                 finished += item.finished
-            if not self.config.external_publication:
+            if item.tokens and not self.config.external_publication:
+                # (A terminal snapshot's finish carries no tokens: nothing to publish.)
                 scheduler.published_output(item.handle, item.fence, now)
         for lane in dispatch.plan.lanes:
             live = self._by_handle.get(lane.handle.id)
