@@ -99,6 +99,7 @@ class PageCache:
         self.queried_tokens = 0
         self.hit_tokens = 0
         self.evicted_pages = 0
+        self.version = 0  # bumped by every publication that entered a page
 
     # ------------------------------------------------------------ counts
     @property
@@ -262,6 +263,7 @@ class PageCache:
                 child = Node(page, chunk, node)
                 node.children[chunk] = child
                 self._node[page] = child
+                self.version += 1
             child.demand = self._clock
             if index in anchor_pages and child.role is not Role.ANCHOR:
                 child.role = Role.ANCHOR

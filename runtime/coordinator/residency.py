@@ -60,6 +60,11 @@ class Residency:
         self.resuming: deque[Request] = deque()
         self.num_waiting = 0
         self.resident: dict[int, Request] = {}
+        # Mid-flight publication and late attach: how far each resident request's
+        # full computed pages were published; the cache version each request with
+        # nothing submitted yet was last matched against.
+        self._published: dict[int, int] = {}
+        self._unstarted: dict[int, int] = {}
         self._seq = 0
         self.preemptions = 0
 
@@ -146,7 +151,68 @@ class Residency:
         self._seq += 1
         r.admitted_seq = self._seq
         self.resident[r.handle.id] = r
+        self._unstarted[r.handle.id] = cache.version
         return True
+
+    # ---------------------------------------------------------- sharing
+    def started(self, r: Request) -> None:
+        """``r``'s generation has a submitted frame: its start is fixed."""
+        self._unstarted.pop(r.handle.id, None)
+
+    def publish_computed(self, r: Request) -> None:
+        """Enter ``r``'s full pages computed so far (after a prefill chunk), so a
+        request sharing the prefix attaches them while ``r`` still runs.  Partial
+        pages wait for retirement: ``r`` still writes them."""
+        if not self.cache.enabled or not r.spec.prompt_tokens:
+            return
+        size = self.page_size
+        full = min(r.consumed_prompt, r.kv_filled) // size * size
+        if full <= self._published.get(r.handle.id, 0):
+            return
+        ends = [e for e in r.spec.message_endpoints if e <= full]
+        self.cache.publish(r.spec.cache_salt, r.known_tokens()[:full], r.pages, ends)
+        self._published[r.handle.id] = full
+
+    def refresh_unstarted(self) -> None:
+        """Requests with nothing submitted yet attach a longer cached prefix
+        published since they became resident (a sibling's computed pages)."""
+        version = self.cache.version
+        for hid, seen in list(self._unstarted.items()):
+            r = self.resident.get(hid)
+            if r is None or seen == version or r.inflight_fences:
+                continue
+            self._unstarted[hid] = version
+            self._rematch(r)
+
+    def _rematch(self, r: Request) -> None:
+        size, cache = self.page_size, self.cache
+        tokens = r.known_tokens()
+        if not tokens or not cache.enabled:
+            return
+        match = cache.match(r.spec.cache_salt, tokens, r.prefill_target - 1)
+        cached = match.tokens(size)
+        if cached <= r.consumed_prompt:
+            return
+        held = cache.attach(match)
+        first = min(self.max_chunk, r.prefill_available(cached))
+        fresh = cache.allocate(-(-(cached + first) // size) - len(match.pages))
+        if fresh is None:  # no room for both while swapping: keep what it has
+            cache.release(held + ([match.partial[0]] if match.partial else []))
+            return
+        cache.record(0, cached - r.consumed_prompt)
+        cache.release(r.pages + r.copy_sources)
+        copies: tuple[tuple[int, int], ...] = ()
+        r.copy_sources = []
+        if match.partial is not None:
+            r.copy_sources = [match.partial[0]]
+            copies = ((match.partial[0], fresh[0]),)
+        r.pages = held + fresh
+        r.consumed_prompt = cached
+        r.accounted_prompt = max(r.accounted_prompt, cached)
+        if not r.preemptions:
+            r.cached_tokens = min(cached, r.spec.prompt_len)
+        assert r.start is not None
+        r.start = GenerationStart(tokens, r.start.output_start, cached, copies)
 
     # ---------------------------------------------------------- provision
     def want_tokens(self, r: Request) -> tuple[int, int]:
@@ -198,6 +264,8 @@ class Residency:
             anchors = [e for e in r.spec.message_endpoints if e <= filled] + [filled]
             self.cache.publish(r.spec.cache_salt, tokens, r.pages, anchors)
         self.cache.release(r.pages + r.copy_sources)
+        self._published.pop(r.handle.id, None)
+        self._unstarted.pop(r.handle.id, None)
         r.pages, r.copy_sources, r.copy_fence, r.start = [], [], None, None
         self.slots.release(r.slot)
         r.resident = False

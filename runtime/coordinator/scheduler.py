@@ -199,6 +199,7 @@ class Scheduler:
         lacks a page (module docstring of runtime.coordinator.residency); then
         admission, unless a request still waits for pages."""
         res = self._res
+        res.refresh_unstarted()
         for _ in range(len(res.resident) + 1):
             lacking = res.provision()
             if not lacking:
@@ -485,6 +486,7 @@ class Scheduler:
             r.last_selected = self._selection_seq
             if r.copy_sources and r.copy_fence is None:
                 r.copy_fence = fence  # the generation's first frame runs its copies
+            self._res.started(r)
         entry.last_attempt_ns = now
         if plan.reason is SelectionReason.TIMING_REFRESH:
             self.refresh_ledger.open_episode()
@@ -765,6 +767,7 @@ class Scheduler:
                 r.consumed_prompt += lane.prompt_tokens
                 if r.consumed_prompt >= r.prefill_target and r.became_decoder_ns is None:
                     r.became_decoder_ns = now
+                self._res.publish_computed(r)  # its full pages, for requests sharing them
             tokens = tuple(record.tokens)
             if r.speculation is not None and tokens:
                 self._observe_round(

@@ -220,3 +220,20 @@ def test_restored_history_is_valued_by_the_continuation_index():
     # A plain prompt chunk: tokens only; the finishing one adds its first token.
     assert prompt_chunk_value(0, 32, 64, 0, 0.5, 64.5) == pytest.approx(48.0)
     assert prompt_chunk_value(32, 32, 64, 0, 0.5, 64.5) == pytest.approx(48.0 + 64.5)
+
+
+def test_requests_arriving_together_share_pages_computed_meanwhile():
+    """Both arrive before either prefills: the first's full pages are published
+    as its chunks complete, and the second, with nothing submitted yet, attaches
+    them instead of computing them again."""
+    sim = Sim(num_pages=64)
+    system = prompt(21, 130)
+    a = sim.admit(system + prompt(22, 6), 3)
+    b = sim.admit(system + prompt(23, 9), 3)
+    sim.run()
+    computed = sorted((sim.prefill_tokens[a], sim.prefill_tokens[b]))
+    assert computed[1] == 136 or computed[1] == 139  # the first computed everything
+    assert computed[0] <= 139 - 64  # the other reused at least a chunk's pages
+    assert sim.out[a] == [1000 * a + k for k in range(3)]
+    assert sim.out[b] == [1000 * b + k for k in range(3)]
+    assert sim.s.memory_stats()["kv_pages_held"] == 0
