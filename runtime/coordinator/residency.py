@@ -139,7 +139,9 @@ class Residency:
         r.pages = held + fresh
         r.slot, r.generation = self.slots.acquire()
         r.resident = True
-        r.restore_pending = self.restore_programs and r.preempted
+        # A restore row binds cached pages; with nothing cached there is nothing to
+        # bind, and the restore record rides on the first prefill frame instead.
+        r.restore_pending = self.restore_programs and r.preempted and cached > 0
         r.preempted = False
         r.terminal_since_ns = None
         r.consumed_prompt = cached
