@@ -670,7 +670,8 @@ class Engine:
         for lane in plan.lanes:
             live = self._by_handle[lane.handle.id]
             if (live.slot, live.generation) != (lane.slot, lane.generation):
-                live.reside(lane.slot, lane.generation, scheduler.generation_start(lane.handle))
+                starts = getattr(scheduler, "generation_start", None)  # direct mode: none
+                live.reside(lane.slot, lane.generation, starts and starts(lane.handle))
                 live.stream.slot, live.stream.generation = lane.slot, lane.generation
             live.pages = scheduler.page_table(lane.handle)  # pages on demand: it grows
             lives.append(live)
