@@ -18,6 +18,12 @@
   per batch of at least two rows at the widest W with P = B x W / 2 rows
   (P <= R).  Width one is the ordinary decode program, which keeps the draft
   context (runtime/ranks/draft.py).
+
+* State programs (spec, "Prerequisites and completion"): a RESTORE and a
+  SNAPSHOT program per decode batch B (token capacity 1, no prompt capacity).
+  They run no forward (runtime/ranks/worker.py: page copies, restored rows and
+  dropped slots, timed as one device interval), so each costs what its state
+  writes cost; :func:`forward_programs` leaves them out.
 """
 
 from __future__ import annotations
@@ -175,7 +181,17 @@ def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[G
     out += speculative_shapes(
         batches, cfg.speculative_widths, cfg.speculative_token_capacity, cfg.device_allocation
     )
+    out += [GraphDescriptor(kind, b) for kind in STATE_PROGRAMS for b in batches]
     return out
+
+
+# The state programs, in catalog order (no forward, no prepared body).
+STATE_PROGRAMS = (GraphKind.RESTORE, GraphKind.SNAPSHOT)
+
+
+def forward_programs(catalog: Sequence[GraphDescriptor]) -> list[GraphDescriptor]:
+    """The descriptors that run the model (every one but the state programs)."""
+    return [d for d in catalog if d.kind not in STATE_PROGRAMS]
 
 
 def speculative_shapes(

@@ -265,10 +265,11 @@ def check_programs_fit(memory: DeviceMemory, programs_bytes: int) -> None:
 
 def largest_shapes(capacity: CapacityConfig, max_context: int) -> list[ProgramShape]:
     """The catalog's shapes with the most tokens and with the most lanes."""
-    from runtime.ranks.capacity import build_catalog
+    from runtime.ranks.capacity import build_catalog, forward_programs
     from runtime.ranks.programs import ProgramShape
 
-    shapes = [ProgramShape.of(d) for d in build_catalog(capacity, max_context)]
+    catalog = forward_programs(build_catalog(capacity, max_context))
+    shapes = [ProgramShape.of(d) for d in catalog]
     most_tokens = max(shapes, key=lambda s: (s.tokens, s.lanes))
     most_lanes = max(shapes, key=lambda s: (s.lanes, s.tokens))
     return [most_tokens] if most_lanes == most_tokens else [most_tokens, most_lanes]

@@ -169,7 +169,7 @@ class Launch:
     """
 
     checked: CheckedFrame
-    program: PreparedProgram
+    program: PreparedProgram | None  # None: a state frame (no forward)
     variant: str
     host: HostOutputs
     launched_ns: int
@@ -181,6 +181,7 @@ class Launch:
     stages: dict[str, int] = field(default_factory=dict)  # host ns per stage
     round: RoundOutputs | None = None  # a speculative round's host outputs
     times: list[int] = field(default_factory=list)  # received, launched, ended (monotonic ns)
+    state: bool = False  # a state frame (RESTORE/SNAPSHOT): no tokens, one timed interval
 
     def finished(self) -> bool:
         return self.done is None or self.done.query()

@@ -22,7 +22,15 @@ record (:class:`~runtime.transport.restore.Restore`): then it starts at its
 ``prompt_start`` over KV its pages already hold, its chunk must agree with the
 record's tokens, and its sampling step starts at the outputs already emitted
 (:meth:`SlotTable.check_restores`).  ``copies`` are checked against the pool
-(:meth:`SlotTable.check_copies`).
+(:meth:`SlotTable.check_copies`).  Until a restored generation's prefill has
+reached the end of its record's tokens, every later chunk must agree with them
+too (the table keeps the record).
+
+State frames (RESTORE and SNAPSHOT programs, :meth:`SlotTable.check_state`,
+:meth:`SlotTable.apply_state`) run no forward: a restore row starts a new
+generation at its ``position`` (decode-ready at ``len(tokens) - 1``: a pending
+token at that position, as after a prefill that committed it; else
+prefill-ready there), a terminal row drops a known generation.
 """
 
 from __future__ import annotations
@@ -124,6 +132,9 @@ class SlotTable:
         self.slack = self._state[:, 7]
         self.shortfall = self._state[:, 8]
         self.settings: list[SamplingParams | None] = [None] * num_slots
+        # Restored generations still prefilling their record's tokens: slot ->
+        # record (each later chunk must agree with it).
+        self.records: dict[int, Restore] = {}
         # The steady decode path: the last applied frame when it was decode-only
         # with no pages, settings or releases; the positions its lanes continue
         # at (as the wire's column, so a frame compares in one C call), and the
@@ -157,6 +168,8 @@ class SlotTable:
         known = state[:, 0] == generation
         prefill = column(frame.phase) == 1
         restores = self.check_restores(frame, known.tolist(), vocab)
+        if self.records:
+            self._check_continuations(frame, known.tolist(), prefill.tolist())
         # A known slot continues where it stopped (behind a speculative round in
         # flight: anywhere in its slack); a new generation starts at 0 with a
         # prefill lane (a restored one at its prompt_start); a decode lane needs
@@ -213,6 +226,8 @@ class SlotTable:
         known = generation == frame.generation[0]
         prefill = frame.phase[0] == 1
         restores = self.check_restores(frame, [known], vocab)
+        if self.records:
+            self._check_continuations(frame, [known], [prefill])
         at = self.next_position[slot] - slack <= position <= self.next_position[slot] + short
         ok = known and at and (prefill or self.pending[slot])
         fresh = position == 0 or bool(restores)
@@ -306,21 +321,116 @@ class SlotTable:
                     f"{head}: position {position} (prompt_start {frame.prompt_start[i]}) must "
                     f"equal prompt_start and lie in [0, {len(tokens)}], the record's tokens"
                 )
-            chunk = frame.prompt_tokens[offsets[i] : offsets[i + 1]]
-            inside = tokens[position : position + len(chunk)]
-            if tuple(chunk[: len(inside)]) != inside:
-                at = next(k for k, (a, b) in enumerate(zip(chunk, inside)) if a != b)
-                raise FrameError(
-                    f"{head}: the chunk's token at position {position + at} is "
-                    f"{chunk[at]}, the record's is {inside[at]}"
-                )
-            if len(chunk) > len(inside) and restore.output_start != len(tokens):
-                raise FrameError(
-                    f"{head}: the chunk runs past the record's {len(tokens)} tokens, which "
-                    f"end with output (output_start {restore.output_start})"
-                )
+            _check_chunk(head, restore, position, frame.prompt_tokens[offsets[i] : offsets[i + 1]])
             out[i] = restore
         return out
+
+    def _check_continuations(self, frame: Frame, known: list[bool], prefill: list[bool]) -> None:
+        """A known prefill lane of a restored generation still inside its record
+        continues the record's tokens (:func:`_check_chunk`)."""
+        offsets = None
+        for i, slot in enumerate(frame.slot):
+            restore = self.records.get(slot) if known[i] and prefill[i] else None
+            if restore is None:
+                continue
+            offsets = offsets or frame.prompt_offsets()
+            head = f"fence {frame.fence}: lane {i}: slot {slot} continues a restore"
+            chunk = frame.prompt_tokens[offsets[i] : offsets[i + 1]]
+            _check_chunk(head, restore, frame.position[i], chunk)
+
+    def check_state(self, frame: Frame, vocab: int) -> CheckedFrame:
+        """A state frame (RESTORE or SNAPSHOT program) checked; nothing changes.
+
+        Restore rows (lanes with a record): a new generation (the schema allows
+        them in RESTORE programs only) at ``position == prompt_start <=
+        len(tokens) - 1``, whose appended pages cover ``position`` positions.
+        Terminal rows (the others): a generation the rank holds (pages they
+        append are dropped with it).  Raises :class:`FrameError` naming the lane.
+        """
+        slot = column(frame.slot)
+        generation = column(frame.generation)
+        position = column(frame.position)
+        page_count = column(frame.page_count)
+        known = self.generation[slot] == generation
+        restores = self.check_restores(frame, known.tolist(), vocab)
+        for i in range(len(slot)):
+            head = f"fence {frame.fence}: lane {i}"
+            restore = restores.get(i)
+            if restore is None:
+                if not known[i]:
+                    raise FrameError(
+                        f"{head}: terminal row for slot {slot[i]} generation {generation[i]}, "
+                        "which has no state on this rank (a new generation is a restore "
+                        "row: it needs a restore record, in a restore program)"
+                    )
+                continue  # pages it appends (if any) go with the slot's state
+            if position[i] >= len(restore.tokens):
+                raise FrameError(
+                    f"{head}: restore row at position {position[i]}: a restore row holds "
+                    f"at most len(tokens) - 1 = {len(restore.tokens) - 1} positions (the "
+                    "last token is pending or still to prefill)"
+                )
+            held = int(page_count[i])
+            if position[i] > held * self.page_size or held > self.max_pages:
+                raise FrameError(self._context_error(frame, i, int(position[i]), held))
+            if position[i] + 1 > self.max_context:
+                raise FrameError(self._context_error(frame, i, int(position[i]) + 1, held))
+        prompt_tokens, pages = self._check_ids(frame, vocab)
+        sampling, full, logprobs = self._settings(frame, known.tolist(), False, -1, vocab)
+        step = np.zeros(len(slot), np.int64)
+        for i, restore in restores.items():
+            step[i] = restore.step
+        zeros = np.zeros(len(slot), np.int64)
+        return CheckedFrame(
+            frame=frame,
+            slot=slot,
+            generation=generation,
+            prefill=np.zeros(len(slot), bool),
+            position=position,
+            query_len=zeros,
+            commits=zeros,
+            starts=~known,
+            step=step,
+            page_base=zeros,
+            page_count=page_count,
+            pages=pages,
+            prompt_tokens=prompt_tokens,
+            sampling=sampling,
+            full=full,
+            logprobs=logprobs,
+            restores=restores,
+        )
+
+    def apply_state(self, checked: CheckedFrame) -> None:
+        """Apply a checked state frame: terminal rows and releases dropped, restore
+        rows bound (decode-ready: a pending token at ``position``; else
+        prefill-ready there, the record kept for the chunks to come)."""
+        frame = checked.frame
+        for i, slot in enumerate(checked.slot.tolist()):
+            restore = checked.restores.get(i)
+            if restore is None:
+                self.release(slot)
+                continue
+            position = int(checked.position[i])
+            ready = position == len(restore.tokens) - 1
+            self.generation[slot] = checked.generation[i]
+            self.next_position[slot] = position
+            self.pending[slot] = int(ready)
+            self.page_count[slot] = checked.page_count[i]
+            self.step[slot] = restore.step
+            self.slack[slot] = 0
+            self.shortfall[slot] = 0
+            params = checked.sampling[i]
+            self.settings[slot] = params
+            self.full[slot] = int(needs_full(params))
+            self.logprobs[slot] = params.logprobs
+            if ready:
+                self.records.pop(slot, None)
+            else:
+                self.records[slot] = restore
+        for released in frame.release_slots:
+            self.release(released)
+        self._last = None
 
     def _context_error(self, frame: Frame, i: int, context: int, held: int) -> str:
         return (
@@ -433,6 +543,8 @@ class SlotTable:
                 self.settings[released] = None
             self.generation[slot] = checked.generation
             self.page_count[slot] = checked.page_base + checked.page_count
+            if self.records or checked.restores:
+                self._track_records(checked, context)
             commits = checked.commits > 0
             self.pending[slot] = np.where(checked.starts, 0, self.pending[slot]) | commits
             for i, params in checked.sampling.items():
@@ -457,6 +569,23 @@ class SlotTable:
         if self._last is not None:
             self._expected = array("q", context.tobytes())
 
+    def _track_records(self, checked: CheckedFrame, context: np.ndarray) -> None:
+        """The records of restored generations still short of their tokens: a new
+        generation drops its slot's (a restored prefill lane keeps its own), a
+        lane that reaches the record's end drops it."""
+        records = self.records
+        for i, slot in enumerate(checked.slot.tolist()):
+            if checked.starts[i]:
+                records.pop(slot, None)
+                restore = checked.restores.get(i)
+                if restore is not None and checked.prefill[i]:
+                    records[slot] = restore
+            restore = records.get(slot)
+            if restore is not None and context[i] >= len(restore.tokens):
+                del records[slot]
+        for released in checked.frame.release_slots:
+            records.pop(released, None)
+
     def settle(self, checked: CheckedFrame, counts: np.ndarray) -> None:
         """A speculative round finished: lane ``i`` emitted ``counts[i]`` of its
         ``query_len`` tokens; the slots it ran (unless retired since) are exact
@@ -475,7 +604,26 @@ class SlotTable:
         self.generation[slot] = 0
         self.slack[slot] = 0
         self.settings[slot] = None
+        self.records.pop(slot, None)
         self._last = None
+
+
+def _check_chunk(head: str, restore: Restore, position: int, chunk) -> None:
+    """A prefill chunk written from ``position`` agrees with the record's tokens
+    where they overlap, and runs past them only when the record has no output."""
+    tokens = restore.tokens
+    inside = tokens[position : position + len(chunk)]
+    if tuple(chunk[: len(inside)]) != inside:
+        at = next(k for k, (a, b) in enumerate(zip(chunk, inside)) if a != b)
+        raise FrameError(
+            f"{head}: the chunk's token at position {position + at} is "
+            f"{chunk[at]}, the record's is {inside[at]}"
+        )
+    if len(chunk) > len(inside) and restore.output_start != len(tokens):
+        raise FrameError(
+            f"{head}: the chunk runs past the record's {len(tokens)} tokens, which "
+            f"end with output (output_start {restore.output_start})"
+        )
 
 
 def needs_full(params: SamplingParams) -> bool:

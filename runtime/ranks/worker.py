@@ -29,6 +29,14 @@ When a lane of the frame asks for log probabilities, rank 0 adds the
 tokens are read back.  Logit bias and penalties are applied inside the
 programs; a lane whose ``logit_bias`` names a token outside the vocabulary is
 refused.
+
+State frames (RESTORE and SNAPSHOT programs, protocol version 7) run no
+forward: the rank applies the page copies, binds each restore row (page table,
+settings, penalty rows, history and, for a decode-ready row, the pending
+token, its position and step) and drops each terminal row's slot, all on the
+compute stream between two CUDA events (``perf_counter_ns`` on CPU), and
+reports one lane per row with no tokens and that interval as the program's
+device time (:meth:`RankWorker._start_state`).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ import torch
 
 from runtime.catalog import GraphDescriptor
 from runtime.ranks.arena import HostStaging, SlotArena
-from runtime.ranks.capacity import CapacityConfig, build_catalog
+from runtime.ranks.capacity import CapacityConfig, build_catalog, forward_programs
 from runtime.ranks.draft import DraftContext
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.profiling import RankProfiler
@@ -65,6 +73,7 @@ from runtime.ranks.watchdog import HANG_EXIT_CODE, Watchdog, frame_deadline_ns, 
 from runtime.transport.schema import (
     MAX_SLOTS,
     STAGE_NAMES,
+    STATE_KINDS,
     CatalogReport,
     Completion,
     Control,
@@ -149,7 +158,7 @@ class RankWorker:
         self.arena = SlotArena(MAX_SLOTS, max_pages, self.device, history=history * speculative)
         self.programs: dict[tuple, PreparedProgram]
         self.programs, self.outputs = prepare_programs(
-            self.catalog,
+            forward_programs(self.catalog),
             model,
             self.arena,
             page_size,
@@ -167,6 +176,8 @@ class RankWorker:
             num_pages=num_pages,
             max_context=self.max_context,
         )
+        # The state programs: no prepared body (see _start_state).
+        self.state_programs = {d.key for d in self.catalog if d.kind in STATE_KINDS}
         self.staging = HostStaging(max(p.int_size for p in self.programs.values()), self.device)
         lanes = self.outputs.tokens.shape[0]
         self._host = [HostOutputs(lanes, self.outputs.max_logprobs, self.device) for _ in "ab"]
@@ -214,7 +225,11 @@ class RankWorker:
         their capture status, frames run, memory."""
         table = self.slots
         used = np.nonzero(table.generation)[0]
-        programs = sorted(self.programs.values(), key=lambda p: p.desc.describe())
+        # Every program of the catalog; the state programs have nothing to capture.
+        programs = sorted(
+            [(p.desc.describe(), int(p.captured)) for p in self.programs.values()]
+            + [(d.describe(), 0) for d in self.catalog if d.key in self.state_programs]
+        )
         cuda = self.device.type == "cuda"
         return RankStatus(
             rank=self.rank,
@@ -227,8 +242,8 @@ class RankWorker:
             device_allocated_bytes=torch.cuda.memory_allocated(self.device) if cuda else 0,
             device_reserved_bytes=torch.cuda.memory_reserved(self.device) if cuda else 0,
             kv_cache_bytes=self.model.kv_cache.nbytes if self.model.kv_cache is not None else 0,
-            programs=tuple(p.desc.describe() for p in programs),
-            captured=[int(p.captured) for p in programs],
+            programs=tuple(name for name, _ in programs),
+            captured=[captured for _, captured in programs],
             slot=_ints(used),
             generation=_ints(table.generation[used]),
             next_position=_ints(table.next_position[used]),
@@ -250,6 +265,12 @@ class RankWorker:
             raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
         return program, self.slots.check(frame, self.vocab)
 
+    def _known_program(self, frame: Frame) -> None:
+        """Raises ProgramError when the frame's program is not in this rank's catalog."""
+        key = frame.program.key
+        if key not in self.programs and key not in self.state_programs:
+            raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
+
     def start(
         self, frame: Frame, received_ns: int = 0, received_at: int = 0
     ) -> Launch | Completion:
@@ -259,13 +280,14 @@ class RankWorker:
         and the device rows are updated here, before the frame finishes.
         """
         if not frame.slot:  # an empty frame: page copies and releases, no program runs
-            if frame.program.key not in self.programs:
-                self.check(frame)  # names the unknown program
+            self._known_program(frame)
             self.slots.check_copies(frame)
             self._copy_pages(frame)
             for slot in frame.release_slots:
                 self.slots.release(slot)
             return Completion(frame.fence, self.rank, self.world_size, device_ns=0)
+        if frame.program.kind in STATE_KINDS:
+            return self._start_state(frame, received_ns, received_at)
         profiler = self.profiler
         t0 = time.perf_counter_ns()
         with profiler.range("check+pack"):
@@ -296,6 +318,78 @@ class RankWorker:
             receive=received_ns, validate=t1 - t0, pack=t2 - t1, launch=host_launch
         )
         return launch
+
+    def _start_state(self, frame: Frame, received_ns: int, received_at: int) -> Launch:
+        """A state frame: checked, then its copies and row writes as one timed
+        interval (nothing changes when the check refuses it)."""
+        t0 = time.perf_counter_ns()
+        with self.profiler.range("check+pack"):
+            self._known_program(frame)
+            checked = self.slots.check_state(frame, self.vocab)
+        t1 = time.perf_counter_ns()
+        if 0 <= self.debug_hang_fence <= frame.fence:
+            self.debug_hang_fence = -1
+            self._hang()
+        if self.debug_launch_delay_ns:
+            time.sleep(self.debug_launch_delay_ns / 1e9)
+        launched_at = time.monotonic_ns()
+        host = self._host[self._next_host]  # unused: a state frame reads nothing back
+        launch = Launch(checked, None, "state", host, time.perf_counter_ns(), state=True)
+        cuda = self.device.type == "cuda"
+        with self.profiler.range("launch"):
+            if cuda:  # the interval the writes take on the compute stream
+                launch.start = torch.cuda.Event(enable_timing=True)
+                launch.end = torch.cuda.Event(enable_timing=True)
+                launch.done = torch.cuda.Event()
+                launch.start.record()
+            started = time.perf_counter_ns()
+            self._copy_pages(frame)
+            self._update_rows(checked)
+            self._ready_rows(checked)
+            if cuda:
+                launch.end.record()
+                launch.done.record()
+            else:
+                launch.device_ns = time.perf_counter_ns() - started
+        self.slots.apply_state(checked)
+        launch.times = [received_at or launched_at, launched_at]
+        t2 = time.perf_counter_ns()
+        launch.stages.update(
+            receive=received_ns, validate=t1 - t0, pack=0, launch=t2 - t1 - launch.device_ns
+        )
+        return launch
+
+    def _ready_rows(self, checked: CheckedFrame) -> None:
+        """A state frame's restore rows on the device: each slot's next position
+        and step (what a lane continuing from its pending token reads), and for
+        a decode-ready row (``position == len(tokens) - 1``) the pending token
+        ``tokens[-1]`` and the whole record in its history, as a prefill that
+        committed ``tokens[-1]`` at ``position`` would have left them."""
+        if not checked.restores:
+            return
+        lanes = sorted(checked.restores)
+        rows = [int(checked.slot[i]) for i in lanes]
+        position = [int(checked.position[i]) for i in lanes]
+        values = torch.tensor(
+            [
+                position,
+                [checked.restores[i].step for i in lanes],
+                [checked.restores[i].tokens[-1] for i in lanes],
+            ],
+            dtype=torch.int64,
+        ).to(self.device)
+        index = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        arena = self.arena
+        arena.next_pos.index_copy_(0, index, values[0])
+        arena.steps.index_copy_(0, index, values[1])
+        ready = [
+            k for k, i in enumerate(lanes) if position[k] == len(checked.restores[i].tokens) - 1
+        ]
+        if ready:
+            at = torch.tensor(ready, dtype=torch.int64).to(self.device)
+            arena.pending.index_copy_(0, index.index_select(0, at), values[2].index_select(0, at))
+            for k in ready:
+                arena.set_history(rows[k], checked.restores[lanes[k]].tokens)
 
     def _update_rows(self, checked: CheckedFrame) -> None:
         """Appended pages and new generations' settings into the device rows; a new
@@ -357,7 +451,18 @@ class RankWorker:
         columns: dict[str, array] = {}
         sidecars: dict[str, Tensor] = {}
         sampled = None
-        if launch.round is not None:
+        if launch.state:  # one lane per row, nothing committed
+            sampled = np.zeros(0, "<i8")
+            if self.rank == 0:
+                zeros = np.zeros(checked.lanes, np.int64)
+                columns = {
+                    "slot": _ints(checked.slot),
+                    "generation": _ints(checked.generation),
+                    "token_count": _ints(zeros),
+                    "tokens": array("q"),
+                    "finished": _ints(zeros),
+                }
+        elif launch.round is not None:
             columns, sidecars, sampled = self._round_results(launch)
         elif self.rank == 0:
             tokens = launch.tokens()
@@ -381,7 +486,7 @@ class RankWorker:
         if self.check_ranks:  # every rank's sampled tokens, to compare across ranks
             if sampled is None:
                 sampled = launch.tokens().astype("<i8")
-            if 0 <= self.debug_perturb_fence <= checked.frame.fence:
+            if 0 <= self.debug_perturb_fence <= checked.frame.fence and sampled.size:
                 self.debug_perturb_fence = -1  # the drill: one token off, once
                 sampled = sampled.copy()
                 sampled[0] += 1

@@ -13,6 +13,13 @@ Pages are *appended*: a lane whose (slot, generation) is new to a rank starts
 an empty page table for the slot and appends its ``pages``; a later lane of the
 same generation appends only pages the rank has not been sent yet (none, when
 the coordinator reserved the whole table at admission).
+
+State programs (``GraphKind.RESTORE`` and ``GraphKind.SNAPSHOT``, protocol
+version 7) run no forward: their lanes have phase :data:`PHASE_STATE`, feed and
+commit nothing (``query_len == commits == 0``, no prompt tokens) and either
+restore a new generation (a *restore row*: RESTORE programs only, with a
+``restores`` record and its ``sampling``) or drop a known one (a *terminal
+row*); see :class:`Frame`.
 """
 
 from __future__ import annotations
@@ -62,7 +69,11 @@ MAX_SLOTS = MAX_BATCH_CAPACITY  # slots are 0..63
 
 PHASE_DECODE = 0
 PHASE_PREFILL = 1
-PHASE_NAMES = ("decode", "prefill")  # PHASE_NAMES[code]
+PHASE_STATE = 2
+PHASE_NAMES = ("decode", "prefill", "state")  # PHASE_NAMES[code]
+# The state programs (protocol version 7): their frames hold only state lanes,
+# which feed and commit nothing, and state lanes appear in no other program.
+STATE_KINDS = frozenset({GraphKind.RESTORE, GraphKind.SNAPSHOT})
 
 # The per-lane columns, in field order; each has one entry per lane.
 LANE_COLUMNS = (
@@ -83,7 +94,9 @@ FRAME_COLUMNS = (*LANE_COLUMNS[:7], "prompt_tokens", "page_count", "pages")
 class FrameLane:
     """One lane of a frame, as a view (tests, debugging, scripts; not the hot path).
 
-    ``phase``: "prefill" or "decode".  ``prompt_tokens``: a prefill lane's
+    ``phase``: "prefill", "decode" or "state" (a state program's row: it feeds
+    and commits nothing; with a ``restore`` and its ``sampling`` it starts a
+    new generation, else it drops a known one).  ``prompt_tokens``: a prefill lane's
     chunk, written from ``position`` (``prompt_start`` is where it starts in the
     prompt); a decode lane carries none (the ranks keep each slot's pending
     token) and feeds 1 token.  ``pages``: the pages this lane appends to its
@@ -116,10 +129,23 @@ class FrameLane:
             raise ProtocolError("sampling", "a prefill lane needs its SamplingParams")
         if phase == "decode" and self.sampling is not None:
             raise ProtocolError("sampling", "a decode lane carries none (the slot keeps its own)")
+        if phase == "state":
+            if tokens:
+                raise ProtocolError(
+                    "prompt_tokens", f"a state lane carries none, got {len(tokens)}"
+                )
+            if self.commits != 0:
+                raise ProtocolError("commits", f"a state lane commits nothing, got {self.commits}")
+            if (self.sampling is None) != (self.restore is None):
+                raise ProtocolError(
+                    "sampling", "a state lane carries SamplingParams exactly with a restore"
+                )
+            if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+                raise ProtocolError("sampling", "must be a SamplingParams")
         if self.restore is not None and (
-            phase != "prefill" or not isinstance(self.restore, Restore)
+            phase == "decode" or not isinstance(self.restore, Restore)
         ):
-            raise ProtocolError("restore", "only a prefill lane carries one, a Restore")
+            raise ProtocolError("restore", "only a prefill or state lane carries one, a Restore")
         set_field(self, "phase", phase)
         set_field(self, "prompt_tokens", tokens)
         set_field(self, "pages", pages)
@@ -127,7 +153,9 @@ class FrameLane:
     @property
     def query_len(self) -> int:
         """Tokens the lane feeds: its chunk for prefill, 1 for decode (a
-        speculative round's lane: its query length, ``commits``)."""
+        speculative round's lane: its query length, ``commits``), 0 for state."""
+        if self.phase == "state":
+            return 0
         return len(self.prompt_tokens) if self.phase == "prefill" else max(1, self.commits)
 
 
@@ -174,6 +202,9 @@ _PREFILL_RANGES = LaneRanges(
     ("phase", PHASE_DECODE, PHASE_PREFILL), ("query_len", 1, INT32_MAX), ("commits", 0, 1)
 )
 _ranged_columns = attrgetter(*(name for name, _, _ in _LANE_RANGES.bounds))
+_STATE_RANGES = LaneRanges(
+    ("phase", PHASE_STATE, PHASE_STATE), ("query_len", 0, 0), ("commits", 0, 0)
+)
 _prefill_columns = attrgetter(*(name for name, _, _ in _PREFILL_RANGES.bounds))
 _frame_columns = attrgetter(*FRAME_COLUMNS)
 _lane_columns = attrgetter(*LANE_COLUMNS[1:])
@@ -189,7 +220,7 @@ class Frame:
     Per lane (each column has ``R`` <= ``program.batch_capacity`` entries):
     ``slot`` (distinct, in [0, :data:`MAX_SLOTS`)), ``generation`` (>= 1, the
     slot's request epoch; a new one replaces the slot's rank-side state),
-    ``phase`` (0 decode, 1 prefill), ``position`` (KV position of the lane's
+    ``phase`` (0 decode, 1 prefill, 2 state), ``position`` (KV position of the lane's
     first new token), ``query_len`` (new tokens it feeds: a prefill chunk's
     length >= 1; exactly 1 for decode), ``commits`` (tokens it commits, 0 or 1;
     1 for decode), ``prompt_start`` (prefill: where the chunk starts in the
@@ -219,6 +250,19 @@ class Frame:
     appended pages already hold, and its slot's sampling step, penalty state
     and history resume as the record says.  A frame with either is never the
     ranks' steady decode path.
+
+    State programs (protocol version 7; ``program.kind`` in
+    :data:`STATE_KINDS`, RESTORE or SNAPSHOT): every lane has phase 2
+    (:data:`PHASE_STATE`), ``query_len == commits == 0`` and no prompt tokens,
+    and no other program has such lanes.  The ranks run no forward: they apply
+    the copies, then per lane either a *restore row* (RESTORE programs only:
+    a new generation with a ``restores`` record and its ``sampling`` entry,
+    ``position == prompt_start <= len(tokens) - 1`` the leading positions its
+    appended pages already hold; at ``len(tokens) - 1`` the slot is
+    decode-ready, its pending token ``tokens[-1]`` at that position, else it is
+    prefill-ready at ``position``) or a *terminal row* (a known generation, no
+    record, no sampling: its state is dropped), then the releases.  In a state
+    frame ``sampling`` names exactly the lanes with a record.
 
     Columns are ``array('q')``; a list or tuple of ints is converted.  Treat
     them as read-only once the frame is built.
@@ -266,7 +310,13 @@ class Frame:
                     )
         prefill = self._check_lanes() if lanes else ()
         self._check_flat(prefill)
-        self._check_sampling(prefill)
+        state = program.kind in STATE_KINDS
+        if state:  # the records first: the settings name exactly their lanes
+            eligible = tuple(range(lanes)) if program.kind is GraphKind.RESTORE else ()
+            set_field(self, "restores", check_restores(self.restores, eligible, "state"))
+            self._check_sampling(tuple(sorted(lane for lane, _ in self.restores)), "restored")
+        else:
+            self._check_sampling(prefill)
         self._check_roles(prefill)
         released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
         check_distinct("release_slots", released)
@@ -278,7 +328,7 @@ class Frame:
         check_int("expected_ns", self.expected_ns)
         if self.copies or type(self.copies) is not tuple:
             set_field(self, "copies", check_copies(self.copies))
-        if self.restores or type(self.restores) is not tuple:
+        if not state and (self.restores or type(self.restores) is not tuple):
             set_field(self, "restores", check_restores(self.restores, prefill))
 
     def _check_lanes(self) -> tuple[int, ...]:
@@ -288,6 +338,9 @@ class Frame:
         phase = self.phase
         prefill: tuple[int, ...] = ()
         program = self.program
+        if program.kind in STATE_KINDS:
+            _STATE_RANGES.check(_prefill_columns(self))
+            return prefill
         rounds = program.kind is GraphKind.SPECULATIVE or (
             program.kind is GraphKind.MIXED and program.token_capacity > 1
         )
@@ -374,7 +427,9 @@ class Frame:
                     dup = next(p for k, p in enumerate(run) if p in run[:k])
                     raise ProtocolError("pages", f"lane {i} appends page {dup} twice")
 
-    def _check_sampling(self, prefill: tuple[int, ...]) -> None:
+    def _check_sampling(self, prefill: tuple[int, ...], role: str = "prefill") -> None:
+        """``sampling`` names exactly the lanes ``prefill`` (the prefill lanes; in a
+        state frame the restored ones), in lane order."""
         sampling = self.sampling
         if type(sampling) is not tuple:
             sampling = check_seq("sampling", sampling, MAX_SLOTS)
@@ -391,7 +446,7 @@ class Frame:
             lanes.append(lane)
         if tuple(lanes) != prefill:
             raise ProtocolError(
-                "sampling", f"must name exactly the prefill lanes {list(prefill)}, got {lanes}"
+                "sampling", f"must name exactly the {role} lanes {list(prefill)}, got {lanes}"
             )
         set_field(self, "sampling", tuple((lane, params) for lane, params in sampling))
 
@@ -469,6 +524,7 @@ class Frame:
             if not isinstance(lane, FrameLane):
                 raise ProtocolError(f"lanes[{i}]", "must be a FrameLane")
         prefill = [i for i, lane in enumerate(lanes) if lane.phase == "prefill"]
+        settings = [i for i, lane in enumerate(lanes) if lane.sampling is not None]
         return cls(
             fence,
             program,
@@ -482,7 +538,7 @@ class Frame:
             prompt_tokens=column(t for i in prefill for t in lanes[i].prompt_tokens),
             page_count=column(len(lane.pages) for lane in lanes),
             pages=column(p for lane in lanes for p in lane.pages),
-            sampling=tuple((i, lanes[i].sampling) for i in prefill),  # type: ignore[misc]
+            sampling=tuple((i, lanes[i].sampling) for i in settings),  # type: ignore[misc]
             prompt_row=prompt_row,
             release_slots=tuple(release_slots),
             expected_ns=expected_ns,
@@ -546,6 +602,8 @@ __all__ = [
     "PHASE_DECODE",
     "PHASE_NAMES",
     "PHASE_PREFILL",
+    "PHASE_STATE",
+    "STATE_KINDS",
     "Frame",
     "FrameLane",
     "Restore",

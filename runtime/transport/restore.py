@@ -14,6 +14,13 @@ Two optional fields of :class:`~runtime.transport.frame.Frame`, checked here:
   new generation of their slot from a known token sequence: with KV already
   in the pages it appends (an attached prefix, ``position`` > 0) or with none
   (a preempted request recomputing from position 0).  At most one per lane.
+  Protocol version 7: also for the state lanes of a RESTORE program (a
+  *restore row*, which runs no forward): ``position == prompt_start <=
+  len(tokens) - 1`` leading positions are held by its pages; at
+  ``len(tokens) - 1`` the slot becomes decode-ready (its pending token is
+  ``tokens[-1]`` at that position, as if a prefill had just committed it),
+  below it prefill-ready at ``position`` (the next lane is a prefill lane
+  continuing ``tokens``).
 
 No torch here: the ranks apply both (``runtime/ranks``).
 """
@@ -105,9 +112,12 @@ def check_copies(value: Any) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
-def check_restores(value: Any, prefill: tuple[int, ...]) -> tuple[tuple[int, Restore], ...]:
-    """``restores`` validated against the frame's prefill lanes; ProtocolError names
-    ``restores``."""
+def check_restores(
+    value: Any, prefill: tuple[int, ...], role: str = "prefill"
+) -> tuple[tuple[int, Restore], ...]:
+    """``restores`` validated against the lanes that may carry one (``prefill``: the
+    frame's prefill lanes, or a RESTORE program's state lanes, ``role`` "state");
+    ProtocolError names ``restores``."""
     entries = (
         value if type(value) is tuple and not value else check_seq("restores", value, MAX_COPIES)
     )
@@ -121,7 +131,8 @@ def check_restores(value: Any, prefill: tuple[int, ...]) -> tuple[tuple[int, Res
         lane, restore = entry
         check_int(f"restores[{k}][0]", lane, 0, INT32_MAX)
         if lane not in prefill:
-            raise ProtocolError("restores", f"lane {lane} is not a prefill lane of the frame")
+            where = "a state lane of a restore program" if role == "state" else "a prefill lane"
+            raise ProtocolError("restores", f"lane {lane} is not {where} of the frame")
         if lane in seen:
             raise ProtocolError("restores", f"lane {lane} has two restore records")
         if not isinstance(restore, Restore):

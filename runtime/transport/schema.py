@@ -13,9 +13,12 @@ here, little-endian msgpack ``bin`` on the wire).  :class:`FrameLane` and
 :class:`LaneResult` are per-lane views of them for tests and consumers; they
 are not messages.  Protocol version 6 adds the frame's ``copies`` and
 ``restores`` (``restore.py``: page copies and restored rows for prefix reuse
-and preemption).  Sequences are stored as tuples; sidecar tensors travel as
-raw little-endian bytes with dtype and shape.  Integers on the wire are bounded
-so that a rank can copy them into int32/int64 device buffers without overflow.
+and preemption).  Protocol version 7 adds the state lanes (phase 2,
+``PHASE_STATE``) of RESTORE and SNAPSHOT programs: restore rows and terminal
+rows that feed and commit nothing (``frame.py``).  Sequences are stored as
+tuples; sidecar tensors travel as raw little-endian bytes with dtype and shape.
+Integers on the wire are bounded so that a rank can copy them into int32/int64
+device buffers without overflow.
 
 This module imports no torch: the torch conversions at the bottom import it
 only when called.
@@ -64,6 +67,8 @@ from runtime.transport.frame import (
     PHASE_DECODE,
     PHASE_NAMES,
     PHASE_PREFILL,
+    PHASE_STATE,
+    STATE_KINDS,
     Frame,
     FrameLane,
 )
@@ -80,7 +85,7 @@ from runtime.transport.sampling import (
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 MAX_WORLD_SIZE = 4096
 MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
@@ -113,8 +118,10 @@ __all__ = [
     "PHASE_DECODE",
     "PHASE_NAMES",
     "PHASE_PREFILL",
+    "PHASE_STATE",
     "PROTOCOL_VERSION",
     "RESULT_COLUMNS",
+    "STATE_KINDS",
     "CatalogReport",
     "Completion",
     "Control",

@@ -478,6 +478,12 @@ def test_report_describes_the_catalog(checkpoint):
         ("decode", 4, 0),
         ("prefill", 1, 64),
         ("prefill", 1, 128),
+        ("restore", 1, 0),
+        ("restore", 2, 0),
+        ("restore", 4, 0),
+        ("snapshot", 1, 0),
+        ("snapshot", 2, 0),
+        ("snapshot", 4, 0),
     ]
 
 

@@ -147,8 +147,11 @@ def test_encode_refuses_non_messages() -> None:
 
 def test_decode_or_log_warns_with_reason(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="runtime.transport"):
-        assert decode_or_log(_envelope(v=7), "test peer") is None
+        assert decode_or_log(_envelope(v=PROTOCOL_VERSION + 1), "test peer") is None
         assert decode_or_log(encode(Control("ping")), "test peer") == Control("ping")
     (record,) = caplog.records
     assert record.name == "runtime.transport"
-    assert "test peer" in record.getMessage() and "protocol version 7" in record.getMessage()
+    assert (
+        "test peer" in record.getMessage()
+        and f"protocol version {PROTOCOL_VERSION + 1}" in record.getMessage()
+    )
