@@ -413,3 +413,26 @@ def test_state_lanes_numpy_columns_are_int64(checkpoint):
     )
     assert checked.slot.dtype == np.int64 and checked.query_len.tolist() == [0]
     assert checked.step.tolist() == [0] and checked.starts.tolist() == [True]
+
+
+def test_a_restored_prefill_lane_keeps_its_record_for_the_next_chunks(checkpoint):
+    """The protocol 6 path too: a restored prefill lane that stops short of its
+    record's end leaves the record, and the next chunk must continue it."""
+    w = make_worker(checkpoint)
+    r = Run(w)
+    tokens = PROMPT[:30]
+    record = Restore(tuple(tokens), 20)  # 10 outputs already emitted
+    lane = FrameLane(0, 1, "prefill", 0, tuple(tokens[:16]), 0, (0, 1), 0, GREEDY, record)
+    r.send(PREFILL, [lane])
+    assert w.slots.records[0] == record
+    bad = [*tokens[16:29], (tokens[29] + 1) % w.vocab]
+    before = snapshot(w)
+    with pytest.raises(FrameError, match="position 29"):
+        w.execute(r.frame(PREFILL, [FrameLane(0, 1, "prefill", 16, tuple(bad), 16, (), 1, GREEDY)]))
+    assert changed(before, snapshot(w)) == []
+    # Running past the record (which ends with output) is refused too.
+    with pytest.raises(FrameError, match="runs past"):
+        more = (*tokens[16:], 5)
+        w.execute(r.frame(PREFILL, [FrameLane(0, 1, "prefill", 16, more, 16, (), 1, GREEDY)]))
+    r.prefill(0, tokens, 16, (14,), (), GREEDY)
+    assert 0 not in w.slots.records and int(w.slots.step[0]) == 11
