@@ -168,6 +168,7 @@ class FakeRank:
         self.kv: dict[int, dict[int, int]] = {}  # page -> offset -> the token written there
         self.restored: list[tuple[int, int, int]] = []  # (fence, slot, position) of restores
         self.copied = 0  # pages copied
+        self.terminal: list[tuple[int, int, int]] = []  # (fence, slot, generation) retired
 
     def _write(self, table: tuple[int, ...], position: int, token: int) -> None:
         size = self.spec.page_size
@@ -224,6 +225,8 @@ class FakeRank:
         for src, dst in frame.copies:  # before anything reads or writes
             kv[dst] = dict(kv.get(src, {}))
             self.copied += 1
+        if frame.program.kind in (GraphKind.RESTORE, GraphKind.SNAPSHOT):
+            return self._state(frame, restores, released)
         plans = []
         for i, lane in enumerate(frame.lanes):
             state = None if lane.slot in released else self.slots.get(lane.slot)
@@ -363,6 +366,52 @@ class FakeRank:
             tokens=column(sampled_tokens if lanes else ()),
             finished=column(finished if lanes else ()),
             sidecars=sidecars,
+        )
+
+    def _state(self, frame: Frame, restores: dict, released: set[int]) -> Completion:
+        """A state program: restore rows start generations over their attached
+        pages (decode-ready when only the last known token is left), terminal
+        rows drop theirs."""
+        s = self.spec
+        for i, lane in enumerate(frame.lanes):
+            state = None if lane.slot in released else self.slots.get(lane.slot)
+            restore = restores.get(i)
+            if restore is None:  # a terminal row
+                if state is None or state.generation != lane.generation:
+                    raise BadFrame(f"lane {i}: a terminal row for an unknown generation")
+                self.slots.pop(lane.slot)
+                self.terminal.append((frame.fence, lane.slot, lane.generation))
+                continue
+            if state is not None and state.generation == lane.generation:
+                raise BadFrame(f"lane {i}: a restore row for a known generation")
+            table = self._table(i, (), lane.pages)
+            tokens = restore.tokens
+            self._check_restored(i, table, tokens, lane.position)
+            new = _Slot(lane.generation, output_start=restore.output_start, pages=table)
+            known = tokens[: min(lane.position, restore.output_start)]
+            new.digest = digest_of(known, 0, 0, s.vocab_size)
+            new.next_position = lane.position
+            if lane.position == len(tokens) - 1:  # decode-ready
+                new.pending = tokens[-1]
+            self.slots[lane.slot] = new
+            self.generations.setdefault(lane.slot, []).append(lane.generation)
+            self.appended.append((frame.fence, lane.slot, lane.generation, lane.pages))
+            self.restored.append((frame.fence, lane.slot, lane.position))
+        for slot in released:
+            self.slots.pop(slot, None)
+        self.frames += 1
+        lanes = self.rank == 0
+        n = len(frame.slot) if lanes else 0
+        return Completion(
+            frame.fence,
+            self.rank,
+            self.world_size,
+            device_ns=s.device_ns if s.device_ns is not None else 1000,
+            slot=column(list(frame.slot) if lanes else ()),
+            generation=column(list(frame.generation) if lanes else ()),
+            token_count=column([0] * n),
+            tokens=column(()),
+            finished=column([0] * n),
         )
 
     def _round_rows(self, frame: Frame) -> list[int] | None:

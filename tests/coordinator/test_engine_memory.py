@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.catalog import GraphDescriptor, GraphKind
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec
 from tests.coordinator.test_engine_protocol import check, prompts, rig_factory  # noqa: F401
@@ -78,3 +79,63 @@ def test_cache_salts_are_respected_by_the_engine(rig_factory: Any) -> None:  # n
     for stream in (a, b, a2):
         check(stream, text, 3, ignore_eos=True)
     assert fake_rank.PAGE_SIZE < 69
+
+
+STATE_PROGRAMS = (
+    *fake_rank.DESCRIPTORS,
+    *(GraphDescriptor(kind, b) for kind in (GraphKind.SNAPSHOT, GraphKind.RESTORE) for b in (1, 4)),
+)
+
+
+def test_state_programs_retire_and_restore_on_the_ranks(rig_factory: Any) -> None:  # noqa: F811
+    """With snapshot and restore programs in the catalog: every finished response
+    completes through a terminal row on the ranks; preempted requests resume
+    through restore rows; every request still gets exactly its tokens."""
+    spec = FakeSpec(num_pages=12, descriptors=STATE_PROGRAMS)
+    rig = rig_factory(1, spec, max_slots=4, debug_page_accounting=True).start()
+    cases = [(p, 50) for p in prompts(4, seed=11, lo=30, hi=45)]
+    streams = [rig.engine.submit(p, n, ignore_eos=True) for p, n in cases]
+    rig.drive(streams, limit_s=60)
+    for stream, (p, n) in zip(streams, cases):
+        check(stream, p, n, ignore_eos=True)
+    fake = rig.ranks.fakes[0]
+    metrics = rig.engine.metrics()
+    assert metrics["preemptions"] >= 1
+    # Each request's generation ends with a terminal row: the finished ones and
+    # every preempted one (before it resumed).
+    assert len(fake.terminal) == len(cases) + metrics["preemptions"]
+    assert fake.restored  # resumed requests restored their pages first
+    assert metrics["kv_pages_held"] == 0
+    assert metrics["frames_total:snapshot"] + metrics.get("frames_total:restore", 0) >= 4
+
+
+def test_a_restore_row_makes_a_resumed_decoder_ready_on_the_ranks(
+    rig_factory: Any,  # noqa: F811
+) -> None:
+    """A decoder preempted while its pages stay cached resumes through a restore
+    row that binds them and leaves its last token pending (decode-ready), then
+    decodes on: its tokens are exactly the unpreempted ones."""
+    spec = FakeSpec(descriptors=STATE_PROGRAMS)
+    rig = rig_factory(1, spec, max_slots=4, debug_page_accounting=True).start()
+    cases = [(p, 40) for p in prompts(2, seed=12, lo=30, hi=45)]
+    streams = [rig.engine.submit(p, n, ignore_eos=True) for p, n in cases]
+    scheduler = rig.engine.scheduler
+    victim = None
+    for _ in range(2000):  # drive until the second request has decoded a few tokens
+        rig.engine.step(0)
+        rig.ranks.serve(timeout_ms=1)
+        r = next((q for q in scheduler.active_requests() if q.handle.id == 1), None)
+        if r is not None and r.committed_output >= 5 and not r.inflight_fences:
+            victim = r
+            break
+    assert victim is not None
+    scheduler._res.preempt(victim)  # the preemption rule itself is tested in the scheduler
+    victim.terminal_since_ns = scheduler.now_ns
+    rig.drive(streams, limit_s=60)
+    for stream, (p, n) in zip(streams, cases):
+        check(stream, p, n, ignore_eos=True)
+    fake = rig.ranks.fakes[0]
+    metrics = rig.engine.metrics()
+    assert metrics["frames_total:restore"] >= 1
+    assert any(position > 0 for _, _, position in fake.restored)
+    assert metrics["kv_pages_held"] == 0

@@ -17,12 +17,20 @@ from runtime.transport.restore import Restore
 from runtime.transport.schema import (
     PHASE_DECODE,
     PHASE_PREFILL,
+    PHASE_STATE,
     Completion,
     Frame,
     SamplingParams,
 )
 
-RUNNABLE_KINDS = (GraphKind.PREFILL, GraphKind.DECODE, GraphKind.MIXED, GraphKind.SPECULATIVE)
+RUNNABLE_KINDS = (
+    GraphKind.PREFILL,
+    GraphKind.DECODE,
+    GraphKind.MIXED,
+    GraphKind.SPECULATIVE,
+    GraphKind.RESTORE,
+    GraphKind.SNAPSHOT,
+)
 
 
 @dataclass(slots=True)
@@ -129,7 +137,22 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
         slot.append(lane.slot)
         generation.append(lane.generation)
         prompt_start.append(lane.prompt_start)
-        if lane.phase is LanePhase.PREFILL:
+        if lane.phase in (LanePhase.RESTORE, LanePhase.TERMINAL):
+            # A state program's row feeds and commits nothing.  A restore starts
+            # the new generation: its record, settings and copies; a terminal
+            # row drops a known generation.
+            phase.append(PHASE_STATE)
+            position.append(lane.prompt_start)
+            query_len.append(0)
+            commits.append(0)
+            begin = live.start
+            if lane.phase is LanePhase.RESTORE:
+                if begin is None:
+                    raise EngineError(f"fence {fence}: lane {i} restores without a start")
+                sampling.append((i, stream.sampling))
+                restores.append((i, Restore(begin.tokens, begin.output_start)))
+                copies += begin.copies
+        elif lane.phase is LanePhase.PREFILL:
             start, count = lane.prompt_start, lane.prompt_tokens
             phase.append(PHASE_PREFILL)
             position.append(start)
@@ -151,7 +174,7 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
         pages += unsent
     prompt_row = -1
     if kind is GraphKind.MIXED:
-        prefill = [i for i, _ in sampling]
+        prefill = [i for i, (_, p) in enumerate(zip(plan.lanes, phase)) if p == PHASE_PREFILL]
         if len(prefill) > 1:
             raise EngineError(f"fence {fence}: a mixed plan has {len(prefill)} prefill lanes")
         prompt_row = prefill[0] if prefill else -1
