@@ -139,9 +139,12 @@ class Residency:
         r.pages = held + fresh
         r.slot, r.generation = self.slots.acquire()
         r.resident = True
-        # A restore row binds cached pages; with nothing cached there is nothing to
-        # bind, and the restore record rides on the first prefill frame instead.
-        r.restore_pending = self.restore_programs and r.preempted and cached > 0
+        # A restore row binds cached pages (a state program, state_ops): a request
+        # whose prompt is cached but for its last token is then decode-ready and
+        # joins a decode batch instead of running a padded prefill for one token.
+        # With nothing cached there is nothing to bind: the restore record, if
+        # any, rides on the first prefill frame.
+        r.restore_pending = self.restore_programs and cached > 0
         r.preempted = False
         r.terminal_since_ns = None
         r.consumed_prompt = cached
@@ -211,6 +214,7 @@ class Residency:
         r.pages = held + fresh
         r.consumed_prompt = cached
         r.accounted_prompt = max(r.accounted_prompt, cached)
+        r.restore_pending = self.restore_programs
         if not r.preemptions:
             r.cached_tokens = min(cached, r.spec.prompt_len)
         assert r.start is not None

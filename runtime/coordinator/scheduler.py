@@ -748,6 +748,8 @@ class Scheduler:
                 r.restore_pending = False
                 if r.consumed_prompt == r.prefill_target - 1:
                     r.consumed_prompt = r.prefill_target  # decode-ready: its pending token
+                    if r.became_decoder_ns is None:
+                        r.became_decoder_ns = now
                 continue
             if lane.phase is LanePhase.TERMINAL:  # the snapshot completes the response
                 if r.finished and not r.cancelled:

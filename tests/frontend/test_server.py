@@ -22,11 +22,11 @@ from tests.server.harness import Server, words
 # rounds of the embedded draft (bursts of up to 4 tokens: stops, logprobs and
 # lengths inside a burst).
 MODES = {
-    "ordinary": ((), 10),
+    "ordinary": ((), 16),  # 10 forward programs and 6 state programs (snapshot, restore)
     "speculative": (
         ("--draft-model", "default", "--num-speculative-tokens", "3",
          "--speculative-selection", "fixed"),
-        13,
+        19,
     ),
 }  # fmt: skip
 
