@@ -215,3 +215,68 @@ def test_enabling_a_shared_decode_batch_wins_only_with_enough_value_per_time():
     assert True in chosen and False in chosen  # both sides of the crossover were seen
     assert chosen == sorted(chosen, reverse=True)  # cheaper restores win, dearer ones lose
     assert RESTORE == "restore"
+
+
+def test_a_restore_can_enable_the_prompt_row_of_a_following_mixed_program():
+    """The mixed contract's third case: a prompt-ready restore (the pages hold
+    part of its prompt) scored with a following width-one mixed program whose
+    prompt row it enables, beside the ready decoders; the restore runs, then
+    the mixed program takes the restored prompt row and the decoders."""
+    catalog = (
+        GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
+        GraphDescriptor(GraphKind.DECODE, 2),
+        GraphDescriptor(GraphKind.MIXED, 4, prompt_capacity=64),
+        GraphDescriptor(GraphKind.SNAPSHOT, 1),
+        GraphDescriptor(GraphKind.RESTORE, 1),
+    )
+    costs = {
+        (GraphKind.PREFILL, 1): 4.0, (GraphKind.DECODE, 2): 2.0, (GraphKind.MIXED, 4): 4.5,
+        (GraphKind.SNAPSHOT, 1): 0.3, (GraphKind.RESTORE, 1): 0.3,
+    }  # fmt: skip
+    s = Scheduler(list(catalog), SchedulerConfig(max_slots=4, page_size=16, num_pages=64))
+    for desc in catalog:
+        s.catalog.observe(desc, int(costs[(desc.kind, desc.batch_capacity)] * MS), 0)
+    rng = random.Random(4)
+    shared = tuple(rng.randrange(50_000) for _ in range(40))
+    now = fence = 0
+    out: dict[int, int] = {}
+
+    def run_one():
+        nonlocal now, fence
+        now += MS
+        s.advance_to(now)
+        plan = s.plan()
+        fence += 1
+        s.commit(plan, fence)
+        records = [
+            CompletionRecord(lane.slot, lane.generation, (7,) * lane.max_tokens)
+            for lane in plan.lanes
+        ]
+        now += int(costs[(plan.graph.kind, plan.graph.batch_capacity)] * MS)
+        s.advance_to(now)
+        timing = ExecutionTiming((int(costs[(plan.graph.kind, plan.graph.batch_capacity)] * MS),))
+        for g in s.complete(fence, records, timing):
+            out[g.handle.id] = out.get(g.handle.id, 0) + len(g.tokens)
+            if g.tokens:
+                s.published_output(g.handle, g.fence)
+        return plan
+
+    first = s.admit(RequestSpec(40, 3, prompt_tokens=shared))
+    while out.get(first.id, 0) < 3 or s.request(first) is not None:
+        run_one()  # computed, finished and snapshotted: its pages are cached
+    decoders = [
+        s.admit(RequestSpec(20, 50, prompt_tokens=tuple(rng.randrange(50_000) for _ in range(20))))
+        for _ in range(2)
+    ]
+    while any(out.get(h.id, 0) < 2 for h in decoders):
+        run_one()
+    late = s.admit(RequestSpec(60, 5, prompt_tokens=shared + tuple(range(20))))
+    r = s.request(late)
+    assert r is not None and r.restore_pending and r.consumed_prompt == 40  # 2 pages + 8 copied
+    plan = run_one()
+    assert plan.graph.kind is GraphKind.RESTORE
+    assert [lane.handle for lane in plan.lanes] == [late]
+    following = run_one()
+    assert following.graph.kind is GraphKind.MIXED
+    assert following.lanes[following.prompt_row].handle == late
+    assert {lane.handle for lane in following.lanes} == {late, *decoders}
