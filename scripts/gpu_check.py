@@ -42,6 +42,11 @@ Checks, each printed as PASS/FAIL with its figures, on the embedded model:
    ``Engine.measure_round_trip`` gives the empty-frame round trip.  TP=2
    (``--tp2``) needs two GPUs; with one, the output says so.
 
+11. KV memory (``check_kv_memory``): 6 requests, half sharing a cached
+   prefix, in a pool too small for them at once give the tokens of a large
+   pool (float32, greedy), with preemptions, restore and snapshot rows (the
+   page copies and restored rows run before graph replay), every page back.
+
 ``--device cpu`` runs the same script without capture or NCCL (a dry run of
 the script itself).  The last line is one JSON object with every figure; the
 same object is written to ``DIR/gpu_check.json``.
@@ -373,6 +378,38 @@ def check_debugging(engine, prompts, profiles: Path, cuda: bool, tp: int) -> boo
     )
 
 
+def check_kv_memory(device: str) -> bool:
+    """Pages on demand, preemption, the prefix cache and the state programs on the
+    device: 6 requests in a pool too small for them at once give the tokens of a
+    large pool (float32, greedy), with preemptions, restore and snapshot rows run
+    (copies and restored rows before graph replay), and every page back."""
+    from runtime.local import DeploymentConfig, LocalDeployment
+
+    prompts = [[(11 * i + 5 * j + 1) % 500 for j in range(60 + 10 * i)] for i in range(6)]
+    shared = [[*prompts[0][:48], *p[:20]] for p in prompts]  # a cached 48-token prefix
+    results = {}
+    for pages in (40, 2048):
+        config = DeploymentConfig(device=device, dtype="float32", max_model_len=512,
+                                  num_pages=pages, max_concurrency=8)  # fmt: skip
+        with LocalDeployment(config) as deployment:
+            engine = deployment.engine
+            streams = [engine.submit(p, 40, ignore_eos=True) for p in prompts + shared]
+            tokens = [s.result(timeout=300).token_ids for s in streams]
+            metrics = engine.metrics()
+        results[pages] = (tokens, metrics)
+    (small, m), (big, _) = results[40], results[2048]
+    for key in ("preemptions", "prefix_cache_hit_tokens", "frames_total:restore",
+                "frames_total:snapshot", "kv_pages_held"):  # fmt: skip
+        RESULTS[f"kv_{key.replace(':', '_')}"] = m.get(key, 0)
+    return check(
+        "kv_memory",
+        small == big and m["preemptions"] >= 1 and m.get("frames_total:restore", 0) >= 1
+        and m["kv_pages_held"] == 0,
+        f"preemptions {m['preemptions']:.0f}, restores {m.get('frames_total:restore', 0):.0f}, "
+        f"hit tokens {m['prefix_cache_hit_tokens']:.0f}",
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -492,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         # bfloat16 on CUDA by default: compare the deployment with itself across copies.
         ok &= check(f"deployment_tp{tp}_consistent", tokens[:8] == tokens[8:],
                     f"round trip {RESULTS[f'tp{tp}_round_trip_us']} us")  # fmt: skip
+    ok &= check_kv_memory(args.device)
     RESULTS["reference_tokens_first"] = ref[0]
     RESULTS["all_ok"] = bool(ok)
     out = Path(args.out)

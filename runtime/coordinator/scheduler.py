@@ -17,6 +17,13 @@ from dataclasses import replace
 
 from runtime.catalog import GraphDescriptor, GraphKind, within_speculative_envelope
 from runtime.coordinator import policy as selection
+from runtime.coordinator.commit_checks import (
+    STATE_KINDS,
+    STATE_PHASES,
+    check_lane,
+    check_shape,
+    check_state_lane,
+)
 from runtime.coordinator.config import PolicyConfig, SchedulerConfig
 from runtime.coordinator.cost import CostCatalog, cost_sample_ns
 from runtime.coordinator.errors import (
@@ -45,7 +52,6 @@ from runtime.coordinator.records import (
 from runtime.coordinator.refresh import choose_refresh, timing_ledger
 from runtime.coordinator.requests import (
     GenerationStart,
-    Phase,
     Request,
     RequestHandle,
     RequestSpec,
@@ -544,111 +550,27 @@ class Scheduler:
             and not self.learning_ledger.can_open()
         ):
             raise CommitError("acceptance probe plan without full learning credit")
-        if not plan.lanes:
-            raise CommitError("plan has no lanes")
-        if len(plan.lanes) > plan.graph.batch_capacity:
-            raise CommitError("plan has more lanes than its batch capacity")
-        kind = plan.graph.kind
-        prompt_rows = sum(1 for lane in plan.lanes if lane.phase is LanePhase.PREFILL)
-        if kind is GraphKind.PREFILL and (prompt_rows, len(plan.lanes)) != (1, 1):
-            raise CommitError("a prefill plan has exactly one lane, its prompt row")
-        if kind is GraphKind.DECODE and prompt_rows:
-            raise CommitError("a decode plan has no prompt row")
-        if kind is GraphKind.MIXED and prompt_rows > 1:
-            raise CommitError(f"a mixed plan has at most one prompt row, got {prompt_rows}")
-        if kind is GraphKind.MIXED and plan.graph.token_capacity > 1:
-            rows = sum(lane.max_tokens for lane in plan.lanes if lane.phase is LanePhase.DECODE)
-            if rows > plan.graph.target_capacity:
-                raise CommitError(f"decode rows {rows} exceed the target capacity")
-        if kind is GraphKind.SPECULATIVE:
-            desc = plan.graph
-            if prompt_rows:
-                raise CommitError("a speculative plan has no prompt row")
-            total = sum(lane.max_tokens for lane in plan.lanes)
-            if not desc.device_allocated and total > desc.target_capacity:
-                raise CommitError(
-                    f"the lanes' query lengths exceed the target capacity {desc.target_capacity}"
-                )
-            if any(lane.max_tokens > desc.proposal_depth + 1 for lane in plan.lanes):
-                raise CommitError("a query length exceeds the proposal depth + 1")
-        state_kind = kind in (GraphKind.RESTORE, GraphKind.SNAPSHOT)
+        check_shape(plan)
+        state_kind = plan.graph.kind in STATE_KINDS
         seen: set[int] = set()
         out: list[Request] = []
         for lane in plan.lanes:
             r = self._requests.get(lane.handle.id)
-            state_lane = lane.phase in (LanePhase.RESTORE, LanePhase.TERMINAL)
-            if state_lane != state_kind:
-                raise CommitError(
-                    f"request {lane.handle.id}: a {lane.phase.value} row in a {kind.value} program"
-                )
-            if state_lane:
-                if lane.handle.id in seen:
-                    raise CommitError(f"request {lane.handle.id} appears twice in the plan")
-                seen.add(lane.handle.id)
-                out.append(self._check_state_lane(lane, r, kind))
-                continue
-            if r is None or not r.runnable:
-                raise CommitError(f"request {lane.handle.id} is no longer runnable")
             if lane.handle.id in seen:
                 raise CommitError(f"request {lane.handle.id} appears twice in the plan")
             seen.add(lane.handle.id)
-            if (lane.slot, lane.generation) != (r.slot, r.generation):
-                raise CommitError(f"request {lane.handle.id}: slot epoch changed")
-            if lane.phase is LanePhase.PREFILL:
-                context = lane.prompt_start + lane.prompt_tokens
-            else:
-                context = r.spec.prompt_len + lane.output_start - 1 + lane.max_tokens
-            if context > self._res.capacity(r):
+            if (lane.phase in STATE_PHASES) != state_kind:
                 raise CommitError(
-                    f"request {lane.handle.id}: the lane writes a context of {context} tokens, "
-                    f"its pages hold {self._res.capacity(r)}"
+                    f"request {lane.handle.id}: a {lane.phase.value} row in a "
+                    f"{plan.graph.kind.value} program"
                 )
-            if lane.phase is LanePhase.PREFILL:
-                if r.phase is not Phase.PREFILL or r.inflight_fences:
-                    raise CommitError(f"request {lane.handle.id} cannot run a prefill chunk now")
-                if lane.prompt_start != r.consumed_prompt:
-                    raise CommitError(f"request {lane.handle.id}: prompt epoch changed")
-                if not 0 < lane.prompt_tokens <= r.prefill_available(lane.prompt_start):
-                    raise CommitError(f"request {lane.handle.id}: prompt extent out of range")
-                if lane.prompt_tokens > plan.graph.prompt_capacity:
-                    raise CommitError(f"request {lane.handle.id}: chunk exceeds prompt capacity")
-                ends = lane.prompt_start + lane.prompt_tokens == r.prefill_target
-                if lane.max_tokens != (1 if ends else 0):
-                    raise CommitError(
-                        f"request {lane.handle.id}: a prompt row commits one token exactly "
-                        "when it ends the prompt"
-                    )
+            if state_kind:
+                awaits = r is not None and self._awaits_state_program(r)
+                out.append(check_state_lane(lane, r, plan.graph.kind, awaits))
             else:
-                if r.phase is not Phase.DECODE:
-                    raise CommitError(f"request {lane.handle.id} is not decoding")
-                if lane.prompt_tokens or not 1 <= lane.max_tokens <= plan.graph.token_capacity:
-                    raise CommitError(
-                        f"request {lane.handle.id}: a decode row takes no prompt tokens and "
-                        f"commits 1..{plan.graph.token_capacity} tokens"
-                    )
-                if lane.output_start != r.committed_output + r.inflight_output:
-                    raise CommitError(f"request {lane.handle.id}: output epoch changed")
-                if r.inflight_fences and r.spec.step_feedback:
-                    raise CommitError(f"request {lane.handle.id} needs completion feedback")
-                if r.remaining_output - r.inflight_output < lane.max_tokens:
-                    raise CommitError(f"request {lane.handle.id}: output limit reached")
-            out.append(r)
+                capacity = 0 if r is None else self._res.capacity(r)
+                out.append(check_lane(lane, r, plan.graph, capacity))
         return out
-
-    def _check_state_lane(self, lane: LaneWork, r: Request | None, kind: GraphKind) -> Request:
-        """A state program's row: a pending restore, or a request awaiting its snapshot."""
-        if r is None or not self._awaits_state_program(r):
-            raise CommitError(f"request {lane.handle.id} awaits no state program")
-        if (lane.slot, lane.generation) != (r.slot, r.generation):
-            raise CommitError(f"request {lane.handle.id}: slot epoch changed")
-        if lane.phase is LanePhase.RESTORE:
-            if kind is not GraphKind.RESTORE or not r.restore_pending:
-                raise CommitError(f"request {lane.handle.id} has no restore to run")
-            if lane.prompt_start != r.consumed_prompt:
-                raise CommitError(f"request {lane.handle.id}: restore position changed")
-        elif r.restore_pending:
-            raise CommitError(f"request {lane.handle.id} is restoring, not terminal")
-        return r
 
     # ----------------------------------------------------------- completion
     def complete(
