@@ -250,8 +250,10 @@ class Request:
         done: the filled prefix while it prefills; else the prompt and every
         committed output token but the last (the pending one, fed by the next
         decode step)."""
-        if self.consumed_prompt < self.prefill_target or not self.committed_output:
+        if self.consumed_prompt < self.prefill_target:
             return self.consumed_prompt
+        if not self.committed_output:  # decode-ready after a restore: its last token pends
+            return self.prefill_target - 1
         return self.spec.prompt_len + self.committed_output - 1
 
     def known_tokens(self) -> tuple[int, ...]:

@@ -119,16 +119,26 @@ class Residency:
         cache = self.cache
         tokens = r.known_tokens()
         target = r.prefill_target
-        match = cache.match(r.spec.cache_salt, tokens, target - 1) if tokens else Match()
-        cached = match.tokens(size)
-        first = min(self.max_chunk, r.prefill_available(cached))
-        need = -(-(cached + first) // size) - len(match.pages)
-        if need + len(self.resident) > cache.available - cache.idle_among(match):
-            return False
-        held = cache.attach(match)
-        fresh = cache.allocate(need)
-        if fresh is None:  # eviction could not free enough (pages held for copies)
-            cache.release(held + ([match.partial[0]] if match.partial else []))
+        found = cache.match(r.spec.cache_salt, tokens, target - 1) if tokens else Match()
+        # The cached chain's idle pages count as available but stop being so once
+        # attached: when the whole match does not fit, try it without its partial
+        # page, then without any (a chain that fills the pool must not block it).
+        for match in dict.fromkeys((found, Match(found.pages), Match())):
+            cached = match.tokens(size)
+            if not tokens:  # not preemptible (no tokens to recompute): its worst case now
+                first = r.spec.prompt_len + r.spec.max_output_tokens
+            else:
+                first = min(self.max_chunk, r.prefill_available(cached))
+            need = -(-(cached + first) // size) - len(match.pages)
+            if need + len(self.resident) > cache.available - cache.idle_among(match):
+                continue
+            held = cache.attach(match)
+            fresh = cache.allocate(need)
+            if fresh is None:  # eviction could not free enough (pages held for copies)
+                cache.release(held + ([match.partial[0]] if match.partial else []))
+                continue
+            break
+        else:
             return False
         cache.record(max(0, min(target - 1, len(tokens))), cached)
         copies: tuple[tuple[int, int], ...] = ()
@@ -164,6 +174,11 @@ class Residency:
         """``r``'s generation has a submitted frame: its start is fixed."""
         self._unstarted.pop(r.handle.id, None)
 
+    def unstarted(self, r: Request) -> bool:
+        """Nothing was ever submitted for ``r``'s current generation: the ranks hold
+        no state of it, and its copies never ran."""
+        return r.handle.id in self._unstarted
+
     def publish_computed(self, r: Request) -> None:
         """Enter ``r``'s full pages computed so far (after a prefill chunk), so a
         request sharing the prefix attaches them while ``r`` still runs.  Partial
@@ -184,7 +199,7 @@ class Residency:
         version = self.cache.version
         for hid, seen in list(self._unstarted.items()):
             r = self.resident.get(hid)
-            if r is None or seen == version or r.inflight_fences:
+            if r is None or seen == version or r.inflight_fences or r.preempted:
                 continue
             self._unstarted[hid] = version
             self._rematch(r)
@@ -265,7 +280,9 @@ class Residency:
         """Publish ``r``'s computed pages and release them and its slot.  A
         preempted request goes back to wait (first in line); any other leaves."""
         filled = r.kv_filled
-        tokens = r.known_tokens()[:filled]
+        # An unstarted generation computed nothing (its copies never ran either):
+        # what it attached is in the cache already, and nothing else is valid.
+        tokens = () if self.unstarted(r) else r.known_tokens()[:filled]
         if tokens:
             anchors = [e for e in r.spec.message_endpoints if e <= filled] + [filled]
             self.cache.publish(r.spec.cache_salt, tokens, r.pages, anchors)

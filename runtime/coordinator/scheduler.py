@@ -194,8 +194,9 @@ class Scheduler:
         if not request.cancelled and not snapshot:
             if request.restore_pending:
                 return  # resumed: its restore row is still to run
-            if self._snapshots:
-                return  # terminal: awaits its snapshot (state_ops)
+            if self._snapshots and not self._res.unstarted(request):
+                return  # terminal: awaits its snapshot (state_ops); an unstarted
+                # generation has nothing on the ranks to snapshot
         self._res.retire(request)
         if not request.preempted or request.cancelled or request.finished:
             self._requests.pop(request.handle.id, None)
@@ -265,7 +266,9 @@ class Scheduler:
         restore, or its terminal snapshot."""
         if not r.resident or r.cancelled or r.inflight_fences:
             return False
-        return r.restore_pending or (self._snapshots and (r.finished or r.preempted))
+        if r.restore_pending:
+            return True
+        return self._snapshots and (r.finished or r.preempted) and not self._res.unstarted(r)
 
     # ----------------------------------------------------------- selection
     def _context(self) -> selection.SelectionContext | None:

@@ -388,7 +388,10 @@ class FakeRank:
             tokens = restore.tokens
             self._check_restored(i, table, tokens, lane.position)
             new = _Slot(lane.generation, output_start=restore.output_start, pages=table)
-            known = tokens[: min(lane.position, restore.output_start)]
+            if lane.position == len(tokens) - 1:  # decode-ready: its prompt is all known
+                known = tokens[: restore.output_start]
+            else:
+                known = tokens[: min(lane.position, restore.output_start)]
             new.digest = digest_of(known, 0, 0, s.vocab_size)
             new.next_position = lane.position
             if lane.position == len(tokens) - 1:  # decode-ready

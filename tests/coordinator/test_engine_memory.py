@@ -5,7 +5,10 @@ claims, or the fake refuses the frame."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
+
+import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from tests.coordinator import fake_rank
@@ -139,3 +142,42 @@ def test_a_restore_row_makes_a_resumed_decoder_ready_on_the_ranks(
     assert metrics["frames_total:restore"] >= 1
     assert any(position > 0 for _, _, position in fake.restored)
     assert metrics["kv_pages_held"] == 0
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_workloads_on_fake_ranks_give_exact_tokens(rig_factory: Any, seed: int) -> None:  # noqa: F811
+    """Random small pools and prompts sharing a system prefix (or not), with the
+    state programs: preemptions, restores (decode-ready and prompt-ready), copies
+    and snapshots on ranks that check page contents; every request's tokens
+    exact, every page back."""
+    rng = random.Random(seed)
+    spec = FakeSpec(num_pages=rng.randint(8, 14), descriptors=STATE_PROGRAMS)
+    rig = rig_factory(1, spec, max_slots=4, debug_page_accounting=True).start()
+    system = [rng.randrange(1, 100) for _ in range(48)]
+    cases = []
+    for _ in range(rng.randint(3, 7)):
+        own = [rng.randrange(1, 100) for _ in range(rng.randint(1, 50))]
+        cases.append((system[: rng.choice([0, 16, 40])] + own, rng.randint(1, 30)))
+    streams = [rig.engine.submit(p, n, ignore_eos=True) for p, n in cases]
+    rig.drive(streams, limit_s=30)
+    for stream, (p, n) in zip(streams, cases):
+        check(stream, p, n, ignore_eos=True)
+    assert rig.engine.metrics()["kv_pages_held"] == 0
+
+
+def test_a_prompt_cached_but_for_its_last_token_restores_decode_ready(
+    rig_factory: Any,  # noqa: F811
+) -> None:
+    """The same prompt twice: the second attaches all but its last token, its
+    restore row leaves that token pending, and its first output comes from a
+    decode row: the tokens are the first's."""
+    rig = rig_factory(1, FakeSpec(descriptors=STATE_PROGRAMS), max_slots=2).start()
+    text = prompts(1, seed=8, lo=40, hi=40)[0]
+    first = rig.engine.submit(text, 5, ignore_eos=True)
+    rig.drive([first])
+    second = rig.engine.submit(text, 5, ignore_eos=True)
+    rig.drive([second])
+    check(first, text, 5, ignore_eos=True)
+    check(second, text, 5, ignore_eos=True)
+    assert second.cached_tokens == 39
+    assert (second.slot is not None) and rig.ranks.fakes[0].restored[-1][2] == 39

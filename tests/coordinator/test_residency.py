@@ -204,8 +204,8 @@ def test_the_victim_has_the_lowest_value_per_held_page():
         if sim.s.memory_stats()["preemptions"]:
             break
     assert sim.s.memory_stats()["preemptions"] == 1
-    assert sim.s.request(sim.s._res.resident[short].handle) is not None
-    assert long not in sim.s._res.resident
+    by_id = {r.handle.id: r for r in sim.s.active_requests()}
+    assert by_id[long].preemptions == 1 and by_id[short].preemptions == 0
     sim.run()
     assert sim.out[long] == [1000 * long + k for k in range(40)]
 
@@ -237,3 +237,57 @@ def test_requests_arriving_together_share_pages_computed_meanwhile():
     assert sim.out[a] == [1000 * a + k for k in range(3)]
     assert sim.out[b] == [1000 * b + k for k in range(3)]
     assert sim.s.memory_stats()["kv_pages_held"] == 0
+
+
+def test_a_cancelled_unstarted_request_publishes_no_page_its_copy_never_filled():
+    sim = Sim(num_pages=6, max_slots=4)
+    text = prompt(1, 32)
+    sim.admit(text, 2)
+    sim.run()
+    b = sim.admit(text[:24] + prompt(2, 6), 1)  # page 0 attached, 8 tokens copied
+    handle = sim.s._res.resident[b].handle
+    start = sim.s.generation_start(handle)
+    assert start is not None and len(start.copies) == 1
+    destination = start.copies[0][1]
+    sim.s.cancel(handle)  # before any frame: the copy never ran
+    assert sim.s._res.cache._node[destination] is None  # not published
+    sim.s.check_page_accounting()
+
+
+def test_a_cached_chain_filling_the_pool_does_not_block_its_own_repeat():
+    """4 pages: a 63-token prompt fills the pool and is cached; the same prompt
+    again cannot hold the whole chain and a fresh copy page at once, so it
+    attaches less and still runs (it used to wait forever)."""
+    sim = Sim(num_pages=4, max_slots=2)
+    text = prompt(5, 63)
+    first = sim.admit(text, 1)
+    sim.run()
+    again = sim.admit(text, 1)
+    sim.run()
+    assert sim.out[first] == [1000 * first] and sim.out[again] == [1000 * again]
+    assert sim.prefill_tokens[again] < 63  # it still reused part of the chain
+
+
+def test_requests_without_prompt_tokens_hold_their_worst_case_and_never_deadlock():
+    """Requests that cannot be preempted (they name no tokens to recompute) are
+    admitted with their worst-case pages, so two that fit only one at a time
+    run one after the other instead of both starving for pages."""
+    s = Scheduler(list(CATALOG), SchedulerConfig(max_slots=4, page_size=16, num_pages=8))
+    handles = [s.admit(RequestSpec(16, 100)) for _ in range(2)]
+    assert s.running == 1 and s.waiting == 1
+    now = 0
+    done: dict[int, int] = {h.id: 0 for h in handles}
+    for fence in range(1, 1000):
+        now += 3 * MS
+        s.advance_to(now)
+        plan = s.plan()
+        if plan is None:
+            break
+        s.commit(plan, fence)
+        records = [
+            CompletionRecord(lane.slot, lane.generation, (1,) * lane.max_tokens)
+            for lane in plan.lanes
+        ]
+        for g in s.complete(fence, records, TIMING):
+            done[g.handle.id] += len(g.tokens)
+    assert done == {h.id: 100 for h in handles}
