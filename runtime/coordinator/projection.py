@@ -152,21 +152,7 @@ def build_context(
             if r.committed_output:  # a resumed decoder: its final chunk is its next step
                 age_ms = max(0, start - last_visible) / 1e6
                 finish = decode_lane_value(1.0, 1.0, token_price, g / z, beta) + slope * age_ms
-            prefill.append(
-                LaneView(
-                    r,
-                    token_price,
-                    0.0,
-                    pos,
-                    available,
-                    min(r.distance_to_endpoint(pos), available),
-                    r.committed_output,
-                    0.0,
-                    r.last_selected,
-                    r.history_end,
-                    finish,
-                )
-            )
+            prefill.append(_prompt_view(r, token_price, pos, available, finish))
             continue
         if r.inflight_fences and (
             r.spec.step_feedback or r.remaining_output - r.inflight_output < 1
@@ -206,6 +192,26 @@ def build_context(
     if terminal or restoring:
         ctx.states = _state_views(ctx, state, terminal, restoring, policy, slope, start)
     return ctx
+
+
+def _prompt_view(
+    r: Request, token_price: float, pos: int, available: int, finish: float
+) -> LaneView:
+    """``r`` as a prompt row at ``pos`` taking up to ``available`` tokens; its final
+    chunk's output token is worth ``finish``."""
+    return LaneView(
+        r,
+        token_price,
+        0.0,
+        pos,
+        available,
+        min(r.distance_to_endpoint(pos), available),
+        r.committed_output,
+        0.0,
+        r.last_selected,
+        r.history_end,
+        finish,
+    )
 
 
 def _state_views(
@@ -251,19 +257,5 @@ def _state_views(
             )
         else:
             available = r.prefill_available(pos)
-            prompt_ready.append(
-                LaneView(
-                    r,
-                    token_price,
-                    0.0,
-                    pos,
-                    available,
-                    min(r.distance_to_endpoint(pos), available),
-                    r.committed_output,
-                    0.0,
-                    r.last_selected,
-                    r.history_end,
-                    value,
-                )
-            )
+            prompt_ready.append(_prompt_view(r, token_price, pos, available, value))
     return StateViews(ages, decode_ready, prompt_ready, snapshot_sigma_ms(ctx, len(terminal)))
