@@ -42,6 +42,7 @@ from runtime.cli_debug import (
     cmd_replay,
     debug_config,
 )
+from runtime.cli_deploy import add_deploy_flags, external_ranks
 from runtime.cli_memory import add_kv_flags, add_prefix_cache_flags, kv_pool, prefix_cache_config
 from runtime.cli_speculation import add_speculation_flags, speculation_config
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
@@ -335,6 +336,7 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", metavar="N", type=int, default=0, help="--prompt: sampling seed")
     add_run_flags(run)
     add_debug_flags(run)
+    add_deploy_flags(run)
     # Set by the frontend for its coordinator process (python -m runtime.coordinator).
     run.add_argument("--api-requests", help=argparse.SUPPRESS)
     run.add_argument("--api-outputs", help=argparse.SUPPRESS)
@@ -521,6 +523,9 @@ def checked_run(
             flag = "--" + dest.replace("_", "-")
             parser.error(f"{flag}: {feature} are not available in this build yet")
     policy = _policy(args, parser, data)
+    external = external_ranks(args, parser, _explicit(parser, argv or []))
+    if external is not None:
+        args.tensor_parallel_size = external.world_size
     if not 0 < args.startup_timeout < float("inf"):
         parser.error("--startup-timeout must be a finite number of seconds > 0")
     args.chat_template = _check_chat_template(args.chat_template, parser)
@@ -580,6 +585,7 @@ def checked_run(
             frame_timeout_multiple=args.frame_timeout_multiple,
             frame_timeout_margin_s=args.frame_timeout_margin,
             speculation=speculation_config(args, parser, model),
+            external=external,
             **prefix_cache_config(args),
             **debug_config(args),
         )
@@ -737,7 +743,10 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
             host=args.host,
             port=args.port,
             api_key=args.api_key or None,
-            startup_timeout_s=args.startup_timeout,
+            # External ranks load their shards before they connect: the
+            # coordinator waits for them first.
+            startup_timeout_s=args.startup_timeout
+            + (config.external.handshake_timeout_s if config.external else 0.0),
             coordinator_args=_without_secrets(argv),
             chat_template=args.chat_template,
             max_choices_per_request=args.max_choices_per_request,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +18,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.transport.channels import ChannelEndpoints
+from runtime.transport.channels import ChannelEndpoints, make_run_dir
+
+DIST_INIT_ENV = "FLARE_DIST_INIT_METHOD"  # how local ranks rendezvous (a file:// store)
+DIST_RUN_PREFIX = "flare-dist-"
+DIST_RUN_FILES = ("store",)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,11 +65,19 @@ def spawn_ranks(
     """Start ``world_size`` rank processes; they inherit stdout and stderr."""
     if world_size < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {world_size}")
-    port = free_port()
     base = dict(os.environ if env is None else env)
     path = base.get("PYTHONPATH", "")
     base["PYTHONPATH"] = f"{ROOT}{os.pathsep}{path}" if path else str(ROOT)
-    procs = []
+    # No listener beyond loopback: the ranks rendezvous through a file store in a
+    # private (0700) directory instead of a TCP store, which would listen on every
+    # interface, and their collectives' sockets bind the loopback interface.
+    store_dir = make_run_dir(DIST_RUN_PREFIX, DIST_RUN_FILES)
+    base[DIST_INIT_ENV] = f"file://{os.path.join(store_dir, DIST_RUN_FILES[0])}"
+    loopback = loopback_interface()
+    if loopback is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            base.setdefault(name, loopback)
+    procs: list[subprocess.Popen] = []
     try:
         for rank in range(world_size):
             rank_env = dict(
@@ -73,8 +86,6 @@ def spawn_ranks(
                 LOCAL_RANK=str(rank),
                 WORLD_SIZE=str(world_size),
                 LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
             )
             procs.append(
                 subprocess.Popen(
@@ -86,8 +97,29 @@ def spawn_ranks(
             )
     except BaseException:
         stop_ranks(procs, timeout_s=0)
+        _remove_store(store_dir)
         raise
+    for proc in procs:
+        proc.flare_store_dir = store_dir  # type: ignore[attr-defined]  # stop_ranks removes it
     return procs
+
+
+def loopback_interface() -> str | None:
+    """The name of the interface holding 127.0.0.1 (``lo`` on Linux), or None."""
+    try:
+        import psutil
+
+        interfaces = psutil.net_if_addrs()
+    except (ImportError, OSError):
+        return None
+    for name, addresses in sorted(interfaces.items()):
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None
+
+
+def _remove_store(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def stop_ranks(procs: Sequence[subprocess.Popen], timeout_s: float = 30.0) -> list[int | None]:
@@ -101,6 +133,8 @@ def stop_ranks(procs: Sequence[subprocess.Popen], timeout_s: float = 30.0) -> li
         if p.poll() is None:
             p.kill()
             p.wait()
+    for store_dir in {getattr(p, "flare_store_dir", None) for p in procs} - {None}:
+        _remove_store(store_dir)
     return codes
 
 

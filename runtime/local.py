@@ -8,11 +8,13 @@ N rank processes, as ``flare run`` and the Python API use it.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
 from dataclasses import dataclass, field
 
+from runtime.cli_deploy import ExternalRanks
 from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.engine import Engine, EngineConfig, EngineError
 from runtime.launch import spawn_ranks, stop_ranks
@@ -20,8 +22,11 @@ from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.ranks.model.default import default_model_dir
 from runtime.speculation import SpeculationConfig
+from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.recording import model_digest, write_meta
 from runtime.transport.schema import PROTOCOL_VERSION
+
+log = logging.getLogger("runtime.local")
 
 DEFAULT_SPIN_US = 200
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
@@ -76,6 +81,8 @@ class DeploymentConfig:
     speculation: SpeculationConfig | None = None  # speculative decoding (runtime/speculation.py)
     enable_prefix_caching: bool = True  # share KV pages of equal prompt prefixes (salted)
     debug_page_accounting: bool = False  # check KV page accounting after every completion
+    # flare run --ranks external: ranks started elsewhere connect over TCP (docs/deploy.md).
+    external: ExternalRanks | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -111,6 +118,14 @@ class DeploymentConfig:
                 )
             if self.direct:
                 raise ValueError("direct mode schedules no speculative rounds: drop speculation")
+        if self.external is not None:
+            if not isinstance(self.external, ExternalRanks):
+                raise ValueError(f"external must be ExternalRanks or None, got {self.external!r}")
+            if self.external.world_size != self.tensor_parallel_size:
+                raise ValueError(
+                    f"external.world_size {self.external.world_size} must equal "
+                    f"tensor_parallel_size {self.tensor_parallel_size}"
+                )
         spin = self.poll_spin_us
         if spin is not None and (not isinstance(spin, int) or not 0 <= spin <= 100_000):
             raise ValueError(f"poll_spin_us must be None or in 0..100000, got {spin!r}")
@@ -171,6 +186,41 @@ def speculation_settings(speculation: SpeculationConfig | None) -> dict:
     }
 
 
+def external_channel(external: ExternalRanks | None) -> dict:
+    """The EngineConfig fields that bind TCP for external ranks (none for local ranks)."""
+    if external is None:
+        return {}
+    return {
+        "endpoints": ChannelEndpoints(
+            frames=external.endpoint(external.frames_port),
+            completions=external.endpoint(external.completions_port),
+        ),
+        "allow_remote": external.allow_remote,
+    }
+
+
+def external_rank_command(endpoints: ChannelEndpoints, config: DeploymentConfig) -> list[str]:
+    """The command every node runs for ``--ranks external`` (docs/deploy.md), with
+    the rank flags this deployment's catalog expects.  A wildcard bind address is
+    shown as HOST: the ranks need an address of this machine they can reach."""
+    external = config.external
+    assert external is not None
+
+    def reachable(endpoint: str) -> str:
+        for wildcard in ("0.0.0.0", "[::]"):
+            endpoint = endpoint.replace(f"//{wildcard}:", "//HOST:")
+        return endpoint
+
+    return [
+        "torchrun", "--nnodes", "NODES", "--node-rank", "NODE_RANK",
+        "--nproc-per-node", "RANKS_PER_NODE", "--master-addr", "NODE0_ADDR",
+        "--master-port", "29500", "-m", "runtime.ranks",
+        "--frames-endpoint", reachable(endpoints.frames),
+        "--completions-endpoint", reachable(endpoints.completions),
+        *config.rank_args(),
+    ]  # fmt: skip
+
+
 class LocalDeployment:
     def __init__(self, config: DeploymentConfig | None = None, **kwargs) -> None:
         self.config = config or DeploymentConfig(**kwargs)
@@ -181,7 +231,10 @@ class LocalDeployment:
                 max_slots=cfg.max_concurrency,
                 policy=cfg.policy,
                 catalog_timeout_s=cfg.startup_timeout_s,
-                handshake_timeout_s=cfg.startup_timeout_s,
+                handshake_timeout_s=(
+                    cfg.external.handshake_timeout_s if cfg.external else cfg.startup_timeout_s
+                ),
+                **external_channel(cfg.external),
                 poll_spin_us=cfg.spin_us,
                 external_publication=cfg.external_publication,
                 record_dir=cfg.record_frames,
@@ -197,6 +250,8 @@ class LocalDeployment:
     def start(self) -> LocalDeployment:
         if self.config.record_frames:
             write_meta(self.config.record_frames, self.recording_meta())
+        if self.config.external is not None:
+            return self._start_external()
         endpoints = self.engine.bind()
         self.ranks = spawn_ranks(
             endpoints, self.config.tensor_parallel_size, self.config.rank_args()
@@ -229,6 +284,28 @@ class LocalDeployment:
             self.stop()
             raise
         threading.Thread(target=self._watch_ranks, name="flare-rank-watch", daemon=True).start()
+        return self
+
+    def _start_external(self) -> LocalDeployment:
+        """Bind TCP, say what the ranks must run, wait for them (``--ranks external``).
+
+        No rank is a child of this process: the heartbeats are the only way to
+        learn that one is gone (runtime/transport/liveness.py)."""
+        external = self.config.external
+        assert external is not None
+        endpoints = self.engine.bind()
+        log.info(
+            "waiting up to %.0f s for %d rank(s); start them with:\n  %s",
+            external.handshake_timeout_s,
+            external.world_size,
+            " ".join(external_rank_command(endpoints, self.config)),
+        )
+        try:
+            self.engine.start()
+            self.engine.run_in_thread()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def recording_meta(self) -> dict:

@@ -75,6 +75,7 @@ from runtime.transport.schema import (
 logger = logging.getLogger("runtime.transport")
 
 PING_INTERVAL_S = (0.005, 0.1)  # the handshake's first and longest ping interval
+HANDSHAKE_PROGRESS_S = 30.0  # how often a long handshake logs who it still waits for
 MAX_IPC_PATH = 100  # sockaddr_un holds 108 bytes on Linux, fewer elsewhere
 
 
@@ -456,10 +457,20 @@ class CoordinatorChannel(_Channel):
         """
         nonce = secrets.randbits(63)
         waiting = set(range(self.world_size))
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         interval, next_ping = PING_INTERVAL_S[0], 0.0
+        next_progress = started + HANDSHAKE_PROGRESS_S
         while waiting:
             now = time.monotonic()
+            if now >= next_progress:  # ranks may take many minutes to load and prepare
+                next_progress = now + HANDSHAKE_PROGRESS_S
+                logger.info(
+                    "waiting for rank(s) %s of %d at %s: %d answered, %.0f s waited, "
+                    "%.0f s left",
+                    sorted(waiting), self.world_size, self.endpoints.frames,
+                    self.world_size - len(waiting), now - started, deadline - now,
+                )  # fmt: skip
             if now >= deadline:
                 missing = tuple(sorted(waiting))
                 raise HandshakeTimeout(
