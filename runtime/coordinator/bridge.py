@@ -7,13 +7,16 @@ the coordinator process, which connects:
 * ``requests`` (frontend PUSH -> coordinator PULL): :class:`Submit`,
   :class:`Cancel`, :class:`Publish`, :class:`StatusQuery`;
 * ``outputs`` (coordinator PUSH -> frontend PULL): :class:`Output`,
-  :class:`Status`.
+  :class:`Status`, :class:`Heartbeat`.
 
 Every message is the msgpack envelope of :mod:`runtime.transport.codec`,
 validated on receipt; a malformed one is logged and skipped.  The bridge thread
 turns requests into engine calls; the engine thread sends each request's
 outputs from the stream listener, so tokens leave the coordinator the moment a
-completion is applied.  Sends from both threads share one lock.
+completion is applied.  A third thread sends a :class:`Heartbeat` every
+``heartbeat_interval_s`` (``--heartbeat-interval``), whatever the other two
+are doing, so the frontend can tell a stuck coordinator (stopped, hung) from
+a busy one.  Sends from all threads share one lock.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from runtime.coordinator.engine.stream import ABORTED, ERROR, TokenEvent
 from runtime.transport.api import (
     MAX_ERROR_CHARS,
     Cancel,
+    Heartbeat,
     Output,
     Publish,
     Status,
@@ -74,9 +78,22 @@ class ServingInfo:
 class FrontendBridge:
     """Serves one frontend for one started engine; :meth:`serve` runs until ``stop``."""
 
-    def __init__(self, engine: Engine, endpoints: ApiEndpoints, info: ServingInfo) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        endpoints: ApiEndpoints,
+        info: ServingInfo,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
+        if not 0 < heartbeat_interval_s < float("inf"):
+            raise ValueError(
+                f"heartbeat_interval_s must be a finite number of seconds > 0, "
+                f"got {heartbeat_interval_s!r}"
+            )
         self.engine = engine
         self.info = info
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeats = 0  # sent so far
         self.rejected = 0
         self._context = zmq.Context()
         self._inbox = make_socket(self._context, zmq.PULL)
@@ -87,11 +104,15 @@ class FrontendBridge:
         self._streams: dict[int, RequestStream] = {}  # by the frontend's request id
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
+        self._beater: threading.Thread | None = None
 
     # ------------------------------------------------------------------ loop
     def serve(self) -> None:
-        """Announce readiness (an unsolicited Status) and answer until :meth:`stop`."""
+        """Announce readiness (an unsolicited Status), start the heartbeat thread and
+        answer until :meth:`stop`."""
         self._send(self._status(0))
+        self._beater = threading.Thread(target=self._beat, name="flare-api-heartbeat", daemon=True)
+        self._beater.start()
         while not self._stop.is_set():
             if self.engine.error is not None:
                 # Every open request got its error output from the engine's shutdown;
@@ -113,8 +134,19 @@ class FrontendBridge:
     def stop(self) -> None:
         self._stop.set()
 
+    def _beat(self) -> None:
+        """Send a Heartbeat every interval until :meth:`stop` (its own thread)."""
+        while not self._stop.wait(self.heartbeat_interval_s):
+            self.heartbeats += 1
+            try:
+                self._send(Heartbeat(self.heartbeats, self.engine.serving), block=False)
+            except zmq.ZMQError as exc:  # a full queue (the frontend is not reading): skip
+                log.debug("heartbeat %d not sent: %s", self.heartbeats, exc)
+
     def close(self) -> None:
         self._stop.set()
+        if self._beater is not None:
+            self._beater.join()
         self._inbox.close(linger=0)
         with self._send_lock:
             self._outbox.close(linger=1000)
@@ -208,8 +240,8 @@ class FrontendBridge:
             None if engine.error is None else str(engine.error)[:MAX_ERROR_CHARS],
         )
 
-    def _send(self, message: Output | Status) -> None:
+    def _send(self, message: Output | Status | Heartbeat, block: bool = True) -> None:
         data = encode(message)
         with self._send_lock:
             if not self._outbox.closed:
-                self._outbox.send(data)
+                self._outbox.send(data, 0 if block else zmq.NOBLOCK)

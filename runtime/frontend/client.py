@@ -8,6 +8,13 @@ requests leave on a PUSH socket (sends never block: no high-water mark), and
 outputs and status replies arrive on a PULL socket read by one asyncio task,
 which routes each :class:`Output` to its request's queue.  Everything runs on
 the event loop's thread.
+
+Every message from the coordinator (a :class:`Heartbeat` at least every
+``--heartbeat-interval`` seconds) sets :attr:`CoordinatorClient.last_heard`;
+the frontend's :class:`runtime.frontend.server.Gate` judges from it whether the
+coordinator still answers.  The frontend can end open requests itself: a
+:class:`LocalEnd` in a request's queue (the server stops, or the coordinator
+stopped answering).
 """
 
 from __future__ import annotations
@@ -18,12 +25,22 @@ import itertools
 import logging
 import os
 import shutil
+import time
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from runtime.coordinator.bridge import ApiEndpoints
-from runtime.transport.api import Cancel, Output, Publish, Status, StatusQuery, Submit
+from runtime.transport.api import (
+    Cancel,
+    Heartbeat,
+    Output,
+    Publish,
+    Status,
+    StatusQuery,
+    Submit,
+)
 from runtime.transport.channels import make_run_dir, make_socket
 from runtime.transport.codec import decode_or_log, encode
 from runtime.transport.schema import SamplingParams
@@ -35,7 +52,19 @@ API_RUN_FILES = ("requests", "outputs", "debug")  # debug: --debug-endpoints onl
 
 
 class CoordinatorGone(RuntimeError):
-    """The coordinator did not answer (not started yet, or exited)."""
+    """The coordinator did not answer (not started yet, exited, or stopped answering)."""
+
+
+@dataclass(frozen=True)
+class LocalEnd:
+    """The frontend itself ended an open request (nothing more comes for it).
+
+    ``error`` None: the server stops, the request ends with finish_reason
+    "abort" whether it was running or still waiting for a slot; else the
+    coordinator is unavailable and ``error`` says why (an error event, a 503).
+    """
+
+    error: str | None = None
 
 
 class CoordinatorClient:
@@ -52,7 +81,7 @@ class CoordinatorClient:
             self._push.getsockopt_string(zmq.LAST_ENDPOINT),
             self._pull.getsockopt_string(zmq.LAST_ENDPOINT),
         )
-        self._queues: dict[int, asyncio.Queue[Output]] = {}
+        self._queues: dict[int, asyncio.Queue[Output | LocalEnd]] = {}
         self._status_waiters: dict[int, asyncio.Future[Status]] = {}
         self._nonces = itertools.count(1)
         self._request_ids = itertools.count(1)
@@ -60,6 +89,8 @@ class CoordinatorClient:
         self._reader: asyncio.Task | None = None
         self._connected = False
         self.status: Status | None = None  # the latest status seen
+        self.heartbeat: Heartbeat | None = None  # the latest heartbeat seen
+        self.last_heard = time.monotonic()  # when the last valid message arrived
         self.rejected = 0
 
     # ------------------------------------------------------------------ life cycle
@@ -85,7 +116,10 @@ class CoordinatorClient:
         if message is None:
             self.rejected += 1
             return
-        if isinstance(message, Output):
+        self.last_heard = time.monotonic()
+        if isinstance(message, Heartbeat):
+            self.heartbeat = message
+        elif isinstance(message, Output):
             queue = self._queues.get(message.request_id)
             if queue is None:
                 return  # a request the frontend already gave up on
@@ -101,13 +135,30 @@ class CoordinatorClient:
             self.rejected += 1
             log.warning("unexpected %s from the coordinator", type(message).__name__)
 
+    @property
+    def open_requests(self) -> int:
+        """Requests sent whose last output has not arrived (nor was given up)."""
+        return len(self._queues)
+
     def abort_all(self) -> None:
-        """End every open request with "aborted" and refuse new ones (the
-        coordinator exited, or the server is stopping)."""
+        """End every open request as aborted (running or waiting alike) and refuse
+        new ones (the coordinator exited, or the server is stopping)."""
         self._connected = False
-        for request_id, queue in self._queues.items():
-            queue.put_nowait(Output(request_id, 0, finish_reason="aborted"))
+        for queue in self._queues.values():
+            queue.put_nowait(LocalEnd())
         self._queues.clear()
+
+    def fail_all(self, reason: str) -> int:
+        """End every open request with the error ``reason`` and cancel it at the
+        coordinator (delivered if it ever reads again); new requests stay
+        possible.  The number of requests ended."""
+        ended = list(self._queues.items())
+        self._queues.clear()
+        for request_id, queue in ended:
+            queue.put_nowait(LocalEnd(reason))
+            with contextlib.suppress(CoordinatorGone):
+                self._send(Cancel(request_id))
+        return len(ended)
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -140,15 +191,16 @@ class CoordinatorClient:
         *,
         cache_salt: str = "",
         message_endpoints: tuple[int, ...] = (),
-    ) -> asyncio.Queue[Output]:
-        """Send a request; its outputs arrive on the returned queue, the last one finished.
+    ) -> asyncio.Queue[Output | LocalEnd]:
+        """Send a request; its outputs arrive on the returned queue, the last one
+        finished (or a :class:`LocalEnd`).
         ``group``: the admission group (:meth:`new_group_id`), shared by one HTTP
         request's choices.  ``cache_salt``: prefix-cache pages are shared only with
         requests of an equal salt ("" none); ``message_endpoints``: each chat
         message's end offset in the prompt (:class:`Submit`)."""
         if not self._connected:
             raise CoordinatorGone("the coordinator is not connected")
-        queue: asyncio.Queue[Output] = asyncio.Queue()
+        queue: asyncio.Queue[Output | LocalEnd] = asyncio.Queue()
         self._queues[request_id] = queue
         try:
             self._send(

@@ -11,6 +11,15 @@ plus the endpoints, waits for the coordinator's first status (the ranks print
 their program-preparation progress bar meanwhile), prints a one-line summary
 and serves until Ctrl-C or SIGTERM; then it stops the coordinator, which stops
 the ranks.
+
+On SIGTERM/SIGINT without ``--drain-timeout`` every open request ends at once
+with finish_reason "abort" (running or still waiting for a slot); with
+``--drain-timeout S`` new requests get 503 while open ones may finish for up
+to S seconds, then the rest end with "abort" (a second signal aborts at
+once).  Either way the coordinator and its ranks are stopped and the exit
+code is 0.  The coordinator's heartbeat (``--heartbeat-interval``) is watched
+by :meth:`runtime.frontend.server.Gate.watch`; see docs/serving.md,
+"Reliability".
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import contextlib
 import logging
 import signal
 import socket
+import ssl
 import sys
 import time
 from dataclasses import dataclass
@@ -32,13 +42,16 @@ from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
 from runtime.frontend.protocol import ServingLimits
-from runtime.frontend.server import Frontend, create_app
+from runtime.frontend.server import Frontend, Gate, create_app
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.launch import spawn_coordinator
 
 log = logging.getLogger("runtime.frontend")
 
 READY_POLL_S = 0.5
+DRAIN_POLL_S = 0.05
+STOP_COORDINATOR_S = 60.0  # its engine stops, then its ranks
+GRACEFUL_SHUTDOWN_S = 5  # uvicorn's wait for responses still being written
 
 
 @dataclass(frozen=True)
@@ -52,6 +65,32 @@ class ServeOptions:
     chat_template: str | None = None  # --chat-template FILE (None: the model's)
     max_choices_per_request: int = 1024  # --max-choices-per-request: prompts x n bound
     debug_endpoints: bool = False  # --debug-endpoints: the /debug/* routes
+    heartbeat_interval_s: float = 1.0  # --heartbeat-interval (the coordinator's own flag)
+    heartbeat_timeout_s: float = 10.0  # --heartbeat-timeout: silence that means stuck
+    drain_timeout_s: float = 0.0  # --drain-timeout: 0 aborts open requests at once
+    max_waiting_requests: int | None = None  # --max-waiting-requests (None: no limit)
+    ssl_keyfile: str | None = None  # --ssl-keyfile, --ssl-certfile: HTTPS
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None  # --ssl-ca-certs: client certificates required
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must exceed "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s:g})"
+            )
+        if not 0 <= self.drain_timeout_s < float("inf"):
+            raise ValueError(f"drain_timeout_s must be >= 0 seconds, got {self.drain_timeout_s!r}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs needs ssl_certfile and ssl_keyfile")
 
 
 class StartupError(RuntimeError):
@@ -65,17 +104,50 @@ class _Server(uvicorn.Server):
     this process before it stops the coordinator; here a signal only asks the
     server to exit, and :func:`serve` cleans up and returns 0.  Open requests
     end at once with finish_reason "abort" (streams get their last chunk and
-    ``[DONE]``) rather than being cut when the graceful period runs out.
+    ``[DONE]``) rather than being cut when the graceful period runs out; with
+    a drain period (``drain_s``) they may finish first, new ones getting 503.
     """
 
-    def __init__(self, config: uvicorn.Config, client: CoordinatorClient) -> None:
+    def __init__(
+        self, config: uvicorn.Config, client: CoordinatorClient, gate: Gate, drain_s: float = 0.0
+    ) -> None:
         super().__init__(config)
         self.client = client
+        self.gate = gate
+        self.drain_s = drain_s
+        self.draining: asyncio.Task | None = None
         self.loop = asyncio.get_running_loop()  # built inside the serving coroutine
 
     def handle_exit(self, sig: int, frame) -> None:
-        self.loop.call_soon_threadsafe(self.client.abort_all)
+        if self.drain_s > 0 and self.draining is None and not self.should_exit:
+            self.loop.call_soon_threadsafe(self._start_drain)
+            return
+        self.loop.call_soon_threadsafe(self._abort)
         super().handle_exit(sig, frame)
+
+    def _start_drain(self) -> None:
+        if self.draining is None and not self.should_exit:
+            self.draining = self.loop.create_task(self._drain(), name="flare-drain")
+
+    async def _drain(self) -> None:
+        """New requests get 503; open ones finish, until the drain period ends."""
+        deadline = time.monotonic() + self.drain_s
+        self.gate.drain_until = deadline
+        log.info(
+            "draining: %d open requests (choices) may finish within %g s; new ones get 503",
+            self.gate.open,
+            self.drain_s,
+        )
+        while self.gate.open > 0 and time.monotonic() < deadline and not self.should_exit:
+            await asyncio.sleep(DRAIN_POLL_S)
+        if self.gate.open > 0:
+            log.warning("the drain period ended: %d open requests end as aborted", self.gate.open)
+        self._abort()
+        self.should_exit = True
+
+    def _abort(self) -> None:
+        self.gate.stopping = True
+        self.client.abort_all()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -112,12 +184,15 @@ async def _start_coordinator(
                 ) from None
 
 
-def _stop_coordinator(proc) -> None:
+def _stop_coordinator(proc, grace_s: float = STOP_COORDINATOR_S) -> None:
+    """SIGTERM (the coordinator stops its ranks), SIGKILL after ``grace_s`` (its
+    ranks then get SIGTERM as their parent dies, runtime.launch)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=grace_s)
         except Exception:
+            log.error("the coordinator did not stop within %g s: killed", grace_s)
             proc.kill()
             proc.wait()
 
@@ -128,6 +203,7 @@ async def _serve(
     client = CoordinatorClient()
     debug = DebugLink(client.run_dir) if opts.debug_endpoints else None
     proc = None
+    gate: Gate | None = None
     try:
         started = time.monotonic()
         proc, status = await _start_coordinator(client, opts, debug)
@@ -138,6 +214,12 @@ async def _serve(
             kv_tokens=status.kv_tokens,
             max_choices=opts.max_choices_per_request,
         )
+        gate = Gate(
+            client,
+            opts.heartbeat_timeout_s,
+            resident=status.max_concurrency,
+            max_waiting=opts.max_waiting_requests,
+        )
         frontend = Frontend(
             client,
             tokenizer,
@@ -147,30 +229,51 @@ async def _serve(
             opts.api_key,
             defaults,
             debug=debug,
+            gate=gate,
         )
         app = create_app(frontend)
-        config = uvicorn.Config(
-            app, host=opts.host, port=opts.port, log_level="warning", timeout_graceful_shutdown=5
-        )
-        server = _Server(config, client)
-        watcher = asyncio.create_task(_watch(proc, server, client))
+        server = _Server(uvicorn_config(app, opts), client, gate, opts.drain_timeout_s)
+        watcher = asyncio.create_task(_watch(proc, server, client, gate))
+        liveness = asyncio.create_task(gate.watch(), name="flare-coordinator-liveness")
+        scheme = "https" if opts.ssl_certfile else "http"
         scheme_host = f"[{opts.host}]" if ":" in opts.host else opts.host
         summary = (
             f"flare: serving {status.model_name} with TP={status.tensor_parallel_size}, "
             f"{len(status.graph_estimates_ns)} prepared programs, "
-            f"at http://{scheme_host}:{opts.port}/v1"
+            f"at {scheme}://{scheme_host}:{opts.port}/v1"
         )
         announce = asyncio.create_task(_announce(server, summary, started))
         await server.serve()
-        watcher.cancel()
-        announce.cancel()
+        for task in (watcher, liveness, announce):
+            task.cancel()
         return 0 if proc.poll() is None else 1
     finally:
         if proc is not None:
-            await asyncio.get_running_loop().run_in_executor(None, _stop_coordinator, proc)
+            # A silent coordinator (stopped, hung) gets its heartbeat timeout, not a minute.
+            stuck = gate is not None and gate.stuck() is not None
+            grace = max(5.0, opts.heartbeat_timeout_s) if stuck else STOP_COORDINATOR_S
+            await asyncio.get_running_loop().run_in_executor(None, _stop_coordinator, proc, grace)
         if debug is not None:
             debug.close()
         await client.close()
+
+
+def uvicorn_config(app, opts: ServeOptions) -> uvicorn.Config:
+    """uvicorn's settings: HTTPS with ``--ssl-keyfile``/``--ssl-certfile`` (client
+    certificates required with ``--ssl-ca-certs``), as vLLM passes them."""
+    tls = {}
+    if opts.ssl_certfile is not None:
+        tls = {"ssl_keyfile": opts.ssl_keyfile, "ssl_certfile": opts.ssl_certfile}
+        if opts.ssl_ca_certs is not None:
+            tls |= {"ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+    return uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        log_level="warning",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **tls,
+    )
 
 
 async def _announce(server: uvicorn.Server, summary: str, started: float) -> None:
@@ -191,11 +294,12 @@ def _check_port(host: str, port: int) -> None:
             raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
 
 
-async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient) -> None:
+async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient, gate: Gate) -> None:
     """Stop serving if the coordinator dies; open requests end as aborted."""
     while proc.poll() is None:
         await asyncio.sleep(0.5)
     log.error("the coordinator exited with code %s; stopping", proc.returncode)
+    gate.stopping = True
     client.abort_all()
     server.should_exit = True
 

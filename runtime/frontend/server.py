@@ -19,6 +19,14 @@ visible only at its end, so it reports nothing.  A choice that ends on the
 frontend (stop string, stop token) or whose client disconnects is cancelled at
 the coordinator, which stops selecting it at once.
 
+Reliability (:class:`Gate`, set up by :mod:`runtime.frontend.serve`; see
+``docs/serving.md``): a coordinator silent for ``--heartbeat-timeout``
+seconds makes new requests 503 at once, ends open ones with an error event
+and /health 503 saying why (until it is heard again); a draining or stopping
+server answers new requests 503 with ``Retry-After``; beyond the coordinator's
+resident requests plus ``--max-waiting-requests`` open choices, 429 with
+``Retry-After``.
+
 Every invalid input gets a 4xx JSON error in OpenAI's shape naming the field.
 With an API key, every route but /health and /version requires
 ``Authorization: Bearer KEY`` (the scheme in any case, as HTTP says).
@@ -41,10 +49,12 @@ import hashlib
 import hmac
 import importlib.metadata
 import json
+import logging
 import math
 import secrets
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +63,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from runtime.frontend.chat import ChatTemplate
-from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.client import CoordinatorClient, CoordinatorGone, LocalEnd
 from runtime.frontend.debug import DebugLink, add_debug_routes
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.detokenizer import IncrementalDetokenizer
@@ -72,9 +82,12 @@ from runtime.transport.api import Output, TokenLogprobs
 from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import SamplingParams
 
+log = logging.getLogger("runtime.frontend")
+
 SEED_MODULUS = 1 << 63
 MIN_LOGPROB = -9999.0  # JSON has no -inf (vLLM clamps the same way)
 DISCONNECT_POLL_S = 0.1
+CONFIRM_S = 0.05  # Gate.watch: a second look before calling the coordinator stuck
 MAX_BODY_BYTES = 32 << 20
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "aborted": "abort"}
 # Routes open without the API key: liveness, and the version (vLLM leaves it open too).
@@ -137,6 +150,128 @@ def package_version() -> str:
         return "0+unknown"
 
 
+class Ticket:
+    """``choices`` admitted by a :class:`Gate`; :meth:`release` (idempotent) when the
+    response has ended."""
+
+    def __init__(self, gate: Gate | None, choices: int) -> None:
+        self.gate, self.choices = gate, choices
+        if gate is not None:
+            gate.open += choices
+
+    def release(self) -> None:
+        if self.gate is not None:
+            self.gate.open -= self.choices
+            self.gate = None
+
+
+@dataclass
+class Gate:
+    """What lets a new generation request in, and what /health says.
+
+    ``client.last_heard`` is when the coordinator last said anything (a
+    heartbeat every ``--heartbeat-interval`` at least); silent for more than
+    ``heartbeat_timeout_s`` (as :meth:`watch` checks, a few times a second), it
+    is stuck: new requests get 503 at once, open
+    ones are ended with an error by :meth:`watch`, /health is 503 naming the
+    silence.  Heard again, new requests are served again (the ended ones stay
+    ended).  Open choices (admitted, response not ended) beyond ``resident``
+    (the coordinator's max concurrency) plus ``max_waiting``
+    (``--max-waiting-requests``; None: no limit) get 429; a request is
+    admitted whatever its choices when nothing is open.
+    ``drain_until``: the monotonic deadline of a drain in progress
+    (``--drain-timeout``); ``stopping``: the server is stopping.
+    """
+
+    client: CoordinatorClient
+    heartbeat_timeout_s: float = 10.0
+    resident: int = 1
+    max_waiting: int | None = None
+    open: int = 0
+    drain_until: float | None = None
+    stopping: bool = False
+    stuck_since: float | None = None  # when watch() found the coordinator silent
+
+    def silence_s(self) -> float:
+        return time.monotonic() - self.client.last_heard
+
+    def stuck(self) -> str | None:
+        """Why the coordinator counts as stuck (None: it answers)."""
+        silent = self.silence_s()
+        if silent <= self.heartbeat_timeout_s:
+            return None
+        return (
+            f"the coordinator stopped answering: nothing heard from it for {silent:.1f} s "
+            f"(--heartbeat-timeout {self.heartbeat_timeout_s:g} s)"
+        )
+
+    def unavailable(self) -> tuple[str, int] | None:
+        """Why new requests get 503 now, and the Retry-After seconds (None: they don't)."""
+        if self.stopping:
+            return "the server is shutting down", 1
+        if self.drain_until is not None:
+            left = max(0.0, self.drain_until - time.monotonic())
+            return (
+                f"the server is draining before it shuts down ({left:.1f} s left): "
+                "it takes no new requests",
+                max(1, math.ceil(left)),
+            )
+        reason = self.stuck() if self.stuck_since is not None else None  # as watch() found
+        return None if reason is None else (reason, 1)
+
+    def overloaded(self, choices: int) -> str | None:
+        """Why ``choices`` more would overload the server (None: they fit)."""
+        if self.max_waiting is None or self.open == 0:
+            return None
+        limit = self.resident + self.max_waiting
+        if self.open + choices <= limit:
+            return None
+        return (
+            f"the server is at its queue limit: {self.open} open requests (choices) and "
+            f"{choices} more exceed {limit}, the {self.resident} the coordinator runs at "
+            f"once plus --max-waiting-requests {self.max_waiting}; retry later"
+        )
+
+    def refusal(self, choices: int) -> Response | None:
+        """The 503 or 429 answer for a request of ``choices`` (None: admitted)."""
+        down = self.unavailable()
+        if down is not None:
+            reason, retry = down
+            return _error(503, reason, None, "service_unavailable", retry_after=retry)
+        reason = self.overloaded(choices)
+        if reason is not None:
+            return _error(
+                429, reason, None, "rate_limit_error", code="rate_limit_exceeded", retry_after=1
+            )
+        return None
+
+    async def watch(self) -> None:
+        """Fail open requests while the coordinator is stuck; log its silence and return."""
+        tick = min(0.25, self.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(tick)
+            reason = self.stuck()
+            if reason is not None and self.stuck_since is None:
+                # Messages this process has not read yet (its own loop stalled) go first.
+                await asyncio.sleep(CONFIRM_S)
+                reason = self.stuck()
+            if reason is not None:
+                if self.stuck_since is None:
+                    self.stuck_since = self.client.last_heard
+                    log.error("%s: open requests fail, new ones get 503", reason)
+                ended = self.client.fail_all(reason)
+                if ended:
+                    log.error("ended %d open requests: the coordinator is silent", ended)
+            elif self.stuck_since is not None:
+                silent = self.client.last_heard - self.stuck_since
+                log.warning(
+                    "the coordinator answers again after %.1f s of silence: new requests "
+                    "are served (the ones ended meanwhile stay ended)",
+                    silent,
+                )
+                self.stuck_since = None
+
+
 @dataclass
 class Frontend:
     """What the routes share."""
@@ -152,6 +287,7 @@ class Frontend:
     defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     created: int = field(default_factory=lambda: int(time.time()))
     debug: DebugLink | None = None  # --debug-endpoints: the /debug/* routes' link
+    gate: Gate | None = None  # liveness, drain and overload (None: admit everything)
 
 
 @dataclass
@@ -178,10 +314,14 @@ def _error(
     param: str | None = None,
     kind: str | None = None,
     code: str | None = None,
+    retry_after: int | None = None,
 ):
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    headers = None if retry_after is None else {"Retry-After": str(retry_after)}
     return JSONResponse(
-        RequestError(status, message, param, kind, code=code).to_json(), status_code=status
+        RequestError(status, message, param, kind, code=code).to_json(),
+        status_code=status,
+        headers=headers,
     )
 
 
@@ -228,9 +368,16 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
     done = False
     try:
         while not done:
-            out: Output = await queue.get()
-            if out.finish_reason == "aborted" and produced == 0 and out.fence == 0:
-                raise CoordinatorGone("the engine is not serving")
+            item = await queue.get()
+            if isinstance(item, LocalEnd):  # ended by the frontend itself
+                if item.error is not None:
+                    raise CoordinatorGone(item.error)  # the coordinator stopped answering
+                # The server stops: "abort", whether it ran or still waited for a slot.
+                out = Output(rid, 0, finish_reason="aborted")
+            else:
+                out = item
+                if out.finish_reason == "aborted" and produced == 0 and out.fence == 0:
+                    raise CoordinatorGone("the engine is not serving")  # refused on arrival
             if out.finish_reason == "refused":
                 raise EngineRefused(out.error or "refused")
             if out.finish_reason == "error":
@@ -445,13 +592,31 @@ def _usage(reqs: list[GenerationRequest]) -> Usage:
 
 
 async def _stream(
-    fe: Frontend, reqs: list[GenerationRequest], chat: bool, request_id: str, arrived: float
+    fe: Frontend,
+    reqs: list[GenerationRequest],
+    chat: bool,
+    request_id: str,
+    arrived: float,
+    ticket: Ticket | None = None,
 ) -> AsyncIterator[str]:
     """SSE chunks; publication is reported after each chunk with text reaches the client.
 
     ``reqs``: one request per prompt (several for a batched completions prompt);
-    they share every setting but the prompt.
+    they share every setting but the prompt.  ``ticket``: released at the end.
     """
+    chunks = _stream_chunks(fe, reqs, chat, request_id, arrived)
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        if ticket is not None:
+            ticket.release()
+        await chunks.aclose()  # now (its requests are cancelled), not when collected
+
+
+async def _stream_chunks(
+    fe: Frontend, reqs: list[GenerationRequest], chat: bool, request_id: str, arrived: float
+) -> AsyncIterator[str]:
     req, total = reqs[0], len(_choices(reqs))
     seed = _seed(req)
     usage = _usage(reqs)
@@ -491,7 +656,9 @@ async def _stream(
                     fe.client.publish(piece.request_id, piece.fence, time.monotonic_ns())
             if piece.finish_reason is not None:
                 timing.finished(piece)
-    except (EngineRefused, RuntimeError, CoordinatorGone) as exc:
+    except CoordinatorGone as exc:  # exited, or stopped answering
+        yield _sse(RequestError(503, str(exc), None, "service_unavailable").to_json())
+    except (EngineRefused, RuntimeError) as exc:
         error = RequestError(500, str(exc), None, "server_error").to_json()
         yield _sse(error)
     if req.include_usage:
@@ -675,6 +842,16 @@ def create_app(fe: Frontend) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        gate = fe.gate
+        if gate is not None:
+            down = gate.unavailable()
+            if down is not None:
+                reason, retry = down
+                return _error(503, reason, None, "service_unavailable", retry_after=retry)
+            # The coordinator's latest word, no round trip: answers at once under load.
+            latest = fe.client.heartbeat or fe.client.status
+            if latest is not None and latest.serving:
+                return Response(status_code=200)
         try:
             status = await fe.client.query_status()
         except CoordinatorGone as exc:
@@ -751,6 +928,11 @@ def create_app(fe: Frontend) -> FastAPI:
 
     async def generate(request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
+        gate = fe.gate
+        # Refused before any parsing when it is certain (stuck, draining, full).
+        refused = None if gate is None else gate.refusal(1)
+        if refused is not None:
+            return refused
         body = await _json_body(request)
         if isinstance(body, Response):
             return body
@@ -786,13 +968,21 @@ def create_app(fe: Frontend) -> FastAPI:
             _sampling(req, 0, 0, fe.limits.vocab_size)
         except ProtocolError as exc:
             return _error(400, str(exc), exc.field)
+        # The exact check, with the choices counted (no await between it and admission).
+        refused = None if gate is None else gate.refusal(len(_choices(reqs)))
+        if refused is not None:
+            return refused
+        ticket = Ticket(gate, len(_choices(reqs)))
         fe.metrics.prompt_tokens.inc(sum(len(r.prompt_token_ids) for r in reqs))
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             if req.stream:
-                return StreamingResponse(
-                    _stream(fe, reqs, chat, request_id, arrived), media_type="text/event-stream"
-                )
+                chunks = _stream(fe, reqs, chat, request_id, arrived, ticket)
+                # A stream the server never starts (its client left first) is released
+                # when collected.
+                weakref.finalize(chunks, ticket.release)
+                ticket = None  # the stream's now
+                return StreamingResponse(chunks, media_type="text/event-stream")
             work = asyncio.create_task(_collect(fe, reqs, chat, request_id, arrived))
             watch = asyncio.create_task(_until_disconnect(request))
             try:
@@ -810,6 +1000,9 @@ def create_app(fe: Frontend) -> FastAPI:
             return _error(503, str(exc), None, "service_unavailable")
         except RuntimeError as exc:
             return _error(500, str(exc))
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -12,13 +12,17 @@ frontend -> coordinator
 coordinator -> frontend
     :class:`Output` (the tokens one completed frame committed for a request,
     with their log probabilities when asked; the last one carries the finish
-    reason) and :class:`Status` (serving state and metric values).
+    reason), :class:`Status` (serving state and metric values) and
+    :class:`Heartbeat` (sent every ``--heartbeat-interval`` seconds by a thread
+    of its own: a frontend that hears nothing for ``--heartbeat-timeout``
+    seconds treats the coordinator as stuck).
 
 ``request_id`` is chosen by the frontend (unique among its live requests).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -207,14 +211,16 @@ class TokenLogprobs:
     def __post_init__(self) -> None:
         if type(self.logprob) not in (int, float):
             raise ProtocolError("logprob", f"must be a number, got {type(self.logprob).__name__}")
+        if not self.logprob < math.inf:  # NaN fails too
+            raise ProtocolError("logprob", f"must be a log probability, got {self.logprob}")
         ids = check_ints("top_token_ids", self.top_token_ids, 0, INT32_MAX, MAX_LOGPROBS)
         values = check_seq("top_logprobs", self.top_logprobs, MAX_LOGPROBS)
         if len(values) != len(ids):
             raise ProtocolError("top_logprobs", f"{len(values)} values for {len(ids)} token ids")
         for i, value in enumerate(values):
-            if type(value) not in (int, float):
-                raise ProtocolError(f"top_logprobs[{i}]", "must be a number")
-        # -inf is a legal log probability: no finiteness check.
+            if type(value) not in (int, float) or not value < math.inf:
+                raise ProtocolError(f"top_logprobs[{i}]", f"must be a log probability, got {value}")
+        # -inf is a legal log probability; NaN and +inf are not.
         set_field(self, "logprob", float(self.logprob))
         set_field(self, "top_token_ids", ids)
         set_field(self, "top_logprobs", tuple(float(v) for v in values))
@@ -352,7 +358,28 @@ class Status:
         return cls(**check_fields(cls, data))
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """The coordinator is alive: ``seq`` counts its heartbeats from 1; ``serving``:
+    its engine accepts requests (False: stopping or failed; a :class:`Status`
+    says why)."""
+
+    seq: int
+    serving: bool
+
+    def __post_init__(self) -> None:
+        check_int("seq", self.seq)
+        _check_bool("serving", self.serving)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"seq": self.seq, "serving": self.serving}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> Heartbeat:
+        return cls(**check_fields(cls, data))
+
+
 API_MESSAGE_TYPES: dict[str, type] = {
     cls.__name__: cls
-    for cls in (Submit, Cancel, Publish, StatusQuery, TokenLogprobs, Output, Status)
+    for cls in (Submit, Cancel, Publish, StatusQuery, TokenLogprobs, Output, Status, Heartbeat)
 }

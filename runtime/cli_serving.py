@@ -1,0 +1,126 @@
+"""The HTTP frontend's reliability flags of ``flare run``: drain on SIGTERM, the
+queue limit, HTTPS (kept beside runtime/cli.py, which only wires them;
+docs/serving.md, "Reliability").
+
+The heartbeat flags (``--heartbeat-interval``, ``--heartbeat-timeout``) belong
+to the liveness flags (runtime/cli_liveness.py); the frontend reads them too,
+for the coordinator's heartbeat on the API channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import ssl
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def add_serving_flags(run: argparse.ArgumentParser) -> None:
+    run.add_argument(
+        "--drain-timeout",
+        metavar="S",
+        type=_seconds,
+        default=0.0,
+        help="on SIGTERM/SIGINT, refuse new requests (503 with Retry-After) and let open ones "
+        "finish for up to S seconds; those still open then end with finish_reason 'abort' "
+        "(default 0: every open request ends with 'abort' at once); a second signal aborts now",
+    )
+    run.add_argument(
+        "--max-waiting-requests",
+        metavar="N",
+        type=_count,
+        default=None,
+        help="answer 429 with Retry-After to a request whose choices would make the open ones "
+        "exceed --max-concurrency + N (default: no limit)",
+    )
+    run.add_argument(
+        "--ssl-keyfile",
+        metavar="FILE",
+        default=None,
+        help="serve HTTPS: the private key (PEM; default: plain HTTP)",
+    )
+    run.add_argument(
+        "--ssl-certfile",
+        metavar="FILE",
+        default=None,
+        help="serve HTTPS: the certificate chain (PEM), with --ssl-keyfile (default: plain HTTP)",
+    )
+    run.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        default=None,
+        help="HTTPS: require client certificates signed by these CAs (PEM; mutual TLS; "
+        "default: no client certificates)",
+    )
+
+
+def _readable(flag: str, path: str, parser: argparse.ArgumentParser) -> None:
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as exc:
+        parser.error(f"{flag} {path}: cannot be read ({exc.strerror or exc})")
+
+
+def serving_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The ServeOptions fields of these flags and of the heartbeat flags, checked: a
+    flag given without its partner or naming an unreadable file fails naming it."""
+    interval, timeout = args.heartbeat_interval, args.heartbeat_timeout  # cli_liveness checks
+    keyfile, certfile, ca_certs = args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs
+    if (keyfile is None) != (certfile is None):
+        given, missing = (
+            ("--ssl-keyfile", "--ssl-certfile") if certfile is None else
+            ("--ssl-certfile", "--ssl-keyfile")
+        )  # fmt: skip
+        parser.error(f"{given} needs {missing} too (HTTPS takes a key and its certificate)")
+    if ca_certs is not None and certfile is None:
+        parser.error("--ssl-ca-certs needs --ssl-certfile and --ssl-keyfile (it is for HTTPS)")
+    for flag, path in (
+        ("--ssl-keyfile", keyfile),
+        ("--ssl-certfile", certfile),
+        ("--ssl-ca-certs", ca_certs),
+    ):
+        if path is not None:
+            _readable(flag, path, parser)
+    if certfile is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(certfile, keyfile)
+        except (ssl.SSLError, ValueError) as exc:
+            parser.error(
+                f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: not a PEM certificate "
+                f"and its private key ({exc})"
+            )
+        if ca_certs is not None:
+            try:
+                context.load_verify_locations(ca_certs)
+            except ssl.SSLError as exc:
+                parser.error(f"--ssl-ca-certs {ca_certs}: not PEM CA certificates ({exc})")
+    return {
+        "heartbeat_interval_s": float(interval),
+        "heartbeat_timeout_s": float(timeout),
+        "drain_timeout_s": float(args.drain_timeout),
+        "max_waiting_requests": args.max_waiting_requests,
+        "ssl_keyfile": keyfile,
+        "ssl_certfile": certfile,
+        "ssl_ca_certs": ca_certs,
+    }
