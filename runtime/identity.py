@@ -35,6 +35,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -71,6 +72,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 INDEX_FILE = "model.safetensors.index.json"
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_PACKAGES = ("runtime", "kernels")
+
+log = logging.getLogger("runtime.identity")
 
 
 class IdentityError(ValueError):
@@ -339,12 +342,22 @@ def expected_identity(
     *,
     verify_weights: bool = False,
     allow_code_mismatch: bool = False,
+    unreadable_ok: bool = False,
 ) -> ExpectedIdentity:
     """The coordinator's side of the agreement: its own copy of the model (weights
     optional) and code.  With ``verify_weights`` it hashes its weights fully too,
-    when it has them."""
+    when it has them.  With ``unreadable_ok`` a directory whose identity cannot
+    be computed is logged and left out (``model`` None: the ranks, which load
+    it, say what is wrong with it); otherwise IdentityError."""
+    try:
+        model = model_identity(model_dir, full_weights=verify_weights, require_weights=False)
+    except IdentityError as exc:
+        if not unreadable_ok:
+            raise
+        log.warning("start-up agreement: the coordinator's model directory: %s", exc)
+        model = None
     return ExpectedIdentity(
-        model=model_identity(model_dir, full_weights=verify_weights, require_weights=False),
+        model=model,
         code_version=code_version(),
         protocol_version=protocol_version,
         allow_code_mismatch=allow_code_mismatch,

@@ -310,3 +310,15 @@ def test_the_collective_fingerprint_covers_shapes_and_dtype() -> None:
     # Tensor bytes and the tokenizer do not change what the collectives exchange.
     verified = ModelIdentity(identity.config_digest, "", identity.weights_digest, "e" * 64)
     assert collective_fingerprint(verified, None, "float32") == base
+
+
+def test_an_unreadable_coordinator_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    with pytest.raises(IdentityError, match="missing is not a directory"):
+        expected_identity(missing, PROTOCOL_VERSION)
+    lenient = expected_identity(missing, PROTOCOL_VERSION, unreadable_ok=True)
+    assert lenient.model is None  # the ranks name the problem; the versions still count
+    assert lenient.fields() == {
+        "protocol_version": PROTOCOL_VERSION,
+        "code_version": code_version(),
+    }
