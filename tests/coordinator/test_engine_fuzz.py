@@ -38,6 +38,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.engine import ERROR, Engine, EngineConfig, EngineError
 from runtime.transport.codec import decode, encode
 from runtime.transport.columns import column
@@ -62,16 +63,16 @@ FUZZ = settings(
 class Rig:
     """An engine, in-process fake ranks and a stranger's socket on the completions endpoint."""
 
-    def __init__(self, spec: FakeSpec | None = None) -> None:
+    def __init__(self, spec: FakeSpec | None = None, world: int = WORLD) -> None:
         config = EngineConfig(
-            world_size=WORLD,
+            world_size=world,
             handshake_timeout_s=WAIT_S,
             catalog_timeout_s=WAIT_S,
             completion_timeout_s=WAIT_S,
             shutdown_grace_s=0,
         )
         self.engine = Engine(config)
-        self.ranks = LocalRanks(self.engine.bind(), WORLD, spec or FakeSpec())
+        self.ranks = LocalRanks(self.engine.bind(), world, spec or FakeSpec())
         threads = self.ranks.handshake_in_background()
         self.engine.start()
         for thread in threads:
@@ -139,8 +140,8 @@ class Rig:
 def rig_factory() -> Iterator[Callable[..., Rig]]:
     rigs: list[Rig] = []
 
-    def make(spec: FakeSpec | None = None) -> Rig:
-        rigs.append(Rig(spec))
+    def make(spec: FakeSpec | None = None, world: int = WORLD) -> Rig:
+        rigs.append(Rig(spec, world))
         return rigs[-1]
 
     yield make
@@ -480,3 +481,88 @@ def test_an_error_control_from_a_rank_fails_the_frames_in_flight(
         while time.monotonic() < deadline:
             rig.engine.step(5)
     assert stream.result(timeout=0).finish_reason == ERROR
+
+
+# ---------------------------------------------------------------- speculative sidecars
+
+SPECULATIVE = GraphDescriptor(
+    GraphKind.SPECULATIVE,
+    4,
+    token_capacity=4,
+    proposal_depth=3,
+    target_capacity=8,
+    device_allocated=True,
+)
+
+
+def test_confidence_sidecars_of_every_shape_run_or_fail_fast() -> None:
+    """A device-allocated round's confidence sidecar [2, rows >= lanes, depth]:
+    rank 0's true values with extra rows of probabilities run on with exactly
+    the reference tokens; any other shape fails the engine naming the fence and
+    the sidecar."""
+    verdicts: set[tuple[str, int]] = set()
+
+    @settings(FUZZ, max_examples=24)
+    @given(
+        planes=st.sampled_from([2, 2, 2, 1, 3]),
+        rows=st.sampled_from([0, 0, 1, -1]),  # beside the true lane count
+        depth=st.sampled_from([0, 0, 1, -1]),  # beside the true proposal depth
+        filler=st.sampled_from([0.0, 0.5, 1.0]),
+    )
+    def run(planes: int, rows: int, depth: int, filler: float) -> None:
+        verdicts.add(_confidence_case(planes, rows, depth, filler))
+
+    run()
+    assert {v for v, _ in verdicts} == {"fits", "wrong"}
+    assert ("fits", 1) in verdicts  # an extra row of probabilities is fine
+
+
+def _confidence_case(planes: int, rows: int, depth: int, filler: float) -> tuple[str, int]:
+    rig = Rig(FakeSpec(descriptors=(*fake_rank.DESCRIPTORS, SPECULATIVE), accept=2,
+                       confidence=(0.9, 0.8, 0.4)), world=1)  # fmt: skip
+    try:
+        rig.engine.scheduler.speculation.preseed("draft", [0.95, 0.9, 0.85])
+        prompt = [4, 8, 15, 16, 23, 42]
+        stream = rig.engine.submit(prompt, 12, ignore_eos=True)
+        forged = None
+        deadline = time.monotonic() + WAIT_S
+        while not stream.finished:
+            assert time.monotonic() < deadline, "the engine stalled"
+            try:
+                rig.engine.step(0)
+            except EngineError as exc:
+                assert forged is not None and forged[1] != "fits", (forged, exc)
+                assert f"fence {forged[0]}" in str(exc) and "confidence" in str(exc), exc
+                assert stream.finish_reason == ERROR
+                return forged[1], rows
+            (answers,) = rig.ranks.take(timeout_ms=1)
+            for i, answer in enumerate(answers):
+                true = answer.sidecars.get("confidence")
+                if true is None or forged is not None:
+                    continue
+                _, lanes, d = true.shape
+                shape = (planes, lanes + rows, d + depth)
+                values = true.values()
+                if shape[0] == 2 and shape[1] >= lanes and shape[2] == d:  # the true rows first
+                    verdict = "fits"
+                    halves = [values[k * lanes * d : (k + 1) * lanes * d] for k in (0, 1)]
+                    pad = [filler] * ((shape[1] - lanes) * d)
+                    flat = [v for half in halves for v in half + pad]
+                else:
+                    verdict = "wrong"
+                    flat = [filler] * math.prod(shape)
+                tensor = Tensor.from_values("float32", shape, flat)
+                answers[i] = dataclasses.replace(answer, sidecars={"confidence": tensor})
+                forged = (answer.fence, verdict)
+            rig.ranks.send([answers])
+        assert forged is not None and forged[1] == "fits", forged
+        _check_tokens_ignoring_eos(stream, prompt, 12)
+        return "fits", rows
+    finally:
+        rig.close()
+
+
+def _check_tokens_ignoring_eos(stream: Any, prompt: list[int], max_tokens: int) -> None:
+    tokens, reason = reference(prompt, max_tokens, ignore_eos=True)
+    result = stream.result(timeout=0)
+    assert (result.token_ids, result.finish_reason) == (tokens, reason)
