@@ -38,6 +38,7 @@ from runtime.transport.channels import CoordinatorChannel
 from runtime.transport.codec import decode, encode
 from runtime.transport.inspection import RankStatus
 from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig
+from runtime.transport.restore import Restore
 from runtime.transport.schema import (
     MAX_ERROR_CHARS,
     MAX_SLOTS,
@@ -388,3 +389,101 @@ def test_a_hundred_broken_messages_are_each_answered_and_the_rank_keeps_serving(
     assert kinds.get("error", 0) >= 30 and kinds.get("refused", 0) >= 10, kinds
     assert rank.generate(PROMPT, DECODES) == baseline
     assert rank.procs[0].poll() is None and not rank.gone
+
+
+# ---------------------------------------------------------------- the rank worker in-process
+
+
+@st.composite
+def worker_frames(draw: st.DrawFn, catalog: list[GraphDescriptor], vocab: int, pool: int) -> Frame:
+    """Frames of every program of ``catalog`` (and one it lacks): lanes on a few
+    slots with generations, positions, token ids, pages, copies, restore records
+    and settings near and past the limits, so that some run and most are refused."""
+    program = draw(st.sampled_from([*catalog, GraphDescriptor(GraphKind.DECODE, 16)]))
+    slots = st.lists(st.integers(0, 5), min_size=0, max_size=min(4, program.batch_capacity),
+                     unique=True)  # fmt: skip
+    pages = st.lists(st.integers(0, pool + 1), min_size=0, max_size=3, unique=True)
+    generation, position = st.integers(1, 3), st.sampled_from([0, 0, 1, 15, 16, 40, 70])
+    settings_ = st.builds(
+        SamplingParams,
+        temperature=st.sampled_from([0.0, 0.7]),
+        top_k=st.sampled_from([-1, 5]),
+        logprobs=st.sampled_from([-1, 0, 3]),
+        repetition_penalty=st.sampled_from([1.0, 1.3]),
+        logit_bias=st.sampled_from([(), ((vocab + 3, 5.0),), ((7, -100.0),)]),
+    )
+    known = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=40).map(tuple)
+    lanes = []
+    if program.kind is GraphKind.PREFILL:
+        start = draw(position)
+        tokens = draw(st.lists(st.integers(0, vocab + 1), min_size=1, max_size=60))
+        restore = None
+        if draw(st.booleans()):
+            sequence = draw(known)
+            restore = Restore(sequence, draw(st.integers(0, len(sequence))))
+        lanes.append(FrameLane(draw(st.integers(0, 5)), draw(generation), "prefill", start,
+                               tuple(tokens), start, tuple(draw(pages)) or (0,),
+                               draw(st.integers(0, 1)), draw(settings_), restore))  # fmt: skip
+    elif program.kind is GraphKind.DECODE:
+        for slot in draw(slots):
+            lanes.append(FrameLane(slot, draw(generation), "decode", 0, (), draw(position),
+                                   tuple(draw(pages)), 1))  # fmt: skip
+    else:  # RESTORE or SNAPSHOT: restore rows and terminal rows
+        for slot in draw(slots):
+            if program.kind is GraphKind.RESTORE and draw(st.booleans()):
+                sequence = draw(known)
+                at = draw(st.integers(0, len(sequence) - 1))
+                record = Restore(sequence, draw(st.integers(0, len(sequence))))
+                lanes.append(FrameLane(slot, draw(generation), "state", at, (), at,
+                                       tuple(draw(pages)), 0, draw(settings_), record))  # fmt: skip
+            else:
+                lanes.append(FrameLane(slot, draw(generation), "state", 0, (), 0, (), 0))
+    copies = draw(st.sampled_from([(), ((0, 1),), ((pool, 2),), ((3, pool + 1),)]))
+    released = draw(st.lists(st.integers(6, 11), max_size=2, unique=True))
+    return Frame.from_lanes(draw(st.integers(1, 2**40)), program, lanes,
+                            release_slots=released, copies=copies)  # fmt: skip
+
+
+def test_the_rank_worker_runs_or_refuses_every_frame_changing_nothing_when_it_refuses() -> None:
+    """In-process, a few hundred frames through the rank's own check and launch:
+    each runs (a completion of its lanes, token ids inside the vocabulary) or is
+    refused with FrameError / ProgramError and the rank's state unchanged; no
+    other exception (which would end a rank process) ever escapes."""
+    from runtime.ranks.capacity import CapacityConfig
+    from runtime.ranks.model import default_model_dir, load_model
+    from runtime.ranks.programs import ProgramError
+    from runtime.ranks.slots import FrameError
+    from runtime.ranks.worker import RankWorker
+
+    capacity = CapacityConfig(max_concurrency=4, min_prefill_tokens=64, max_prefill_tokens=64)
+    worker = RankWorker(load_model(default_model_dir()), capacity, num_pages=24, page_size=16)
+    vocab = worker.report().vocab_size
+    outcomes: dict[str, int] = {}
+
+    @settings(
+        derandomize=True,
+        database=None,
+        deadline=None,
+        max_examples=100,
+        phases=[Phase.explicit, Phase.generate],  # one worker: no shrinking replays
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(frame=worker_frames(list(worker.catalog), vocab, 24))
+    def run(frame: Frame) -> None:
+        before = worker.inspect()
+        try:
+            item = worker.start(frame)
+            done = item if isinstance(item, Completion) else worker.finish(item)
+        except (FrameError, ProgramError):
+            outcomes["refused"] = outcomes.get("refused", 0) + 1
+            after = worker.inspect()
+            assert after.slots() == before.slots() and after.frames == before.frames
+            return
+        outcomes["ran"] = outcomes.get("ran", 0) + 1
+        assert done.fence == frame.fence and done.error is None
+        assert list(done.slot) == list(frame.slot)
+        assert all(0 <= t < vocab for t in done.tokens)
+
+    run()
+    print(f"frames run or refused by the worker: {outcomes}")
+    assert outcomes.get("ran", 0) >= 8 and outcomes.get("refused", 0) >= 40, outcomes
