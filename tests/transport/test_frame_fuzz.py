@@ -25,6 +25,7 @@ import logging
 import math
 import random
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -38,6 +39,7 @@ from runtime.transport.channels import CoordinatorChannel, RankChannel
 from runtime.transport.codec import MESSAGE_TYPES, decode, encode
 from runtime.transport.columns import column
 from runtime.transport.fields import MAX_SEQUENCE
+from runtime.transport.liveness import MAX_REJECT_LOGS, CoordinatorLiveness, LivenessConfig
 from runtime.transport.schema import (
     MESSAGE_TYPES as RANK_MESSAGE_TYPES,
 )
@@ -407,3 +409,47 @@ def test_channels_keep_serving_after_a_stream_of_junk(
     assert any("protocol version" in text for text in rejected)
     assert any("says world size 2, expected 1" in text for text in rejected)
     assert any("unexpected Frame on this channel" in text for text in rejected)
+
+
+def test_the_heartbeat_watcher_keeps_watching_after_a_stream_of_junk(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The coordinator's heartbeat thread (ROUTER) refuses junk from a stranger's
+    DEALER, counts it and keeps going: a valid heartbeat after it is recorded,
+    and the thread answers with its own heartbeats."""
+    channel = CoordinatorChannel(2)
+    gone: list[str] = []
+    liveness = CoordinatorLiveness(
+        channel.take_heartbeat_socket(), 2, LivenessConfig(0.05, 60.0),
+        lambda rank, reason: gone.append(reason),
+    )  # fmt: skip
+    liveness.start()
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(channel.endpoints.heartbeat)
+    try:
+        junk = _junk(3, 60, (Control,))
+        junk += [encode(Control("ping")), encode(Control("heartbeat", rank=5, nonce=1))]
+        with caplog.at_level(logging.WARNING, logger="runtime.transport.liveness"):
+            for data in junk:
+                raw.send(data)
+            raw.send_multipart([encode(Control("heartbeat", rank=1, nonce=1)), b"tail"])
+            raw.send(encode(Control("heartbeat", rank=1, nonce=2)))
+            deadline = time.monotonic() + 10.0
+            while liveness.last_heartbeat_ns(1) is None:
+                assert time.monotonic() < deadline, "the valid heartbeat after the junk was lost"
+                time.sleep(0.01)
+        logged = [r.getMessage() for r in caplog.records if "rejected message" in r.getMessage()]
+        assert len(logged) == MAX_REJECT_LOGS  # the first ones, with their reasons
+        assert "malformed msgpack" in logged[0] and "protocol version" in logged[2]
+        assert liveness.rejected == len(junk) + 1 and liveness.alive
+        assert liveness.heard == [1] and liveness.last_heartbeat_ns(0) is None
+        assert raw.poll(10_000), "no heartbeat back from the coordinator"
+        assert decode(raw.recv()).command == "heartbeat"
+        assert not gone
+    finally:
+        raw.close()
+        context.term()
+        liveness.close()
+        channel.close()
