@@ -171,6 +171,7 @@ REFUSED_KINDS = (
     "forged_duplicate",
     "world_size",
     "rank_outside_world",
+    "lanes_from_rank_1",
     "interval",
     "sidecar",
     "stray_error",
@@ -243,6 +244,8 @@ def _forge(rig: Rig, case: dict[str, Any], fence: int, answers: list[Completion]
         return [encode(dataclasses.replace(true, world_size=case["world_size"], rank=0))]
     if kind == "rank_outside_world":
         return [_wire(true, rank=WORLD)]
+    if kind == "lanes_from_rank_1":  # rank 0's lanes, claimed by rank 1
+        return [_wire(answers[0], rank=1)]
     if kind == "interval":
         return [_wire(true, **{case["field"]: case["value"]})]
     if kind == "sidecar":
@@ -266,6 +269,7 @@ EXPECTED = {
     "forged_duplicate": (0, 1),
     "world_size": (1, 0),
     "rank_outside_world": (1, 0),
+    "lanes_from_rank_1": (1, 0),
     "interval": (1, 0),
     "sidecar": (1, 0),
     "stray_error": (0, 1),
@@ -279,6 +283,7 @@ LOGGED = {
     "forged_duplicate": "duplicate completion",
     "world_size": "says world size",
     "rank_outside_world": "Completion.rank",
+    "lanes_from_rank_1": "only rank 0 reports lanes",
     "interval": "Completion.",
     "sidecar": "sidecars[logprobs]",
     "stray_error": "not in flight",
