@@ -265,3 +265,23 @@ def test_a_broken_message_to_a_live_rank_fails_the_engine_fast(caplog) -> None:
         engine.stop()
         codes = stop_ranks(ranks, timeout_s=30)
     assert codes == [0]  # the rank kept serving until told to shut down
+
+
+def test_a_rank_busy_in_a_frame_longer_than_the_timeout_is_not_taken_for_dead(
+    monkeypatch,
+) -> None:
+    # Every frame of rank 0 takes 2.5 s, more than the 2 s heartbeat timeout: its
+    # heartbeat thread keeps sending while the frame runs, so nothing fails.
+    monkeypatch.setenv("FLARE_DEBUG_DELAY_NS_RANK0", str(2_500_000_000))
+    deployment = LocalDeployment(
+        DeploymentConfig(
+            device="cpu", max_concurrency=2, num_pages=64, max_prefill_tokens=64,
+            startup_timeout_s=START_S, allow_code_mismatch=True, **HEARTBEAT,
+        )
+    )  # fmt: skip
+    with deployment:
+        stream = deployment.engine.submit([1, 2, 3], 2, ignore_eos=True)
+        result = stream.result(timeout=60)
+        assert result.finish_reason != ERROR, deployment.engine.error
+        assert len(result.token_ids) == 2
+        assert deployment.engine.error is None and deployment.engine.liveness.gone == {}
