@@ -33,6 +33,16 @@ With ``--trace-cost`` it then measures what the live plan trace
   interleaved runs each (on, off, on, off, ...) at ``--trace-concurrency``,
   and the median of each: single runs move 10-20% on a shared machine.
 
+With ``--transport-cost`` it measures what CURVE (authenticated, encrypted
+frames, runtime/transport/security.py) costs per frame: two deployments over
+TCP loopback at TP ``--transport-tp``, one with keys made for the run and one
+with ``insecure_transport``, alive at once; ``--transport-rounds`` interleaved
+rounds of ``--probes`` empty-frame round trips each (CURVE, plain, CURVE, ...),
+and the median over all of each: ``round_trip_us_curve``,
+``round_trip_us_plain`` and their difference ``curve_overhead_us`` (an empty
+frame's messages are small; encryption adds about a nanosecond per byte on
+top for large ones).
+
 Then it runs transformers' ``generate`` on the same checkpoint, one request at a
 time and batched at each concurrency above 1, for comparison.  The last line
 is one JSON object with every figure printed.
@@ -143,6 +153,41 @@ def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
                 f"{figures['frames']} frames"
             )
     return results
+
+
+def transport_cost(args: argparse.Namespace, vocab: int) -> dict:
+    """Empty-frame round trips over TCP loopback with CURVE and without, interleaved."""
+    import dataclasses
+
+    base = dataclasses.replace(deployment_config(args.transport_tp, args), transport="tcp")
+    curve = LocalDeployment(base)
+    plain = LocalDeployment(dataclasses.replace(base, insecure_transport=True))
+    trips: dict[str, list[int]] = {"curve": [], "plain": []}
+    with curve, plain:
+        assert curve.engine.rank_keys() is not None and plain.engine.rank_keys() is None
+        for deployment in (curve, plain):  # warm-up: programs measured, sockets busy
+            engine = deployment.engine
+            engine.submit(prompts(1, args.prompt_tokens, vocab)[0], 4, ignore_eos=True).result(
+                timeout=600
+            )
+            engine.measure_round_trip(50)
+        for _ in range(args.transport_rounds):
+            trips["curve"] += curve.engine.measure_round_trip(args.probes)
+            trips["plain"] += plain.engine.measure_round_trip(args.probes)
+    out = {f"round_trip_us_{k}": statistics.median(v) / 1e3 for k, v in trips.items()}
+    for k, v in trips.items():
+        out[f"round_trip_p90_us_{k}"] = sorted(v)[int(0.9 * (len(v) - 1))] / 1e3
+    out["curve_overhead_us"] = out["round_trip_us_curve"] - out["round_trip_us_plain"]
+    print(
+        f"TP={args.transport_tp} empty-frame round trip over TCP loopback "
+        f"({len(trips['curve'])} frames each, {args.transport_rounds} interleaved rounds):"
+    )
+    print(f"  {'transport':<10} {'median us':>10} {'p90 us':>10}")
+    for name, key in (("CURVE", "curve"), ("plain", "plain")):
+        median, p90 = out[f"round_trip_us_{key}"], out[f"round_trip_p90_us_{key}"]
+        print(f"  {name:<10} {median:>10.1f} {p90:>10.1f}")
+    print(f"  CURVE adds {out['curve_overhead_us']:.1f} us per frame round trip")
+    return out
 
 
 class Timed:
@@ -314,6 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--skip-frames", action="store_true", help="skip the round-trip and concurrency figures"
     )
+    p.add_argument(
+        "--transport-cost",
+        action="store_true",
+        help="also measure the per-frame cost of CURVE over TCP loopback",
+    )
+    p.add_argument("--transport-tp", type=int, default=1, help="TP of the transport runs")
+    p.add_argument("--transport-rounds", type=int, default=5, help="interleaved rounds each")
     args = p.parse_args(argv)
     from runtime.ranks.model.config import ModelConfig
 
@@ -328,6 +380,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.trace_cost:
             for key, value in trace_cost(tp, args, vocab).items():
                 result[f"tp{tp}_{key}"] = round(value, 3)
+    if args.transport_cost:
+        for key, value in transport_cost(args, vocab).items():
+            result[key] = round(value, 3)
     if not args.skip_transformers:
         for key, value in run_transformers(args, vocab).items():
             result[f"transformers_{key}"] = round(value, 1)
