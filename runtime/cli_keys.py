@@ -81,13 +81,14 @@ def add_transport_flags(run: argparse.ArgumentParser) -> None:
         default=None,
         help="--ranks external: authenticate and encrypt the ranks' TCP traffic with the "
         "CURVE keys `flare keys` wrote (the coordinator's directory: the server secret and "
-        "the rank hosts' public keys; docs/security.md)",
+        "the rank hosts' public keys; docs/security.md; default: required with --ranks "
+        "external unless --insecure-transport)",
     )
     run.add_argument(
         "--insecure-transport",
         action="store_true",
         help="--ranks external: run the rank traffic over TCP WITHOUT authentication or "
-        "encryption (anyone reaching the ports reads prompts and forges tokens)",
+        "encryption (anyone reaching the ports reads prompts and forges tokens; default: off)",
     )
 
 

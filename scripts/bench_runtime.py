@@ -155,6 +155,42 @@ def run_engine(tp: int, args: argparse.Namespace, vocab: int) -> dict:
     return results
 
 
+def socket_round_trips(curve: bool, count: int, size: int = 256) -> list[int]:
+    """Ping-pong of ``size``-byte messages between two sockets of this process over
+    TCP loopback, with CURVE (keys and ZAP gate as the runtime sets them) or not:
+    the transport's own cost, without the ranks' and the engine's noise."""
+    import zmq
+
+    from runtime.transport.security import Gatekeeper, per_run_keys, secure_client, secure_server
+
+    context = zmq.Context()
+    keys = per_run_keys()
+    gate = Gatekeeper(context, keys.server) if curve else None
+    server, client = context.socket(zmq.PAIR), context.socket(zmq.PAIR)
+    try:
+        if curve:
+            secure_server(server, keys.server)
+            secure_client(client, keys.clients[0])
+        port = server.bind_to_random_port("tcp://127.0.0.1")
+        client.connect(f"tcp://127.0.0.1:{port}")
+        payload = b"x" * size
+        trips = []
+        for i in range(count + 50):  # the first 50: the handshake and warm-up
+            start = time.perf_counter_ns()
+            client.send(payload)
+            server.send(server.recv())
+            client.recv()
+            if i >= 50:
+                trips.append(time.perf_counter_ns() - start)
+        return trips
+    finally:
+        server.close(linger=0)
+        client.close(linger=0)
+        if gate is not None:
+            gate.close()
+        context.term()
+
+
 def transport_cost(args: argparse.Namespace, vocab: int) -> dict:
     """Empty-frame round trips over TCP loopback with CURVE and without, interleaved."""
     import dataclasses
@@ -178,6 +214,15 @@ def transport_cost(args: argparse.Namespace, vocab: int) -> dict:
     for k, v in trips.items():
         out[f"round_trip_p90_us_{k}"] = sorted(v)[int(0.9 * (len(v) - 1))] / 1e3
     out["curve_overhead_us"] = out["round_trip_us_curve"] - out["round_trip_us_plain"]
+    sockets: dict[str, list[int]] = {"curve": [], "plain": []}
+    for _ in range(args.transport_rounds):
+        for name in ("curve", "plain"):
+            sockets[name] += socket_round_trips(name == "curve", 2000)
+    for k, v in sockets.items():
+        out[f"socket_round_trip_us_{k}"] = statistics.median(v) / 1e3
+    out["curve_socket_overhead_us"] = (
+        out["socket_round_trip_us_curve"] - out["socket_round_trip_us_plain"]
+    )
     print(
         f"TP={args.transport_tp} empty-frame round trip over TCP loopback "
         f"({len(trips['curve'])} frames each, {args.transport_rounds} interleaved rounds):"
@@ -187,6 +232,12 @@ def transport_cost(args: argparse.Namespace, vocab: int) -> dict:
         median, p90 = out[f"round_trip_us_{key}"], out[f"round_trip_p90_us_{key}"]
         print(f"  {name:<10} {median:>10.1f} {p90:>10.1f}")
     print(f"  CURVE adds {out['curve_overhead_us']:.1f} us per frame round trip")
+    print(
+        f"  sockets alone (256-byte ping-pong in one process): CURVE "
+        f"{out['socket_round_trip_us_curve']:.1f} us, plain "
+        f"{out['socket_round_trip_us_plain']:.1f} us, "
+        f"+{out['curve_socket_overhead_us']:.1f} us per round trip (two messages)"
+    )
     return out
 
 

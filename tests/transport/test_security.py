@@ -4,6 +4,7 @@ bounded messages (runtime/transport/security.py, docs/security.md)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import stat
 import threading
@@ -294,6 +295,29 @@ def test_the_rank_watchdog_reports_through_curve(
     finally:
         watchdog.close()
     assert secure.auth_denied == 0
+
+
+def test_heartbeat_sockets_are_curve_too(keys: DeploymentKeys) -> None:
+    coordinator = CoordinatorChannel(1, transport="tcp", heartbeat=True, keys=keys.server)
+    router = coordinator.take_heartbeat_socket()
+    ranks = [RankChannel(coordinator.endpoints, 0, keys=k) for k in (keys.clients[0], None)]
+    dealers = [rank.open_heartbeat_socket() for rank in ranks]
+    try:
+        assert all(d is not None for d in dealers)
+        for i, dealer in enumerate(dealers):
+            with contextlib.suppress(zmq.Again):  # the keyless one may be refused already
+                dealer.send(b"beat %d" % i, zmq.NOBLOCK)  # type: ignore[union-attr]
+        assert router.poll(int(WAIT_S * 1000))
+        assert router.recv_multipart()[1:] == [b"beat 0"]  # the keyless DEALER's never comes
+        assert not router.poll(REFUSED_MS)
+        assert coordinator.auth_denied >= 1
+    finally:
+        for dealer in dealers:
+            dealer.close(linger=0)  # type: ignore[union-attr]
+        router.close(linger=0)
+        for rank in ranks:
+            rank.close()
+        coordinator.close()
 
 
 def test_server_keys_validate_their_fields() -> None:
