@@ -481,7 +481,12 @@ class Gatekeeper:
         if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
             what = _PROTOCOL_REASONS.get(value, f"ZMTP protocol error {value:#x}")
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-            what = "a handshake that failed (a peer that closed or spoke no ZMTP)"
+            # A keyless peer that notices the mismatch first closes: this, not
+            # the mismatch, is then what the server sees.
+            what = (
+                "a handshake that did not complete (a peer without CURVE keys, or one that "
+                "closed or spoke no ZMTP)"
+            )
         else:
             return
         where = event.get("endpoint", b"")
