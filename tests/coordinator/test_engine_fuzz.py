@@ -74,9 +74,15 @@ class Rig:
         self.engine = Engine(config)
         self.ranks = LocalRanks(self.engine.bind(), world, spec or FakeSpec())
         threads = self.ranks.handshake_in_background()
-        self.engine.start()
-        for thread in threads:
-            thread.join(WAIT_S)
+        try:
+            self.engine.start()
+        except BaseException:  # no socket left open (a collected context would hang)
+            self.engine.stop()
+            self.ranks.close()
+            raise
+        finally:
+            for thread in threads:
+                thread.join(WAIT_S)
         self.context = zmq.Context()
         self.raw = self.context.socket(zmq.PUSH)
         self.raw.setsockopt(zmq.LINGER, 0)

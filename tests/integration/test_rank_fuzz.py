@@ -62,7 +62,8 @@ class LiveRank:
     """A bare coordinator channel, its heartbeat thread and one real rank process."""
 
     def __init__(self, home: str) -> None:
-        self.channel = CoordinatorChannel(1)
+        self.channel = CoordinatorChannel(1, heartbeat=True)
+        self.procs: list = []
         self.gone: list[str] = []
         self.liveness = CoordinatorLiveness(
             self.channel.take_heartbeat_socket(),
@@ -81,12 +82,16 @@ class LiveRank:
             "--num-pages",
             "32",
         ]
-        self.procs = spawn_ranks(
-            self.channel.endpoints, 1, args, env=dict(os.environ, FLARE_HOME=home)
-        )
-        self.channel.handshake(timeout_s=STARTUP_S)
-        report = self.channel.recv(timeout_ms=int(STARTUP_S * 1000))
-        assert isinstance(report, CatalogReport), report
+        try:
+            self.procs = spawn_ranks(
+                self.channel.endpoints, 1, args, env=dict(os.environ, FLARE_HOME=home)
+            )
+            self.channel.handshake(timeout_s=STARTUP_S)
+            report = self.channel.recv(timeout_ms=int(STARTUP_S * 1000))
+            assert isinstance(report, CatalogReport), report
+        except BaseException:
+            self.close()
+            raise
         self.report = report
         self.fence = 0
         self.nonce = 0
@@ -156,6 +161,7 @@ class LiveRank:
         return tokens
 
     def close(self) -> list[int | None]:
+        """Shutdown to the rank; its exit code (killed after 30 s), then the channel."""
         self.channel.shutdown_ranks()
         codes = stop_ranks(self.procs, timeout_s=30.0)
         self.liveness.close()

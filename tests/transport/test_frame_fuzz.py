@@ -20,6 +20,7 @@ Hypothesis runs derandomized: the same examples on every run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -417,18 +418,22 @@ def test_the_heartbeat_watcher_keeps_watching_after_a_stream_of_junk(
     """The coordinator's heartbeat thread (ROUTER) refuses junk from a stranger's
     DEALER, counts it and keeps going: a valid heartbeat after it is recorded,
     and the thread answers with its own heartbeats."""
-    channel = CoordinatorChannel(2)
-    gone: list[str] = []
-    liveness = CoordinatorLiveness(
-        channel.take_heartbeat_socket(), 2, LivenessConfig(0.05, 60.0),
-        lambda rank, reason: gone.append(reason),
-    )  # fmt: skip
-    liveness.start()
-    context = zmq.Context()
-    raw = context.socket(zmq.DEALER)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(channel.endpoints.heartbeat)
-    try:
+    with contextlib.ExitStack() as stack:  # closed in reverse, the channel last
+        channel = CoordinatorChannel(2, heartbeat=True)
+        stack.callback(channel.close)
+        gone: list[str] = []
+        liveness = CoordinatorLiveness(
+            channel.take_heartbeat_socket(), 2, LivenessConfig(0.05, 60.0),
+            lambda rank, reason: gone.append(reason),
+        )  # fmt: skip
+        liveness.start()
+        stack.callback(liveness.close)
+        context = zmq.Context()
+        stack.callback(context.term)
+        raw = context.socket(zmq.DEALER)
+        stack.callback(raw.close)
+        raw.setsockopt(zmq.LINGER, 0)
+        raw.connect(channel.endpoints.heartbeat)
         junk = _junk(3, 60, (Control,))
         junk += [encode(Control("ping")), encode(Control("heartbeat", rank=5, nonce=1))]
         with caplog.at_level(logging.WARNING, logger="runtime.transport.liveness"):
@@ -448,11 +453,6 @@ def test_the_heartbeat_watcher_keeps_watching_after_a_stream_of_junk(
         assert raw.poll(10_000), "no heartbeat back from the coordinator"
         assert decode(raw.recv()).command == "heartbeat"
         assert not gone
-    finally:
-        raw.close()
-        context.term()
-        liveness.close()
-        channel.close()
 
 
 def test_an_oversized_message_is_dropped_by_the_socket_and_the_channel_keeps_serving(
