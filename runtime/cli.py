@@ -43,7 +43,11 @@ from runtime.cli_debug import (
     debug_config,
 )
 from runtime.cli_deploy import add_deploy_flags, external_ranks
+from runtime.cli_identity import add_identity_flags, identity_config
+from runtime.cli_keys import add_keys_command, add_transport_flags, cmd_keys, transport_config
+from runtime.cli_liveness import add_liveness_flags, liveness_config
 from runtime.cli_memory import add_kv_flags, add_prefix_cache_flags, kv_pool, prefix_cache_config
+from runtime.cli_serving import add_serving_flags, serving_options
 from runtime.cli_speculation import add_speculation_flags, speculation_config
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
@@ -336,7 +340,11 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", metavar="N", type=int, default=0, help="--prompt: sampling seed")
     add_run_flags(run)
     add_debug_flags(run)
+    add_liveness_flags(run)
+    add_identity_flags(run)
     add_deploy_flags(run)
+    add_serving_flags(run)
+    add_transport_flags(run)
     # Set by the frontend for its coordinator process (python -m runtime.coordinator).
     run.add_argument("--api-requests", help=argparse.SUPPRESS)
     run.add_argument("--api-outputs", help=argparse.SUPPRESS)
@@ -360,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_command(sub, Parser, HelpFormatter)
     add_replay_command(sub, Parser, HelpFormatter)
     add_ranks_command(sub, Parser, HelpFormatter)
+    add_keys_command(sub, Parser, HelpFormatter)
     return parser
 
 
@@ -588,6 +597,9 @@ def checked_run(
             external=external,
             **prefix_cache_config(args),
             **debug_config(args),
+            **transport_config(args, parser),
+            **liveness_config(args, parser),
+            **identity_config(args),
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -751,6 +763,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
             chat_template=args.chat_template,
             max_choices_per_request=args.max_choices_per_request,
             debug_endpoints=args.debug_endpoints,
+            **serving_options(args, parser),
         )
     )
 
@@ -769,6 +782,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_trace(args)
     if args.command == "replay":
         return cmd_replay(args)
+    if args.command == "keys":
+        return cmd_keys(args)
     if args.command == "ranks":
         return cmd_ranks(args)
     parser.error(f"unknown command {args.command!r}")

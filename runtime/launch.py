@@ -43,6 +43,8 @@ def _die_with_parent() -> None:
 
 
 def rank_command(endpoints: ChannelEndpoints, rank_args: Sequence[str] = ()) -> list[str]:
+    """``python -m runtime.ranks`` connected to ``endpoints`` (heartbeat included)."""
+    heartbeat = ["--heartbeat-endpoint", endpoints.heartbeat] if endpoints.heartbeat else []
     return [
         sys.executable,
         "-m",
@@ -51,6 +53,7 @@ def rank_command(endpoints: ChannelEndpoints, rank_args: Sequence[str] = ()) -> 
         endpoints.frames,
         "--completions-endpoint",
         endpoints.completions,
+        *heartbeat,
         *rank_args,
     ]
 

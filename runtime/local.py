@@ -15,16 +15,25 @@ import threading
 from dataclasses import dataclass, field
 
 from runtime.cli_deploy import ExternalRanks
+from runtime.cli_liveness import heartbeat_rank_args
 from runtime.coordinator.config import PolicyConfig
-from runtime.coordinator.engine import Engine, EngineConfig, EngineError
+from runtime.coordinator.engine import Engine, EngineConfig
+from runtime.coordinator.engine.config import (
+    DEFAULT_WATCHDOG_FLOOR_S,
+    DEFAULT_WATCHDOG_MARGIN_S,
+    DEFAULT_WATCHDOG_MULTIPLE,
+)
+from runtime.identity import expected_identity
 from runtime.launch import spawn_ranks, stop_ranks
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.ranks.model.default import default_model_dir
 from runtime.speculation import SpeculationConfig
 from runtime.transport.channels import ChannelEndpoints
+from runtime.transport.liveness import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, LivenessConfig
 from runtime.transport.recording import model_digest, write_meta
 from runtime.transport.schema import PROTOCOL_VERSION
+from runtime.transport.security import ServerKeys
 
 log = logging.getLogger("runtime.local")
 
@@ -70,6 +79,13 @@ class DeploymentConfig:
     # A rank reports a hung frame after multiple x its expected duration + margin.
     frame_timeout_multiple: float = 20.0
     frame_timeout_margin_s: float = 60.0
+    # Liveness (runtime/transport/liveness.py) and the coordinator's per-frame
+    # watchdog (EngineConfig.frame_watchdog_*), looser than the ranks' own.
+    heartbeat_interval_s: float = DEFAULT_INTERVAL_S
+    heartbeat_timeout_s: float = DEFAULT_TIMEOUT_S
+    frame_watchdog_multiple: float = DEFAULT_WATCHDOG_MULTIPLE
+    frame_watchdog_margin_s: float = DEFAULT_WATCHDOG_MARGIN_S
+    frame_watchdog_floor_s: float = DEFAULT_WATCHDOG_FLOOR_S
     check_ranks: bool = False  # every rank reports a CRC of its sampled tokens; mismatch fails
     log_level: str = "info"  # the ranks' log level
     log_dir: str | None = None  # also one log file per rank there
@@ -83,6 +99,18 @@ class DeploymentConfig:
     debug_page_accounting: bool = False  # check KV page accounting after every completion
     # flare run --ranks external: ranks started elsewhere connect over TCP (docs/deploy.md).
     external: ExternalRanks | None = None
+    # Start-up agreement (runtime/identity.py): also hash every weight byte; a rank
+    # running other code than the coordinator only warns.
+    verify_weights: bool = False
+    allow_code_mismatch: bool = False
+    # The rank transport (runtime/transport/security.py, docs/security.md): local
+    # ranks over "ipc" (sockets in a 0700 directory) or "tcp" (loopback, CURVE
+    # keys made for this run and handed to the ranks in their environment);
+    # external ranks need the coordinator's keys (`flare keys`) or, explicitly,
+    # insecure_transport.
+    transport: str = "ipc"
+    transport_keys: ServerKeys | None = None
+    insecure_transport: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -97,7 +125,13 @@ class DeploymentConfig:
             raise ValueError(
                 f"log_level must be debug, info, warning or error, got {self.log_level!r}"
             )
-        for name in ("mixed_prefill", "enable_prefix_caching", "debug_page_accounting"):
+        for name in (
+            "mixed_prefill",
+            "enable_prefix_caching",
+            "debug_page_accounting",
+            "verify_weights",
+            "allow_code_mismatch",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("num_pages", "kv_cache_memory_bytes"):
@@ -107,7 +141,14 @@ class DeploymentConfig:
         utilization = self.gpu_memory_utilization
         if not (isinstance(utilization, (int, float)) and 0 < utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {utilization!r}")
-        for name in ("frame_timeout_multiple", "frame_timeout_margin_s"):
+        LivenessConfig(self.heartbeat_interval_s, self.heartbeat_timeout_s)  # validates
+        for name in (
+            "frame_timeout_multiple",
+            "frame_timeout_margin_s",
+            "frame_watchdog_multiple",
+            "frame_watchdog_margin_s",
+            "frame_watchdog_floor_s",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -129,6 +170,32 @@ class DeploymentConfig:
         spin = self.poll_spin_us
         if spin is not None and (not isinstance(spin, int) or not 0 <= spin <= 100_000):
             raise ValueError(f"poll_spin_us must be None or in 0..100000, got {spin!r}")
+        self._check_transport()
+
+    def _check_transport(self) -> None:
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be ipc or tcp, got {self.transport!r}")
+        keys = self.transport_keys
+        if keys is not None and not isinstance(keys, ServerKeys):
+            raise ValueError(f"transport_keys must be ServerKeys or None, got {type(keys)}")
+        if not isinstance(self.insecure_transport, bool):
+            raise ValueError(f"insecure_transport must be a bool, got {self.insecure_transport!r}")
+        if self.external is None:
+            if keys is not None:
+                raise ValueError(
+                    "transport_keys apply to external ranks: local ranks use ipc, or tcp "
+                    "with keys made for the run"
+                )
+            if self.insecure_transport and self.transport != "tcp":
+                raise ValueError("insecure_transport applies to tcp (local or external ranks)")
+            return
+        if self.transport != "ipc":
+            raise ValueError("transport applies to local ranks: external ranks always use tcp")
+        if (keys is None) == (not self.insecure_transport):
+            raise ValueError(
+                "external ranks need transport_keys (written by `flare keys`) or, to run "
+                "without authentication, insecure_transport=True (exactly one of them)"
+            )
 
     @property
     def spin_us(self) -> int:
@@ -147,6 +214,7 @@ class DeploymentConfig:
             "--poll-spin-us", str(self.spin_us),
             "--frame-timeout-multiple", str(self.frame_timeout_multiple),
             "--frame-timeout-margin", str(self.frame_timeout_margin_s),
+            *heartbeat_rank_args(self.heartbeat_interval_s, self.heartbeat_timeout_s),
         ]  # fmt: skip
         if self.num_pages is not None:
             args += ["--num-pages", str(self.num_pages)]
@@ -164,6 +232,10 @@ class DeploymentConfig:
             args.append("--mixed-prefill")
         if self.check_ranks:
             args.append("--check-ranks")
+        if self.verify_weights:
+            args.append("--verify-weights")
+        if self.insecure_transport:
+            args.append("--insecure-transport")
         args += ["--log-level", self.log_level]
         if self.log_dir:
             args += ["--log-dir", os.fspath(self.log_dir)]
@@ -194,9 +266,21 @@ def external_channel(external: ExternalRanks | None) -> dict:
         "endpoints": ChannelEndpoints(
             frames=external.endpoint(external.frames_port),
             completions=external.endpoint(external.completions_port),
+            heartbeat=external.endpoint(external.heartbeat_port),
         ),
         "allow_remote": external.allow_remote,
     }
+
+
+def transport_settings(cfg: DeploymentConfig) -> dict:
+    """The EngineConfig fields of the rank transport (docs/security.md)."""
+    security = {"transport_keys": cfg.transport_keys, "insecure_transport": cfg.insecure_transport}
+    if cfg.external is not None:
+        return security
+    if cfg.transport == "tcp":  # without keys the engine makes them (Engine.rank_keys)
+        any_port = "tcp://127.0.0.1:0"
+        return {"endpoints": ChannelEndpoints(any_port, any_port, any_port), **security}
+    return {}
 
 
 def external_rank_command(endpoints: ChannelEndpoints, config: DeploymentConfig) -> list[str]:
@@ -217,6 +301,8 @@ def external_rank_command(endpoints: ChannelEndpoints, config: DeploymentConfig)
         "--master-port", "29500", "-m", "runtime.ranks",
         "--frames-endpoint", reachable(endpoints.frames),
         "--completions-endpoint", reachable(endpoints.completions),
+        "--heartbeat-endpoint", reachable(endpoints.heartbeat),
+        *([] if config.insecure_transport else ["--transport-keys", "KEYS_DIR/ranks-K"]),
         *config.rank_args(),
     ]  # fmt: skip
 
@@ -235,12 +321,28 @@ class LocalDeployment:
                     cfg.external.handshake_timeout_s if cfg.external else cfg.startup_timeout_s
                 ),
                 **external_channel(cfg.external),
+                **transport_settings(cfg),
                 poll_spin_us=cfg.spin_us,
                 external_publication=cfg.external_publication,
                 record_dir=cfg.record_frames,
                 direct=cfg.direct,
                 enable_prefix_caching=cfg.enable_prefix_caching,
                 debug_page_accounting=cfg.debug_page_accounting,
+                heartbeat_interval_s=cfg.heartbeat_interval_s,
+                heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+                require_heartbeats=True,  # real ranks heartbeat from their handshake on
+                frame_watchdog_multiple=cfg.frame_watchdog_multiple,
+                frame_watchdog_margin_s=cfg.frame_watchdog_margin_s,
+                frame_watchdog_floor_s=cfg.frame_watchdog_floor_s,
+                expected_identity=expected_identity(
+                    cfg.model or default_model_dir(),
+                    PROTOCOL_VERSION,
+                    verify_weights=cfg.verify_weights,
+                    # Local ranks run this checkout by construction: a difference
+                    # there is a file edited during start-up, only worth a warning.
+                    allow_code_mismatch=cfg.allow_code_mismatch or cfg.external is None,
+                    unreadable_ok=True,  # the ranks fail on it, naming the file
+                ),
                 **speculation_settings(cfg.speculation),
             )
         )
@@ -253,8 +355,12 @@ class LocalDeployment:
         if self.config.external is not None:
             return self._start_external()
         endpoints = self.engine.bind()
+        keys = self.engine.rank_keys()  # tcp: CURVE keys, through the environment only
         self.ranks = spawn_ranks(
-            endpoints, self.config.tensor_parallel_size, self.config.rank_args()
+            endpoints,
+            self.config.tensor_parallel_size,
+            self.config.rank_args(),
+            env=None if keys is None else dict(os.environ, **keys.environment()),
         )
         failure: list[BaseException] = []
 
@@ -332,7 +438,7 @@ class LocalDeployment:
                 # collective) sends that completion before exiting: give the
                 # engine a moment to take it, so its reason is the one kept.
                 if not self._stopping.wait(RANK_EXIT_GRACE_S):
-                    self.engine.fail(EngineError(f"rank {rank} exited with code {code}"))
+                    self.engine.rank_gone(rank, f"rank {rank} exited with code {code}")
                 return
 
     def stop(self) -> list[int | None]:

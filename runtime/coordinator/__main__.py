@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.api_debug is not None:
             profile_dir = config.profile_dir and os.path.abspath(config.profile_dir)
             debug = DebugService(deployment.engine, args.api_debug, profile_dir).start()
-        bridge = FrontendBridge(deployment.engine, endpoints, info)
+        beat_s = args.heartbeat_interval  # the frontend's heartbeat too
+        bridge = FrontendBridge(deployment.engine, endpoints, info, heartbeat_interval_s=beat_s)
         bridge.serve()
         if deployment.engine.error is not None:
             code = 1

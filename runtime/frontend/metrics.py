@@ -80,6 +80,20 @@ class _StatusCollector(Collector):
             if key.startswith("frames_total:"):
                 frames.add_metric([key.split(":", 1)[1]], value)
         yield frames
+        for outcome, doc in (
+            ("submitted", "Requests the coordinator accepted."),
+            ("finished", "Requests the coordinator finished (stop or length)."),
+            ("cancelled", "Requests cancelled in the coordinator (client gone, frontend stop)."),
+        ):
+            yield CounterMetricFamily(
+                f"{PREFIX}_engine_requests_{outcome}", doc, value=v.get(f"requests_{outcome}", 0.0)
+            )
+        yield CounterMetricFamily(
+            f"{PREFIX}_transport_auth_denied",
+            "Peers the coordinator's CURVE gate refused (no key, an unknown key, a wrong "
+            "server key); each is logged with its reason.",
+            value=v.get("transport_auth_denied_total", 0.0),
+        )
         if "trace_lines" in v:  # the coordinator traces (--trace, --debug-endpoints)
             yield CounterMetricFamily(
                 f"{PREFIX}_trace_lines", "Frames written to the live plan trace.",

@@ -8,8 +8,10 @@ measuring the device; ``runtime.ranks.memory``), prepares the program catalog
 its catalog and serves frames until the coordinator says shutdown.  The
 coordinator is a process of its own (``flare run`` starts both on one
 machine); ranks find it through ``--frames-endpoint`` /
-``--completions-endpoint`` or the environment variables
-FLARE_FRAMES_ENDPOINT / FLARE_COMPLETIONS_ENDPOINT.
+``--completions-endpoint`` / ``--heartbeat-endpoint`` or the environment
+variables FLARE_FRAMES_ENDPOINT / FLARE_COMPLETIONS_ENDPOINT /
+FLARE_HEARTBEAT_ENDPOINT.  A rank that hears no heartbeat from the coordinator
+for ``--heartbeat-timeout`` seconds logs why and exits (code 4).
 """
 
 from __future__ import annotations
@@ -24,6 +26,13 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from runtime.cli_keys import add_rank_transport_flags, rank_keys
+from runtime.cli_liveness import (
+    add_heartbeat_endpoint_flag,
+    add_heartbeat_flags,
+    check_heartbeat_args,
+)
+from runtime.identity import IdentityError, collective_fingerprint, model_identity
 from runtime.private_files import make_private_dirs, open_private
 from runtime.ranks import memory
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY, CapacityConfig, CapacityError
@@ -39,6 +48,7 @@ from runtime.ranks.model import (
 from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.worker import RankWorker
 from runtime.transport.channels import ChannelEndpoints, RankChannel
+from runtime.transport.liveness import LivenessConfig, RankHeartbeat
 
 log = logging.getLogger("runtime.ranks")
 
@@ -84,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--check-ranks",
         action="store_true",
         help="report a CRC of the sampled tokens every frame (the coordinator compares ranks)",
+    )
+    p.add_argument(
+        "--verify-weights",
+        action="store_true",
+        help="also hash every weight byte for the start-up agreement (reads the whole checkpoint)",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.add_argument(
@@ -132,6 +147,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--handshake-timeout", type=float, default=120.0, help="seconds")
+    add_heartbeat_endpoint_flag(p)
+    add_heartbeat_flags(p)
+    add_rank_transport_flags(p)
     p.add_argument(
         "--poll-spin-us",
         type=int,
@@ -145,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-model-len must be >= 64")
     if not 0 <= args.poll_spin_us <= 100_000:
         p.error("--poll-spin-us must lie in [0, 100000]")
+    check_heartbeat_args(args, p)
+    args.transport_client_keys = rank_keys(args, p)  # CURVE (docs/security.md)
     if args.page_size < 1:
         p.error("--page-size must be >= 1")
     if args.num_pages is not None and args.num_pages < 1:
@@ -232,11 +252,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dtype = torch.bfloat16 if use_cuda else torch.float32
     if world_size > 1:
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        backend = "nccl" if use_cuda else "gloo"
+        init_method = os.environ.get("FLARE_DIST_INIT_METHOD")  # local ranks: a file store
+        if init_method:
+            dist.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size
+            )
+        else:  # torchrun's environment (MASTER_ADDR, MASTER_PORT or its rendezvous)
+            dist.init_process_group(backend=backend)
         group = TPGroup.from_process_group()
     else:
         group = TPGroup.single()
     channel = None
+    heartbeat: RankHeartbeat | None = None
     try:
         model_dir = args.model or str(default_model_dir())
         try:
@@ -252,6 +280,25 @@ def main(argv: list[str] | None = None) -> int:
             except (ConfigError, LoadError) as exc:
                 print(f"rank {rank}: draft model {path}: {exc}", file=sys.stderr)
                 return 1
+        try:  # what the start-up agreement compares (runtime/identity.py)
+            args.identity = model_identity(model_dir, full_weights=args.verify_weights)
+            args.draft_identity = None
+            if args.draft_model:
+                args.draft_identity = model_identity(
+                    draft_dir(args.draft_model), full_weights=args.verify_weights
+                )
+        except IdentityError as exc:
+            print(f"rank {rank}: {exc}", file=sys.stderr)
+            return 1
+        if world_size > 1 and not same_model_as_peers(args, model, device):
+            # Collectives over mismatched shapes or dtypes hang or corrupt: run none
+            # (no graph capture, no device profiling), report, and let the
+            # coordinator's start-up agreement name the difference.
+            log.warning("the ranks loaded different models or dtypes; preparing eagerly")
+            args.no_cuda_graphs = True
+            if use_cuda and args.num_pages is None and args.kv_cache_memory is None:
+                context = min(model.config.max_position_embeddings, args.max_model_len or 1 << 62)
+                args.num_pages = -(-context // args.page_size)
         progress = None
         if rank == 0:
             from tqdm import tqdm
@@ -269,19 +316,62 @@ def main(argv: list[str] | None = None) -> int:
         except KVCacheSizeError as exc:  # one line, not a traceback per rank
             print(f"rank {rank}: {exc}", file=sys.stderr)
             return 1
-        endpoints = ChannelEndpoints(args.frames_endpoint, args.completions_endpoint)
-        channel = RankChannel(endpoints, rank)
+        endpoints = ChannelEndpoints(
+            args.frames_endpoint, args.completions_endpoint, args.heartbeat_endpoint or ""
+        )
+        channel = RankChannel(endpoints, rank, keys=args.transport_client_keys)
         channel.handshake(timeout_ms=int(args.handshake_timeout * 1000))
+        heartbeat = start_heartbeat(channel, rank, args)
         worker.serve(channel, spin_us=args.poll_spin_us)
+        if heartbeat is not None:  # the coordinator stops its heartbeats at shutdown
+            heartbeat.close()
         del worker, model  # captured graphs and buffers go before the process group
         if use_cuda:
             torch.cuda.synchronize()
     finally:
+        if heartbeat is not None:  # its socket goes before the channel's context
+            heartbeat.close()
         if channel is not None:
             channel.close(linger_ms=1000)
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def start_heartbeat(
+    channel: RankChannel, rank: int, args: argparse.Namespace
+) -> RankHeartbeat | None:
+    """This rank's heartbeat thread (runtime/transport/liveness.py): it exits the
+    process when the coordinator falls silent for ``--heartbeat-timeout``."""
+    sock = channel.open_heartbeat_socket()
+    if sock is None:
+        log.warning(
+            "rank %d: no --heartbeat-endpoint: this rank cannot notice a coordinator "
+            "that is gone, and the coordinator learns of its death only by its silence",
+            rank,
+        )
+        return None
+    heartbeat = RankHeartbeat(
+        sock,
+        rank,
+        LivenessConfig(args.heartbeat_interval, args.heartbeat_timeout),
+        endpoint=args.heartbeat_endpoint,
+    )
+    heartbeat.start()
+    return heartbeat
+
+
+def same_model_as_peers(
+    args: argparse.Namespace, model: LlamaForCausalLM, device: torch.device
+) -> bool:
+    """Every rank loaded the same config and weight shapes in the same dtype (a
+    32-byte fingerprint gathered from each; ``runtime.identity``)."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    fingerprint = collective_fingerprint(args.identity, args.draft_identity, dtype)
+    mine = torch.tensor(list(fingerprint), dtype=torch.uint8, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(peer, mine) for peer in gathered)
 
 
 def build_worker(
@@ -320,6 +410,9 @@ def build_worker(
             profile_dir=args.profile_dir,
             draft_model=getattr(args, "draft", None),
             proposer=args.proposer_config,
+            identity=getattr(args, "identity", None),
+            draft_identity=getattr(args, "draft_identity", None),
+            kv_page_bytes=pool.page_bytes,
         )
     except torch.cuda.OutOfMemoryError:
         raise KVCacheSizeError(

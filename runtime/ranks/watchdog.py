@@ -31,6 +31,7 @@ import zmq
 
 from runtime.transport.codec import encode
 from runtime.transport.schema import Completion
+from runtime.transport.security import ClientKeys, secure_client
 
 log = logging.getLogger("runtime.ranks")
 
@@ -75,8 +76,10 @@ class Watchdog:
         *,
         exit_process: bool = True,
         tick_s: float = TICK_S,
+        keys: ClientKeys | None = None,
     ) -> None:
         self.rank = rank
+        self._keys = keys  # the rank channel's CURVE keys: the coordinator admits no other
         self.world_size = world_size
         self.exit_process = exit_process
         self.fired: str | None = None
@@ -104,6 +107,8 @@ class Watchdog:
         # process ends, without waiting on the rank's other sockets.
         context = zmq.Context()
         sock = context.socket(zmq.PUSH)
+        if self._keys is not None:
+            secure_client(sock, self._keys)
         sock.connect(self._endpoint)
         try:
             while not self._stop.wait(self._tick_s):

@@ -54,6 +54,7 @@ import psutil
 import torch
 
 from runtime.catalog import GraphDescriptor
+from runtime.identity import ModelIdentity, code_version, loaded_identity
 from runtime.ranks.arena import HostStaging, SlotArena
 from runtime.ranks.capacity import CapacityConfig, build_catalog, forward_programs
 from runtime.ranks.draft import DraftContext
@@ -72,6 +73,7 @@ from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.watchdog import HANG_EXIT_CODE, Watchdog, frame_deadline_ns, hang_message
 from runtime.transport.schema import (
     MAX_SLOTS,
+    PROTOCOL_VERSION,
     STAGE_NAMES,
     STATE_KINDS,
     CatalogReport,
@@ -119,6 +121,9 @@ class RankWorker:
         profile_dir: str | None = None,
         draft_model: LlamaForCausalLM | None = None,
         proposer: ProposerConfig | None = None,
+        identity: ModelIdentity | None = None,
+        draft_identity: ModelIdentity | None = None,
+        kv_page_bytes: int = 0,
     ) -> None:
         if frame_timeout_multiple <= 0 or frame_timeout_margin_s <= 0:
             raise ValueError("frame_timeout_multiple and frame_timeout_margin_s must be > 0")
@@ -128,6 +133,13 @@ class RankWorker:
         self.page_size = page_size
         self.num_pages = num_pages
         self.model_name = model_name
+        # Start-up agreement (runtime/identity.py): the files this rank loaded, or
+        # what the model in memory shows when built without them.
+        self.identity = identity or loaded_identity(model)
+        self.draft_identity = draft_identity or (
+            loaded_identity(draft_model) if draft_model is not None else None
+        )
+        self.kv_page_bytes = kv_page_bytes
         self.frame_timeout_multiple = frame_timeout_multiple
         self.frame_timeout_margin_s = frame_timeout_margin_s
         config = model.config
@@ -184,6 +196,9 @@ class RankWorker:
         self._next_host = 0
         self.frames = 0
         self.last_fence = -1
+        # The highest fence taken (a refused frame leaves it): a frame at or below it
+        # is a replay, refused.
+        self.last_received_fence = -1
         self.stages: deque[dict[str, int]] = deque(maxlen=STAGE_HISTORY)
         # FLARE_DEBUG_DELAY_NS_RANK<r>: this rank sleeps that long in every frame
         # and reports it as device time (a slow-rank drill).
@@ -218,6 +233,16 @@ class RankWorker:
             page_size=self.page_size,
             num_pages=self.num_pages,
             model_name=self.model_name,
+            kv_page_bytes=self.kv_page_bytes,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            device_type=self.device.type,
+            protocol_version=PROTOCOL_VERSION,
+            code_version=code_version(),
+            config_digest=self.identity.config_digest,
+            tokenizer_digest=self.identity.tokenizer_digest,
+            weights_digest=self.identity.weights_digest,
+            weights_full_digest=self.identity.weights_full_digest,
+            draft_digest=self.draft_identity.combined() if self.draft_identity else "",
         )
 
     def inspect(self, nonce: int = 0) -> RankStatus:
@@ -583,8 +608,9 @@ class RankWorker:
             # early enough report.
             tick = min(1.0, self.frame_timeout_margin_s / 8)
             watchdog = Watchdog(
-                channel.endpoints.completions, self.rank, self.world_size, tick_s=tick
-            )
+                channel.endpoints.completions, self.rank, self.world_size, tick_s=tick,
+                keys=getattr(channel, "keys", None),
+            )  # fmt: skip
         try:
             self._loop(channel, spin_us, watchdog)
         finally:
@@ -642,7 +668,10 @@ class RankWorker:
             if watchdog is not None:
                 watchdog.arm(message.fence, self.deadline_ns(message), message.expected_ns)
             try:
+                self._check_fresh(message)
                 item = self.start(message, received, received_at)
+                # Only a frame taken advances the mark: a refused one changes nothing.
+                self.last_received_fence = message.fence
             except (FrameError, ProgramError) as exc:
                 # A frame this rank cannot run is a coordinator bug: say so at once
                 # (the slot state is unchanged) so the coordinator fails fast.
@@ -659,6 +688,16 @@ class RankWorker:
             if not queue:
                 head_since = time.monotonic_ns()
             queue.append((message, item, received))
+
+    def _check_fresh(self, frame: Frame) -> None:
+        """Refuse a replayed frame: fences only grow, so a fence at or below the
+        highest this rank took was sent before (raises FrameError)."""
+        last = self.last_received_fence
+        if frame.fence <= last:
+            raise FrameError(
+                f"fence {frame.fence} replayed: not greater than fence {last}, "
+                "the last frame this rank received"
+            )
 
     def _publish(self, channel, item: Launch | Completion) -> None:
         if isinstance(item, Completion):

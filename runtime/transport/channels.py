@@ -12,9 +12,17 @@ Socket pattern
 Why PUB/SUB and not one PUSH per rank: per-rank sockets would cost N encodes or
 N sends per frame, N endpoints, and a way to keep N streams in the same order;
 PUB/SUB gives a single ordered broadcast.  Its two ways of losing messages are
-closed here: (1) the high-water marks are 0 (unlimited) on both ends, so a slow
-rank makes its queue grow instead of dropping frames, which is safe because the
-coordinator keeps at most two frames in flight; (2) the slow-joiner loss (a PUB
+closed here: (1) a PUB drops a message only for a subscriber whose queue holds
+:data:`HIGH_WATER_MARK` messages (on each end, so about twice that), and the
+coordinator never lets a healthy rank fall that far behind: it keeps at most
+two frames in flight (it publishes the next frame only after the completions of
+an earlier one), and the control messages beside them (pings until the
+handshake ends, a handful of inspection or profiling asks) are few and
+answered.  Only a rank that has stopped reading for thousands of messages
+could lose one, and such a rank is already dead or hung: its missing
+completion and its heartbeats report it.  The bound (rather than 0, unlimited)
+keeps a stuck peer from making the other end buffer without limit;
+(2) the slow-joiner loss (a PUB
 drops what it sends before a SUB's subscription arrives) is closed by
 :meth:`CoordinatorChannel.handshake`: the coordinator publishes
 ``Control("ping", nonce)`` again and again until every rank has answered
@@ -31,6 +39,17 @@ the ``runtime.transport`` logger with its reason, counted in ``rejected``, and
 skipped, and the channel keeps serving.  Handshake traffic is handled inside
 the channels: a rank answers pings as they arrive, the coordinator drops late
 ``ready`` replies.
+
+Bounds and security
+-------------------
+Every socket refuses an inbound message over :data:`MAX_SOCKET_MESSAGE_BYTES`
+(``ZMQ_MAXMSGSIZE``: the codec's limit plus the CURVE envelope) while it
+arrives, before it is buffered: ZeroMQ drops that connection and the channel
+keeps serving the others.  With ``keys`` (:mod:`runtime.transport.security`)
+the coordinator's sockets are CURVE servers behind a ZAP handler that admits
+only the deployment's client keys, and a rank's are CURVE clients: frames and
+completions are encrypted and authenticated, and a peer without the keys gets
+nothing through (counted in ``CoordinatorChannel.auth_denied``).
 
 Endpoints default to ``ipc://`` sockets in a private run directory (mode 0700,
 removed on close, holding a ``pid`` file; :func:`make_run_dir` first removes
@@ -58,10 +77,11 @@ from typing import TypeVar
 
 import zmq
 
-from runtime.transport.codec import decode, encode
+from runtime.transport.codec import MAX_MESSAGE_BYTES, decode, encode
 from runtime.transport.recording import FrameRecorder
 from runtime.transport.schema import (
     COORDINATOR_RANK,
+    MAX_ERROR_CHARS,
     MAX_WORLD_SIZE,
     CatalogReport,
     Completion,
@@ -71,12 +91,26 @@ from runtime.transport.schema import (
     ProtocolError,
     RankStatus,
 )
+from runtime.transport.security import (
+    ClientKeys,
+    Gatekeeper,
+    ServerKeys,
+    secure_client,
+    secure_server,
+)
 
 logger = logging.getLogger("runtime.transport")
 
 PING_INTERVAL_S = (0.005, 0.1)  # the handshake's first and longest ping interval
 HANDSHAKE_PROGRESS_S = 30.0  # how often a long handshake logs who it still waits for
 MAX_IPC_PATH = 100  # sockaddr_un holds 108 bytes on Linux, fewer elsewhere
+# Messages queued per peer and direction; the protocol queues a handful (two
+# frames in flight, their completions, a few controls), so only a peer that has
+# stopped reading ever reaches it (see the module docstring).
+HIGH_WATER_MARK = 1000
+# The codec's limit plus the CURVE envelope around a message (command name,
+# nonce, MAC: under 64 bytes) and a margin.
+MAX_SOCKET_MESSAGE_BYTES = MAX_MESSAGE_BYTES + 4096
 
 
 class TransportError(RuntimeError):
@@ -97,14 +131,18 @@ class HandshakeTimeout(TransportError, TimeoutError):
 
 @dataclass(frozen=True)
 class ChannelEndpoints:
-    """Where ranks connect: ``frames`` (coordinator PUB) and ``completions`` (PULL)."""
+    """Where ranks connect: ``frames`` (coordinator PUB), ``completions`` (PULL)
+    and ``heartbeat`` (ROUTER, :mod:`runtime.transport.liveness`; "" = none)."""
 
     frames: str
     completions: str
+    heartbeat: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("frames", "completions"):
+        for name in ("frames", "completions", "heartbeat"):
             value = getattr(self, name)
+            if name == "heartbeat" and value == "":
+                continue
             if not isinstance(value, str) or not value.startswith(("ipc://", "tcp://")):
                 raise EndpointError(f"{name} endpoint must be ipc:// or tcp://, got {value!r}")
 
@@ -124,11 +162,12 @@ def _remaining_ms(deadline: float | None) -> int | None:
 
 
 def make_socket(context: zmq.Context, kind: int, endpoint: str = "") -> zmq.Socket:
-    """A socket that never drops or blocks on a full queue and closes at once."""
+    """A socket with bounded queues and message size that closes at once."""
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)  # 0 = no limit: never drop, never block
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_SOCKET_MESSAGE_BYTES)
     if endpoint.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
     return sock
@@ -152,9 +191,13 @@ class _Channel:
         self._pending: deque[Message] = deque()
         self._closed = False
 
+    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
+        """Apply the channel's security options to ``sock`` before it binds or connects."""
+
     def _open(self, kind: int, endpoint: str, bind: bool) -> zmq.Socket:
         sock = make_socket(self._context, kind, endpoint)
         self._sockets.append(sock)
+        self._secure(sock, endpoint)
         try:
             sock.bind(endpoint) if bind else sock.connect(endpoint)
         except zmq.ZMQError as exc:
@@ -259,7 +302,7 @@ def _loopback_host(host: str, allow_remote: bool) -> str:
 
 PID_FILE = "pid"
 TRANSPORT_RUN_PREFIX = "flare-transport-"
-TRANSPORT_RUN_FILES = ("frames", "completions")
+TRANSPORT_RUN_FILES = ("frames", "completions", "heartbeat")
 
 
 def make_run_dir(prefix: str, files: tuple[str, ...], parent: str | None = None) -> str:
@@ -375,8 +418,18 @@ class CoordinatorChannel(_Channel):
 
     ``transport``: "ipc" (default: sockets in a fresh 0700 directory under
     ``run_dir`` or the system temp dir) or "tcp" on ``host`` (loopback unless
-    ``allow_remote``) with ``frame_port``/``completion_port`` (0: any free
-    port).  Ranks connect to :attr:`endpoints`.
+    ``allow_remote``) with ``frame_port``/``completion_port``/``heartbeat_port``
+    (0: any free port).  Ranks connect to :attr:`endpoints`.  With
+    ``heartbeat`` (the engine's channel), a heartbeat ROUTER socket is bound
+    too (here, so every socket option applies) and handed to the liveness
+    thread by :meth:`take_heartbeat_socket`; without it ``endpoints.heartbeat``
+    is "" and the ranks run no heartbeat (tools and tests driving a bare
+    channel, which sends none).
+
+    ``keys``: make every socket a CURVE server behind a ZAP handler in this
+    channel's context that admits only ``keys.clients``; refusals are counted
+    in :attr:`auth_denied`.  None: no authentication (ipc in its 0700
+    directory).
     """
 
     inbound = (Completion, CatalogReport, Control, RankStatus)
@@ -389,16 +442,25 @@ class CoordinatorChannel(_Channel):
         host: str = "127.0.0.1",
         frame_port: int = 0,
         completion_port: int = 0,
+        heartbeat_port: int = 0,
+        heartbeat: bool = False,
         allow_remote: bool = False,
         run_dir: str | None = None,
         context: zmq.Context | None = None,
         record_dir: str | None = None,
+        keys: ServerKeys | None = None,
     ) -> None:
+        if keys is not None and not isinstance(keys, ServerKeys):
+            raise TypeError(f"keys must be ServerKeys or None, got {type(keys).__name__}")
         if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
             raise ValueError(f"world_size must lie in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
         if transport not in ("ipc", "tcp"):
             raise EndpointError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        for name, port in (("frame_port", frame_port), ("completion_port", completion_port)):
+        for name, port in (
+            ("frame_port", frame_port),
+            ("completion_port", completion_port),
+            ("heartbeat_port", heartbeat_port),
+        ):
             if type(port) is not int or not 0 <= port <= 65535:
                 raise EndpointError(f"{name} must lie in [0, 65535], got {port!r}")
         # Refuse a non-loopback host before creating anything.
@@ -407,7 +469,11 @@ class CoordinatorChannel(_Channel):
         self.world_size = world_size
         self.run_dir: str | None = None
         self._finalizer: weakref.finalize | None = None
+        self.keys = keys
+        self._gatekeeper: Gatekeeper | None = None
         try:
+            if keys is not None:
+                self._gatekeeper = Gatekeeper(self._context, keys, "coordinator transport")
             if transport == "ipc":
                 self.run_dir = make_run_dir(TRANSPORT_RUN_PREFIX, TRANSPORT_RUN_FILES, run_dir)
                 paths = tuple(os.path.join(self.run_dir, n) for n in TRANSPORT_RUN_FILES)
@@ -417,13 +483,19 @@ class CoordinatorChannel(_Channel):
                     raise EndpointError(f"ipc path too long ({len(paths[1])} bytes): {paths[1]}")
                 wanted = tuple(f"ipc://{p}" for p in paths)
             else:
-                ports = (frame_port or "*", completion_port or "*")
+                ports = (frame_port or "*", completion_port or "*", heartbeat_port or "*")
                 wanted = tuple(f"tcp://{address}:{p}" for p in ports)
             self._pub = self._open(zmq.PUB, wanted[0], bind=True)
             self._inbox = self._open(zmq.PULL, wanted[1], bind=True)
+            self._heartbeat: zmq.Socket | None = (
+                self._open(zmq.ROUTER, wanted[2], bind=True) if heartbeat else None
+            )
             self.endpoints = ChannelEndpoints(
                 frames=self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
                 completions=self._inbox.getsockopt_string(zmq.LAST_ENDPOINT),
+                heartbeat=""
+                if self._heartbeat is None
+                else self._heartbeat.getsockopt_string(zmq.LAST_ENDPOINT),
             )
         except BaseException:
             self.close()
@@ -432,6 +504,16 @@ class CoordinatorChannel(_Channel):
         # Frame recording (``flare run --record-frames``): published frames, rank
         # 0's catalog and completions, in channel order.
         self.recorder = FrameRecorder(record_dir) if record_dir else None
+
+    def take_heartbeat_socket(self) -> zmq.Socket:
+        """The bound heartbeat ROUTER socket, once: the caller's thread now owns it
+        and must close it before this channel closes (the context waits for it)."""
+        sock = self._heartbeat
+        if sock is None or self._closed:
+            raise TransportError(f"{self.name}: the heartbeat socket was taken or closed")
+        self._heartbeat = None
+        self._sockets.remove(sock)
+        return sock
 
     def publish(self, message: Frame | Control) -> None:
         """Send a frame or a control message to every rank."""
@@ -530,10 +612,22 @@ class CoordinatorChannel(_Channel):
             return None
         return message
 
+    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
+        if self._gatekeeper is not None and self.keys is not None:
+            secure_server(sock, self.keys)
+            self._gatekeeper.watch(sock, endpoint)
+
+    @property
+    def auth_denied(self) -> int:
+        """Peers refused by CURVE authentication (0 without keys)."""
+        return 0 if self._gatekeeper is None else self._gatekeeper.denied
+
     def close(self) -> None:
         """Close the sockets and remove the ipc run directory."""
         if getattr(self, "recorder", None) is not None:
             self.recorder.close()
+        if getattr(self, "_gatekeeper", None) is not None:
+            self._gatekeeper.close()  # its sockets go before the context terminates
         super().close()
         if self._finalizer is not None:
             self._finalizer()
@@ -547,6 +641,10 @@ class RankChannel(_Channel):
 
     Pings are answered as they arrive (in ``handshake`` and in ``recv``), so a
     rank only ever sees frames and shutdown/other control from ``recv``.
+
+    ``keys``: connect as a CURVE client (every socket opened through
+    ``_open``; other sockets of the rank that connect to the coordinator apply
+    :func:`~runtime.transport.security.secure_client` with :attr:`keys`).
     """
 
     inbound = (Frame, Control)
@@ -557,9 +655,13 @@ class RankChannel(_Channel):
         rank: int,
         *,
         context: zmq.Context | None = None,
+        keys: ClientKeys | None = None,
     ) -> None:
         if not isinstance(endpoints, ChannelEndpoints):
             raise TypeError("endpoints must be a ChannelEndpoints")
+        if keys is not None and not isinstance(keys, ClientKeys):
+            raise TypeError(f"keys must be ClientKeys or None, got {type(keys).__name__}")
+        self.keys = keys
         if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
             raise ValueError(f"rank must lie in [0, {MAX_WORLD_SIZE}), got {rank!r}")
         super().__init__(f"rank {rank} channel", context)
@@ -573,8 +675,31 @@ class RankChannel(_Channel):
             self.close()
             raise
 
+    def open_heartbeat_socket(self) -> zmq.Socket | None:
+        """A DEALER socket connected to the heartbeat endpoint (None: the endpoints
+        name none), for the rank's heartbeat thread, which owns and closes it
+        (before this channel closes: the context waits for it)."""
+        if not self.endpoints.heartbeat:
+            return None
+        sock = self._open(zmq.DEALER, self.endpoints.heartbeat, bind=False)
+        self._sockets.remove(sock)
+        return sock
+
+    def _reject(self, reason: str) -> None:
+        """Never silence: a message from the coordinator this rank cannot decode
+        may have been a frame, so the coordinator hears of it at once
+        (``Control("error")``) and fails the frames in flight instead of
+        waiting for their completions."""
+        super()._reject(reason)
+        if self._closed:
+            return
+        try:
+            self.send(Control("error", self.rank, reason=reason[:MAX_ERROR_CHARS]))
+        except (TransportError, zmq.ZMQError) as exc:
+            logger.warning("%s: could not report the rejection: %s", self.name, exc)
+
     def send(self, message: Completion | CatalogReport | Control | RankStatus) -> None:
-        """Queue a message for the coordinator (never blocks: no high-water mark)."""
+        """Queue a message for the coordinator (blocks only behind HIGH_WATER_MARK unsent)."""
         if not isinstance(message, (Completion, CatalogReport, Control, RankStatus)):
             raise TypeError(
                 f"a rank sends Completion, CatalogReport, Control or RankStatus, not {message!r}"
@@ -591,9 +716,15 @@ class RankChannel(_Channel):
         while True:
             message = self._next(deadline)
             if message is None:
+                hint = (
+                    " (with CURVE keys: a coordinator that refuses them logs why, naming "
+                    "the reason; see docs/security.md)"
+                    if self.keys is not None
+                    else ""
+                )
                 raise HandshakeTimeout(
                     f"{self.name}: no ping from the coordinator at {self.endpoints.frames} "
-                    f"within {timeout_ms} ms"
+                    f"within {timeout_ms} ms{hint}"
                 )
             if isinstance(message, Control) and message.command == "ping":
                 return
@@ -621,6 +752,10 @@ class RankChannel(_Channel):
             if message.command == "ping":
                 self.send(Control("ready", self.rank, message.nonce))
         return message
+
+    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
+        if self.keys is not None:
+            secure_client(sock, self.keys)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close at once; ``linger_ms`` > 0 first gives queued sends that long to leave."""

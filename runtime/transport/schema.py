@@ -15,7 +15,10 @@ are not messages.  Protocol version 6 adds the frame's ``copies`` and
 ``restores`` (``restore.py``: page copies and restored rows for prefix reuse
 and preemption).  Protocol version 7 adds the state lanes (phase 2,
 ``PHASE_STATE``) of RESTORE and SNAPSHOT programs: restore rows and terminal
-rows that feed and commit nothing (``frame.py``).  Sequences are stored as
+rows that feed and commit nothing (``frame.py``).  Protocol version 8 adds
+the start-up identity to :class:`CatalogReport` (``runtime/identity.py``:
+model digests, dtype, device type, code version, KV bytes per page).
+Sequences are stored as
 tuples; sidecar tensors travel as raw little-endian bytes with dtype and shape.
 Integers on the wire are bounded so that a rank can copy them into int32/int64
 device buffers without overflow.
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runtime.catalog import MAX_BATCH_CAPACITY, CatalogError, GraphDescriptor, validate_catalog
+from runtime.identity import DEVICE_TYPES, DTYPE_NAMES, is_digest
 from runtime.transport.columns import (
     LaneRanges,
     all_equal,
@@ -85,7 +89,7 @@ from runtime.transport.sampling import (
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 MAX_WORLD_SIZE = 4096
 MAX_LANE_TOKENS = 1 << 16  # tokens one lane result may carry
@@ -94,8 +98,10 @@ MAX_SIDECARS = 16
 MAX_TENSOR_NDIM = 8
 
 FINISH_REASONS = ("stop",)
-CONTROL_COMMANDS = ("shutdown", "ping", "ready", "inspect", "profile", "profiled")
-RANK_COMMANDS = ("ready", "profiled")  # sent by a rank
+CONTROL_COMMANDS = (
+    "shutdown", "ping", "ready", "inspect", "profile", "profiled", "heartbeat", "error",
+)  # fmt: skip
+RANK_COMMANDS = ("ready", "profiled", "error")  # sent by a rank
 MAX_PROFILE_FRAMES = 1 << 16
 COORDINATOR_RANK = -1
 # Sidecars every rank of a speculative round publishes (valid probabilities;
@@ -483,9 +489,27 @@ class Completion:
 # ------------------------------------------------------------------ start-up and control
 
 
+_DIGEST_FIELDS = (
+    "config_digest",
+    "tokenizer_digest",
+    "weights_digest",
+    "weights_full_digest",
+    "draft_digest",
+)
+_REQUIRED_DIGESTS = ("config_digest", "weights_digest")
+
+
 @dataclass(frozen=True)
 class CatalogReport:
-    """Rank -> coordinator after capture: the prepared programs and model facts."""
+    """Rank -> coordinator after capture: the prepared programs and model facts.
+
+    ``model_name`` is for display; the ranks must agree on the rest
+    (``runtime/coordinator/engine/startup.py``): the identity fields are those
+    of :mod:`runtime.identity` (digests are SHA-256 hex; "" = not computed),
+    ``kv_page_bytes`` the KV cache bytes of one page on this rank (target and
+    draft), ``draft_digest`` one digest of the draft model's identity ("" = no
+    draft).
+    """
 
     rank: int
     world_size: int
@@ -495,6 +519,16 @@ class CatalogReport:
     page_size: int
     num_pages: int
     model_name: str
+    kv_page_bytes: int
+    dtype: str
+    device_type: str
+    protocol_version: int
+    code_version: str
+    config_digest: str
+    tokenizer_digest: str
+    weights_digest: str
+    weights_full_digest: str
+    draft_digest: str
 
     def __post_init__(self) -> None:
         world_size = check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
@@ -514,6 +548,19 @@ class CatalogReport:
         check_int("num_pages", self.num_pages, 1, INT32_MAX)
         set_field(self, "model_name", check_str("model_name", self.model_name))
         set_field(self, "descriptors", descriptors)
+        check_int("kv_page_bytes", self.kv_page_bytes, 0, INT64_MAX)
+        set_field(self, "dtype", check_choice("dtype", self.dtype, DTYPE_NAMES))
+        set_field(self, "device_type", check_choice("device_type", self.device_type, DEVICE_TYPES))
+        check_int("protocol_version", self.protocol_version, 1, INT32_MAX)
+        set_field(self, "code_version", check_str("code_version", self.code_version, 128))
+        for name in _DIGEST_FIELDS:
+            value = getattr(self, name)
+            if not (is_digest(value) or (value == "" and name not in _REQUIRED_DIGESTS)):
+                wanted = "a SHA-256 hex digest"
+                if name not in _REQUIRED_DIGESTS:
+                    wanted += " or ''"
+                raise ProtocolError(name, f"must be {wanted}, got {value!r:.80}")
+            set_field(self, name, str.__str__(value))
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -525,6 +572,12 @@ class CatalogReport:
             "page_size": self.page_size,
             "num_pages": self.num_pages,
             "model_name": self.model_name,
+            "kv_page_bytes": self.kv_page_bytes,
+            "dtype": self.dtype,
+            "device_type": self.device_type,
+            "protocol_version": self.protocol_version,
+            "code_version": self.code_version,
+            **{name: getattr(self, name) for name in _DIGEST_FIELDS},
         }
 
     @classmethod
@@ -553,12 +606,22 @@ class Control:
     (:mod:`runtime.ranks.profiling`); each answers ``profiled`` (rank, same
     nonce, ``count``: the frames profiled, 0 if the trace could not be written);
     ``shutdown`` asks the ranks to leave their loop.
+
+    Liveness (protocol version 8, :mod:`runtime.transport.liveness`):
+    ``heartbeat`` travels both ways on the heartbeat sockets only (coordinator:
+    rank -1; a rank: its rank; ``nonce``: the sender's sequence number);
+    ``error`` (rank, ``reason``) tells the coordinator that this rank received
+    a message it could not even decode (malformed, wrong version, wrong type),
+    so a frame may be lost: the coordinator fails the frames in flight naming
+    the rank.  ``reason``: at most :data:`MAX_ERROR_CHARS` characters, required
+    for ``error``, empty for every other command.
     """
 
     command: str
     rank: int = COORDINATOR_RANK
     nonce: int = 0
     count: int = 0  # profile: frames to profile; profiled: frames profiled
+    reason: str = ""  # error: why the rank could not decode a message
 
     def __post_init__(self) -> None:
         command = check_choice("command", self.command, CONTROL_COMMANDS)
@@ -568,7 +631,20 @@ class Control:
         check_int("nonce", self.nonce)
         low = 1 if command == "profile" else 0
         check_int("count", self.count, low, MAX_PROFILE_FRAMES)
+        reason = self.reason
+        if not isinstance(reason, str):
+            raise ProtocolError("reason", f"must be a string, got {type(reason).__name__}")
+        if len(reason) > MAX_ERROR_CHARS:
+            raise ProtocolError(
+                "reason", f"at most {MAX_ERROR_CHARS} characters, got {len(reason)}"
+            )
+        reason = str.__str__(reason)
+        if command == "error" and not reason:
+            raise ProtocolError("reason", "an error control says why")
+        if command != "error" and reason:
+            raise ProtocolError("reason", f"only an error control carries one, not {command!r}")
         set_field(self, "command", command)
+        set_field(self, "reason", reason)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -576,6 +652,7 @@ class Control:
             "rank": self.rank,
             "nonce": self.nonce,
             "count": self.count,
+            "reason": self.reason,
         }
 
     @classmethod

@@ -19,6 +19,7 @@ with :data:`EXIT_BAD_FRAME`, so the engine sees a missing completion.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -29,12 +30,14 @@ from runtime.coordinator.rounds import device_allocation
 from runtime.transport.channels import ChannelEndpoints, RankChannel
 from runtime.transport.columns import column
 from runtime.transport.schema import (
+    PROTOCOL_VERSION,
     CatalogReport,
     Completion,
     Control,
     Frame,
     Tensor,
 )
+from runtime.transport.security import ClientKeys
 
 EXIT_OK = 0
 EXIT_NO_PING = 3
@@ -47,6 +50,10 @@ PAGE_SIZE = 16
 NUM_PAGES = 512
 MAX_CONTEXT = 4096
 MODEL = "fake-model"
+# The identity a fake rank reports (runtime/identity.py): fixed digests.
+CONFIG_DIGEST = hashlib.sha256(b"fake config").hexdigest()
+TOKENIZER_DIGEST = hashlib.sha256(b"fake tokenizer").hexdigest()
+WEIGHTS_DIGEST = hashlib.sha256(b"fake weights").hexdigest()
 DESCRIPTORS = (
     GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
     GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=128),
@@ -108,6 +115,16 @@ class FakeSpec:
     page_size: int = PAGE_SIZE
     num_pages: int = NUM_PAGES
     model_name: str = MODEL
+    kv_page_bytes: int = 4096
+    dtype: str = "float32"
+    device_type: str = "cpu"
+    protocol_version: int = PROTOCOL_VERSION
+    code_version: str = "fake-code"
+    config_digest: str = CONFIG_DIGEST
+    tokenizer_digest: str = TOKENIZER_DIGEST
+    weights_digest: str = WEIGHTS_DIGEST
+    weights_full_digest: str = ""
+    draft_digest: str = ""
     eos: int = EOS
     sleep_s: float = 0.0  # "device time" per frame
     device_ns: int | None = None  # a fixed reported interval instead of the measured one
@@ -196,6 +213,16 @@ class FakeRank:
             s.page_size,
             s.num_pages,
             s.model_name,
+            kv_page_bytes=s.kv_page_bytes,
+            dtype=s.dtype,
+            device_type=s.device_type,
+            protocol_version=s.protocol_version,
+            code_version=s.code_version,
+            config_digest=s.config_digest,
+            tokenizer_digest=s.tokenizer_digest,
+            weights_digest=s.weights_digest,
+            weights_full_digest=s.weights_full_digest,
+            draft_digest=s.draft_digest,
         )
 
     def _table(self, i: int, held: tuple[int, ...], appended: tuple[int, ...]) -> tuple[int, ...]:
@@ -441,12 +468,20 @@ class FakeRank:
         return Tensor.from_values("float32", (2, frame.num_lanes, depth), values)
 
 
-def main(frames: str, completions: str, rank: int, world_size: int, args: dict) -> None:
-    """The rank process."""
+def main(
+    frames: str,
+    completions: str,
+    rank: int,
+    world_size: int,
+    args: dict,
+    keys: tuple[str, str, str] | None = None,
+) -> None:
+    """The rank process; ``keys``: its CURVE client keys (server, public, secret)."""
     spec = FakeSpec.from_args(args)
     fake = FakeRank(spec, rank, world_size)
     endpoints = ChannelEndpoints(frames=frames, completions=completions)
-    with RankChannel(endpoints, rank) as channel:
+    client = ClientKeys(*keys) if keys is not None else None
+    with RankChannel(endpoints, rank, keys=client) as channel:
         try:
             channel.handshake(timeout_ms=int(fake.spec.idle_exit_s * 1000))
         except TimeoutError:
@@ -473,15 +508,29 @@ def main(frames: str, completions: str, rank: int, world_size: int, args: dict) 
 # ---------------------------------------------------------------- test harness
 
 
-def spawn_ranks(endpoints: ChannelEndpoints, world_size: int, spec: FakeSpec) -> list[Any]:
-    """Start ``world_size`` fake rank processes (spawned) against ``endpoints``."""
+def spawn_ranks(
+    endpoints: ChannelEndpoints,
+    world_size: int,
+    spec: FakeSpec,
+    keys: ClientKeys | None = None,
+) -> list[Any]:
+    """Start ``world_size`` fake rank processes (spawned) against ``endpoints``;
+    ``keys``: CURVE client keys (``Engine.rank_keys()`` of a TCP engine)."""
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
+    key_strings = None if keys is None else (keys.server, keys.public, keys.secret)
     processes = [
         context.Process(
             target=main,
-            args=(endpoints.frames, endpoints.completions, rank, world_size, spec.to_args()),
+            args=(
+                endpoints.frames,
+                endpoints.completions,
+                rank,
+                world_size,
+                spec.to_args(),
+                key_strings,
+            ),
             name=f"fake-rank-{rank}",
             daemon=True,
         )

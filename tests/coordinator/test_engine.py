@@ -20,6 +20,7 @@ from runtime.coordinator.engine import CANCELLED, Engine, EngineConfig, EngineSt
 from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.codec import encode
 from runtime.transport.schema import Completion, Control
+from runtime.transport.security import secure_client
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks
 
@@ -34,7 +35,9 @@ class Served:
         config.setdefault("catalog_timeout_s", WAIT_S)
         config.setdefault("completion_timeout_s", WAIT_S)
         self.engine = Engine(EngineConfig(world_size=world_size, **config))
-        self.processes = spawn_ranks(self.engine.bind(), world_size, spec)
+        self.processes = spawn_ranks(
+            self.engine.bind(), world_size, spec, keys=self.engine.rank_keys()
+        )
 
     def start(self, thread: bool = True) -> Served:
         self.engine.start()
@@ -161,7 +164,8 @@ def test_mismatched_catalog_is_refused() -> None:
     spec = FakeSpec(per_rank={1: {"num_pages": 256}}, idle_exit_s=WAIT_S)
     served = Served(2, spec, shutdown_grace_s=0.2)
     try:
-        with pytest.raises(EngineStartError, match="rank 1 disagrees with rank 0 on num_pages"):
+        match = "ranks disagree on num_pages: rank 0 has 512, rank 1 has 256"
+        with pytest.raises(EngineStartError, match=match):
             served.start()
     finally:
         assert served.close() == [fake_rank.EXIT_OK] * 2  # told to shut down
@@ -175,6 +179,9 @@ def test_slower_rank_sets_the_estimate_and_malformed_input_is_survived() -> None
     context = zmq.Context()
     raw = context.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
+    keys = engine.rank_keys()  # a TCP engine made CURVE keys for this run
+    assert keys is not None
+    secure_client(raw, keys)  # an authenticated peer's garbage reaches the decoder
     try:
         raw.connect(engine.endpoints.completions)
         raw.send(b"garbage")

@@ -150,12 +150,17 @@ def reports(world_size: int = 2, **overrides: Any) -> dict:
         ({"max_context": 2048}, "max_context"),
         ({"page_size": 32}, "page_size"),
         ({"num_pages": 64}, "num_pages"),
-        ({"model_name": "other"}, "model_name"),
+        ({"dtype": "bfloat16"}, "dtype"),
+        ({"weights_digest": "9" * 64}, "weights_digest"),
     ],
 )
 def test_agreement_names_the_rank_and_field(override: dict, field: str) -> None:
-    with pytest.raises(EngineStartError, match=rf"rank 1 disagrees with rank 0 on {field}"):
+    with pytest.raises(
+        EngineStartError, match=rf"ranks disagree on {field}: rank 0 has .*, rank 1 has"
+    ):
         agree(reports(**override))
+    # The directory's name is for display: it is not compared.
+    assert agree(reports(model_name="other")).model_name == fake_rank.MODEL
 
 
 def test_agreement_names_the_differing_descriptors() -> None:

@@ -115,6 +115,16 @@ def catalog_report() -> CatalogReport:
         page_size=16,
         num_pages=1024,
         model_name="tiny-llama",
+        kv_page_bytes=65_536,
+        dtype="bfloat16",
+        device_type="cuda",
+        protocol_version=8,
+        code_version="0.1.0+src.0123456789abcdef",
+        config_digest="1" * 64,
+        tokenizer_digest="2" * 64,
+        weights_digest="3" * 64,
+        weights_full_digest="",
+        draft_digest="4" * 64,
     )
 
 

@@ -58,7 +58,7 @@ def state_frame(program=RESTORE, **columns) -> Frame:
 
 
 def test_version_and_phase_codes():
-    assert PROTOCOL_VERSION == 7
+    assert PROTOCOL_VERSION >= 7  # 7: state lanes; 8: the start-up identity
     assert PHASE_STATE == 2 and PHASE_NAMES[PHASE_STATE] == "state"
     assert frozenset({GraphKind.RESTORE, GraphKind.SNAPSHOT}) == STATE_KINDS
 

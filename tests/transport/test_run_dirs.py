@@ -130,7 +130,15 @@ def test_a_killed_frontend_and_coordinators_dirs_go_at_the_next_start(tmp_path):
 def test_the_transport_dir_holds_its_sockets_and_pid(tmp_path):
     channel = CoordinatorChannel(1, run_dir=str(tmp_path))
     names = {p.name for p in Path(channel.run_dir).iterdir()}
-    assert names == {"pid", *TRANSPORT_RUN_FILES}
+    assert names == {"pid", "frames", "completions"}  # a bare channel binds no heartbeat
     assert Path(channel.run_dir).name.startswith(TRANSPORT_RUN_PREFIX)
     channel.close()
+    channel = CoordinatorChannel(1, run_dir=str(tmp_path), heartbeat=True)
+    try:
+        names = {p.name for p in Path(channel.run_dir).iterdir()}
+        assert names == {"pid", *TRANSPORT_RUN_FILES}
+        assert "heartbeat" in TRANSPORT_RUN_FILES
+    finally:
+        channel.take_heartbeat_socket().close(linger=0)
+        channel.close()
     assert not Path(channel.run_dir).exists()

@@ -32,7 +32,7 @@ def test_envelope_shape() -> None:
     assert msgpack.unpackb(encode(examples.control())) == {
         "v": PROTOCOL_VERSION,
         "t": "Control",
-        "b": {"command": "ready", "rank": 1, "nonce": 12345, "count": 0},
+        "b": {"command": "ready", "rank": 1, "nonce": 12345, "count": 0, "reason": ""},
     }
     assert decode(_envelope()) == examples.control()
     assert decode(bytearray(_envelope())) == examples.control()

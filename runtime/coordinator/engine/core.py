@@ -30,11 +30,17 @@ from typing import Any
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.config import SchedulerConfig
-from runtime.coordinator.engine.config import EngineConfig, EngineError, EngineStartError
+from runtime.coordinator.engine.config import (
+    EngineConfig,
+    EngineError,
+    EngineStartError,
+    frame_watchdog_ns,
+)
 from runtime.coordinator.engine.frames import (
     Dispatch,
     Live,
     build_frame,
+    check_token_ids,
     completion_records,
     execution_timing,
     lane_logprobs,
@@ -66,6 +72,7 @@ from runtime.transport.channels import (
     TransportError,
 )
 from runtime.transport.inspection import RankStatus
+from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig
 from runtime.transport.schema import (
     MAX_SLOTS,
     CatalogReport,
@@ -74,6 +81,7 @@ from runtime.transport.schema import (
     Frame,
     SamplingParams,
 )
+from runtime.transport.security import ClientKeys, DeploymentKeys, per_run_keys
 
 log = logging.getLogger("runtime.coordinator.engine")
 
@@ -115,6 +123,7 @@ class Engine:
         self.facts: ModelFacts | None = None
         self.error: BaseException | None = None
         self._channel: CoordinatorChannel | None = None
+        self._run_keys: DeploymentKeys | None = None  # per-run CURVE keys (tcp, none given)
         self._world = self.config.world_size
         # Commands from any thread; the engine thread drains them.
         self._commands: deque[tuple[str, Any]] = deque()
@@ -135,6 +144,8 @@ class Engine:
         self._queries = RankQueries(self._world)  # inspect / profile questions to every rank
         self.rank_metrics = RankMetrics(self._world)
         self._next_fence = 1
+        self._head_since_ns = 0  # when the head of _inflight became the head
+        self.liveness: CoordinatorLiveness | None = None  # heartbeats (started by start())
         self.trace: FrameTrace | None = None  # the live plan trace (enable_trace)
         self._trace_options: TraceOptions | None = None
 
@@ -163,11 +174,30 @@ class Engine:
         if self._channel is None:
             if self._closed:
                 raise EngineError("the engine is stopped")
+            kwargs = self.config.channel_kwargs()
+            if kwargs["transport"] == "tcp" and kwargs["keys"] is None:
+                if self.config.insecure_transport:
+                    log.warning(
+                        "INSECURE TRANSPORT: the coordinator binds TCP without CURVE keys; any "
+                        "process that reaches %s can read every prompt and forge completions",
+                        self.config.endpoints,
+                    )
+                else:  # a local TCP deployment: keys for this run, handed to its ranks
+                    self._run_keys = per_run_keys()
+                    kwargs["keys"] = self._run_keys.server
             try:
-                self._channel = CoordinatorChannel(self._world, **self.config.channel_kwargs())
+                self._channel = CoordinatorChannel(self._world, **kwargs)  # type: ignore[arg-type]
             except (TransportError, ValueError) as exc:
                 raise EngineStartError(f"cannot bind the coordinator channel: {exc}") from exc
         return self._channel.endpoints
+
+    def rank_keys(self) -> ClientKeys | None:
+        """The CURVE keys this engine created for its ranks (a TCP channel bound
+        without ``transport_keys``), or None; binds the channel on first use.
+        Hand them to a rank through the environment (``keys.environment()``),
+        never its command line."""
+        self.bind()
+        return None if self._run_keys is None else self._run_keys.clients[0]
 
     def start(self) -> None:
         """Handshake with every rank, collect and check their catalogs, build the scheduler."""
@@ -178,12 +208,15 @@ class Engine:
         assert channel is not None
         cfg = self.config
         try:
+            liveness = self._start_liveness(channel)
             try:
                 channel.handshake(timeout_s=cfg.handshake_timeout_s)
             except HandshakeTimeout as exc:
                 raise EngineStartError(f"{exc} (handshake_timeout_s)") from exc
+            if cfg.require_heartbeats and cfg.heartbeat_timeout_s is not None:
+                liveness.watch_all()
             reports = collect_reports(channel, self._world, cfg.catalog_timeout_s)
-            facts = agree(reports)
+            facts = agree(reports, cfg.expected_identity)
             max_slots = cfg.max_slots or min(MAX_SLOTS, facts.max_decode_batch)
             scheduler_config = SchedulerConfig(
                 max_slots,
@@ -307,6 +340,44 @@ class Engine:
                 return
             self._commands.append(("cancel", stream))
         self._wake.set()
+
+    def _start_liveness(self, channel: CoordinatorChannel) -> CoordinatorLiveness:
+        """The heartbeat thread, before the handshake: a rank heartbeats from its
+        own handshake on, while slower ranks may still be loading."""
+        cfg = self.config
+        timeout = cfg.heartbeat_timeout_s
+        liveness = CoordinatorLiveness(
+            channel.take_heartbeat_socket(),
+            self._world,
+            LivenessConfig(
+                cfg.heartbeat_interval_s,
+                timeout if timeout is not None else float(1 << 40),  # None: never gone
+            ),
+            self.rank_gone,
+        )
+        self.liveness = liveness
+        liveness.start()
+        return liveness
+
+    def rank_gone(self, rank: int, reason: str) -> None:
+        """Rank ``rank`` is gone (any thread): its process exited, or its heartbeats
+        stopped.  The engine fails at its next round with an EngineError naming the
+        rank and the fences in flight; a hung or lost rank cannot be recovered in
+        place, so the deployment shuts down."""
+        with self._command_lock:
+            if self._closed:
+                return
+            self._commands.append(("gone", (rank, reason)))
+        self._wake.set()
+
+    def _gone_error(self, rank: int, reason: str) -> EngineError:
+        waiting = [d.fence for d in self._inflight if rank not in d.answers]
+        if waiting:
+            fences = ", ".join(str(f) for f in waiting)
+            where = f"fence(s) {fences} in flight, unanswered by rank {rank}"
+        else:
+            where = "no frame in flight"
+        return EngineError(f"{reason}; {where}; the deployment shuts down")
 
     def fail(self, exc: BaseException) -> None:
         """Fail the engine from any thread (say, a rank process died).
@@ -516,6 +587,8 @@ class Engine:
             done = True
             if kind == "fail":
                 raise item
+            if kind == "gone":
+                raise self._gone_error(*item)
             if isinstance(item, _Probe):
                 self._probes.append(item)
             elif isinstance(item, RankAsk):
@@ -682,6 +755,14 @@ class Engine:
         if self._queries.is_answer(message):
             self._answered(message)
             return False
+        if isinstance(message, Control) and message.command == "error":
+            # The rank could not decode something the coordinator sent: a frame may
+            # be lost, and waiting for its completion would stall; fail fast.
+            fences = ", ".join(str(d.fence) for d in self._inflight) or "none"
+            raise EngineError(
+                f"rank {message.rank} could not decode a message from the coordinator "
+                f"({message.reason}); frames in flight fail: fence(s) {fences}"
+            )
         if not isinstance(message, Completion):
             kind = type(message).__name__
             if isinstance(message, (CatalogReport, Control)):
@@ -693,9 +774,10 @@ class Engine:
         dispatch = self._by_fence.get(message.fence)
         if dispatch is None:
             log.warning(
-                "ignoring completion from rank %d for fence %d: not in flight",
+                "ignoring completion from rank %d for fence %d: not in flight%s",
                 message.rank,
                 message.fence,
+                "" if message.error is None else f" (its error: {message.error})",
             )
             self.stats.add(ignored_messages=1)
             return False
@@ -719,6 +801,7 @@ class Engine:
         applied = False
         while self._inflight and len(self._inflight[0].answers) == self._world:
             self._apply(self._inflight.popleft())
+            self._head_since_ns = time.monotonic_ns()
             applied = True
         return applied
 
@@ -743,6 +826,9 @@ class Engine:
         answers = dispatch.answers
         timing = execution_timing(dispatch, now, self._world)
         rank_ns, readiness = timing.rank_device_ns, timing.readiness_delay_ns
+        assert self.facts is not None
+        vocab = self.facts.vocab_size
+        check_token_ids(answers[0], vocab)  # a corrupt or forged answer fails fast
         records = completion_records(answers[0], dispatch.ignore_eos)
         try:
             generated = self._complete(dispatch, records, timing)
@@ -753,13 +839,15 @@ class Engine:
         self.rank_metrics.record(answers, dispatch.plan.reason.value)
         if self.trace is not None:
             self.trace.applied(dispatch, now, scheduler.drain_trace())
+        else:  # nobody reads them: kept, they would fill the scheduler's 64k-record buffer
+            scheduler.drain_trace()
         lanes = dispatch.plan.lanes
         asked = [self._by_handle[lane.handle.id].stream.sampling.logprobs for lane in lanes]
         graph = dispatch.plan.graph
         if graph.kind is GraphKind.SPECULATIVE or graph.token_capacity > 1:  # a row per token
-            entries = token_logprobs(answers[0], asked)
+            entries = token_logprobs(answers[0], asked, vocab)
         else:
-            entries = [None if e is None else (e,) for e in lane_logprobs(answers[0], asked)]
+            entries = [None if e is None else (e,) for e in lane_logprobs(answers[0], asked, vocab)]
         by_handle = {
             lane.handle.id: entry for lane, entry in zip(lanes, entries) if entry is not None
         }
@@ -829,16 +917,40 @@ class Engine:
         return scheduler.complete(dispatch.fence, records, timing)
 
     def _check_overdue(self) -> None:
-        limit = self.config.completion_timeout_s
-        if limit is None or not self._inflight:
+        """The per-frame watchdog (and the ``completion_timeout_s`` cap) on the head
+        frame; tells the liveness watcher when the head frame should end."""
+        liveness = self.liveness
+        if not self._inflight:
+            if liveness is not None:
+                liveness.expect_until(0)
             return
         head = self._inflight[0]
-        if time.monotonic_ns() - head.sent_ns > limit * 1e9:
-            missing = sorted(set(range(self._world)) - set(head.answers))
-            raise EngineError(
-                f"fence {head.fence}: no completion from rank(s) {missing} "
-                f"within {limit:g} s (completion_timeout_s)"
-            )
+        if liveness is not None:
+            liveness.expect_until(head.expected_end_ns)
+        cfg = self.config
+        now = time.monotonic_ns()
+        since = max(head.sent_ns, self._head_since_ns)  # queued: from the frame before's end
+        expected = head.plan.estimated_duration_ns if head.plan is not None else 0
+        limit = frame_watchdog_ns(
+            expected,
+            cfg.frame_watchdog_multiple,
+            cfg.frame_watchdog_margin_s,
+            cfg.frame_watchdog_floor_s,
+            known=True if head.plan is None else None,
+        )
+        what = "frame watchdog"
+        cap = cfg.completion_timeout_s
+        if cap is not None and cap * 1e9 < limit:
+            since, limit, what = head.sent_ns, round(cap * 1e9), "completion_timeout_s"
+        if now - since <= limit:
+            return
+        missing = sorted(set(range(self._world)) - set(head.answers))
+        cost = f"expected {expected / 1e6:.3f} ms" if expected else "cost still unknown"
+        raise EngineError(
+            f"fence {head.fence}: no completion from rank(s) {missing} within "
+            f"{limit / 1e9:.6g} s ({what}; {cost}); a hung rank or collective cannot be "
+            "recovered in place: the deployment shuts down"
+        )
 
     # ------------------------------------------------------------------ inspection
     @property
@@ -858,6 +970,8 @@ class Engine:
         ``executions_total{class=ordinary}`` is ``executions_total:ordinary``.
         """
         out: dict[str, float] = dict(self.stats.counters())
+        channel = self._channel
+        out["transport_auth_denied_total"] = 0 if channel is None else channel.auth_denied
         if self.trace is not None:
             out.update(self.trace.counters())
         out.update(self.rank_metrics.values())
@@ -947,6 +1061,8 @@ class Engine:
             stream._push((), reason)
         if already:
             return
+        if self.liveness is not None:  # its socket goes before the channel's context
+            self.liveness.close()
         channel = self._channel
         if channel is not None and not channel.closed:
             try:

@@ -20,7 +20,9 @@ from runtime.transport.schema import (
     PHASE_STATE,
     Completion,
     Frame,
+    ProtocolError,
     SamplingParams,
+    Tensor,
 )
 
 RUNNABLE_KINDS = (
@@ -227,17 +229,72 @@ def completion_records(
     return records
 
 
-def lane_logprobs(completion: Completion, asked: Sequence[int]) -> list[TokenLogprobs | None]:
+def check_token_ids(completion: Completion, vocab: int) -> None:
+    """Raise EngineError unless rank 0's committed tokens lie in [0, ``vocab``)."""
+    tokens = completion.tokens
+    if tokens and max(tokens) >= vocab:
+        token = max(tokens)
+        raise EngineError(
+            f"fence {completion.fence}: rank 0 sent token id {token} (entry "
+            f"{tokens.index(token)}), outside the vocabulary [0, {vocab})"
+        )
+
+
+def _logprob_sidecars(completion: Completion) -> tuple[Tensor, Tensor] | None:
+    """Rank 0's (values, token ids) sidecars; EngineError unless float32 and
+    int32 matrices (None: not sent)."""
+    values = completion.sidecars.get("logprobs")
+    ids = completion.sidecars.get("logprob_token_ids")
+    if values is None or ids is None:
+        return None
+    if (values.dtype, ids.dtype) != ("float32", "int32"):
+        raise EngineError(
+            f"fence {completion.fence}: logprob sidecars must be float32 values and int32 "
+            f"token ids, got {values.dtype} and {ids.dtype}"
+        )
+    if len(values.shape) != 2 or len(ids.shape) != 2:
+        raise EngineError(
+            f"fence {completion.fence}: logprob sidecars of shape {list(values.shape)} and "
+            f"{list(ids.shape)} do not fit: both must be matrices"
+        )
+    return values, ids
+
+
+def _entry(
+    fence: int, logprob: float, ids: Sequence[int], values: Sequence[float], vocab: int | None
+) -> TokenLogprobs:
+    """One token's TokenLogprobs; EngineError naming the sidecar for a value that
+    is no log probability (NaN, +inf) or a token id outside the vocabulary."""
+    if vocab is not None and any(not 0 <= i < vocab for i in ids):
+        bad = next(i for i in ids if not 0 <= i < vocab)
+        raise EngineError(
+            f"fence {fence}: the logprob_token_ids sidecar holds token id {bad}, outside "
+            f"the vocabulary [0, {vocab})"
+        )
+    try:
+        return TokenLogprobs(logprob, tuple(ids), tuple(values))
+    except ProtocolError as exc:
+        raise EngineError(
+            f"fence {fence}: the logprob sidecars hold an invalid entry ({exc})"
+        ) from None
+
+
+def lane_logprobs(
+    completion: Completion, asked: Sequence[int], vocab: int | None = None
+) -> list[TokenLogprobs | None]:
     """Rank 0's log-probability sidecars as one entry per lane (None: not asked).
 
     ``asked``: each lane's ``SamplingParams.logprobs`` (-1 = none); a lane gets
     its sampled token's log probability and its own top ``asked`` entries.
+    ``vocab``: token ids must lie below it.  Sidecars of the wrong dtype or
+    shape, values that are no log probabilities and ids outside the vocabulary
+    raise EngineError.
     """
     out: list[TokenLogprobs | None] = [None] * len(asked)
-    values = completion.sidecars.get("logprobs")
-    ids = completion.sidecars.get("logprob_token_ids")
-    if values is None or ids is None or max(asked, default=-1) < 0:
+    sidecars = _logprob_sidecars(completion)
+    if sidecars is None or max(asked, default=-1) < 0:
         return out
+    values, ids = sidecars
     rows, width = values.shape[0], values.shape[1]
     if rows < len(asked) or ids.shape != (rows, width - 1):
         raise EngineError(
@@ -252,21 +309,21 @@ def lane_logprobs(completion: Completion, asked: Sequence[int]) -> list[TokenLog
         k = min(k, k_max)
         row = flat[lane * width : (lane + 1) * width]
         top_ids = flat_ids[lane * k_max : lane * k_max + k]
-        out[lane] = TokenLogprobs(row[0], tuple(top_ids), tuple(row[1 : 1 + k]))
+        out[lane] = _entry(completion.fence, row[0], top_ids, row[1 : 1 + k], vocab)
     return out
 
 
 def token_logprobs(
-    completion: Completion, asked: Sequence[int]
+    completion: Completion, asked: Sequence[int], vocab: int | None = None
 ) -> list[tuple[TokenLogprobs, ...] | None]:
     """A speculative round's log-probability sidecars (one row per emitted token,
     lanes in order, ``token_count`` rows each) as one tuple per lane (None: not
-    asked)."""
+    asked); EngineError as for :func:`lane_logprobs`."""
     out: list[tuple[TokenLogprobs, ...] | None] = [None] * len(asked)
-    values = completion.sidecars.get("logprobs")
-    ids = completion.sidecars.get("logprob_token_ids")
-    if values is None or ids is None or max(asked, default=-1) < 0:
+    sidecars = _logprob_sidecars(completion)
+    if sidecars is None or max(asked, default=-1) < 0:
         return out
+    values, ids = sidecars
     rows, width = values.shape[0], values.shape[1]
     counts = list(completion.token_count)
     if rows != sum(counts) or ids.shape != (rows, width - 1) or len(counts) < len(asked):
@@ -282,10 +339,12 @@ def token_logprobs(
         if k >= 0:
             k = min(k, k_max)
             out[lane] = tuple(
-                TokenLogprobs(
+                _entry(
+                    completion.fence,
                     flat[r * width],
-                    tuple(flat_ids[r * k_max : r * k_max + k]),
-                    tuple(flat[r * width + 1 : r * width + 1 + k]),
+                    flat_ids[r * k_max : r * k_max + k],
+                    flat[r * width + 1 : r * width + 1 + k],
+                    vocab,
                 )
                 for r in range(row, row + n)
             )
