@@ -833,6 +833,12 @@ class Scheduler:
         self._trace.clear()
         return out
 
+    def trim_trace(self, keep: int) -> None:
+        """Drop all but the newest ``keep`` undrained records (not counted as dropped:
+        the caller reads none of them)."""
+        while len(self._trace) > keep:
+            self._trace.popleft()
+
     def request(self, handle: RequestHandle) -> Request | None:
         return self._requests.get(handle.id)
 

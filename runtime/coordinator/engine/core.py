@@ -89,6 +89,7 @@ log = logging.getLogger("runtime.coordinator.engine")
 # timeout are noticed while frames are in flight.
 MAX_WAIT_MS = 20
 RUN_STEP_MS = 50
+UNREAD_TRACE_RECORDS = 2048  # scheduler trace records kept when no trace file reads them
 
 
 @dataclass
@@ -839,8 +840,9 @@ class Engine:
         self.rank_metrics.record(answers, dispatch.plan.reason.value)
         if self.trace is not None:
             self.trace.applied(dispatch, now, scheduler.drain_trace())
-        else:  # nobody reads them: kept, they would fill the scheduler's 64k-record buffer
-            scheduler.drain_trace()
+        else:  # no trace file: keep a short recent tail for in-process readers, so an
+            # undrained buffer does not grow for the server's life
+            scheduler.trim_trace(UNREAD_TRACE_RECORDS)
         lanes = dispatch.plan.lanes
         asked = [self._by_handle[lane.handle.id].stream.sampling.logprobs for lane in lanes]
         graph = dispatch.plan.graph
