@@ -54,7 +54,7 @@ class ExternalRanks:
         if not host.is_loopback and not self.allow_remote:
             raise ValueError(
                 f"bind_host {self.bind_host} is not a loopback address: ranks on other hosts "
-                "could connect; pass allow_remote=True (--allow-remote) to mean it"
+                "could connect; pass allow_remote=True to mean it"
             )
 
     def endpoint(self, port: int) -> str:

@@ -165,6 +165,15 @@ FLAGS = [
     ("kv-cache-memory-unit", ["run", "--kv-cache-memory", "4XB"], ["--kv-cache-memory", "4GiB"]),
     ("frame-timeout-margin", ["run", "--frame-timeout-margin", "0"],
      ["--frame-timeout-margin", "> 0"]),
+    ("frames-port-local", ["run", "--frames-port", "5000"], ["--frames-port", "--ranks external"]),
+    ("external-no-keys", ["run", "--ranks", "external"],
+     ["--transport-keys", "flare keys", "--insecure-transport"]),
+    ("external-remote", ["run", "--ranks", "external", "--insecure-transport", "--bind-host",
+                         "0.0.0.0"], ["--bind-host 0.0.0.0", "--allow-remote"]),
+    ("external-name", ["run", "--ranks", "external", "--insecure-transport", "--bind-host",
+                       "example.com"], ["--bind-host", "IP address"]),
+    ("external-world", ["run", "--ranks", "external", "--insecure-transport", "--world-size",
+                        "2", "-tp", "1"], ["--world-size 2", "--tensor-parallel-size 1"]),
 ]  # fmt: skip
 CASES = [
     *FAILURES,
