@@ -10,9 +10,9 @@ One ``flare run`` process tree (``-tp 2 --device cpu``, the embedded default mod
 ``--server-arg`` passes more flags) on a free loopback port serves every round.  The
 pool is small on purpose: round 1's prompts fill it, so the prefix cache evicts in
 every round and its index (about 1.3 KB of coordinator memory per cached page) is at
-its steady size before the RSS baseline; with the default pool (16k pages on CPU)
-the index grows by each round's new prompts until the pool is full, which is
-bounded growth, not a leak, and shows as several % of the coordinator's RSS.
+its steady size before the RSS baseline; with the default pool (over 14k pages on
+CPU) the index grows by each round's new prompts until the pool is full, which is
+bounded growth, not a leak, and showed as 5.3% of the coordinator's RSS.
 Each round:
 
 1. ``--requests`` streaming ``/v1/completions`` requests are opened at once (one
