@@ -41,6 +41,7 @@ device time (:meth:`RankWorker._start_state`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import time
@@ -99,6 +100,27 @@ class RankHang(RuntimeError):
 def _ints(values: np.ndarray) -> array:
     """A numpy column as the wire's ``array('q')``."""
     return array("q", values.astype(np.int64, copy=False).tobytes())
+
+
+def _libc_malloc_trim():
+    """glibc's ``malloc_trim``, or None (another C library, not Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def release_free_memory() -> None:
+    """Return the C heap's free pages to the system (glibc keeps what tensors of
+    varying shapes freed in its arenas, and a rank's RSS creeps up with the mix of
+    prompt lengths it has seen).  Called when the rank has been idle a second, so
+    it costs no frame any time; a no-op without glibc."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class RankWorker:
@@ -620,6 +642,7 @@ class RankWorker:
     def _loop(self, channel, spin_us: int, watchdog: Watchdog | None) -> None:
         queue: deque[tuple[Frame, Launch | Completion, int]] = deque()  # in fence order
         head_since = 0  # when the head of the queue became the head
+        trimmed = True  # freed memory was handed back since the last message
         spin = 0
         while True:
             while queue:  # publish what finished, in order
@@ -643,9 +666,13 @@ class RankWorker:
             message = channel.recv(timeout_ms=0 if queue else 1000, spin_us=0 if queue else spin)
             received = time.perf_counter_ns() - t0
             if message is None:
+                if not queue and not trimmed:  # idle for a second: hand freed memory back
+                    release_free_memory()
+                    trimmed = True
                 continue
             received_at = time.monotonic_ns()
             spin = 0
+            trimmed = False
             if isinstance(message, Control):
                 if message.command == "inspect":
                     channel.send(self.inspect(message.nonce))

@@ -72,6 +72,7 @@ import tempfile
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -531,11 +532,15 @@ class CoordinatorChannel(_Channel):
     def shutdown_ranks(self) -> None:
         self.publish(Control("shutdown"))
 
-    def handshake(self, timeout_s: float = 30.0) -> None:
+    def handshake(
+        self, timeout_s: float = 30.0, abort: Callable[[], str | None] | None = None
+    ) -> None:
         """Ping until every rank 0..world_size-1 has answered; HandshakeTimeout otherwise.
 
         Messages other than this handshake's replies that arrive meanwhile (a
         catalog report sent straight after answering) are kept for ``recv``.
+        ``abort``: looked at between pings (at least every 0.1 s); a reason (a
+        rank the heartbeats found gone) ends the wait with TransportError.
         """
         nonce = secrets.randbits(63)
         waiting = set(range(self.world_size))
@@ -553,6 +558,12 @@ class CoordinatorChannel(_Channel):
                     sorted(waiting), self.world_size, self.endpoints.frames,
                     self.world_size - len(waiting), now - started, deadline - now,
                 )  # fmt: skip
+            why = abort() if abort is not None else None
+            if why:
+                raise TransportError(
+                    f"{why} during the transport handshake (still waiting for rank(s) "
+                    f"{sorted(waiting)})"
+                )
             if now >= deadline:
                 missing = tuple(sorted(waiting))
                 raise HandshakeTimeout(

@@ -52,6 +52,10 @@ DEFAULT_INTERVAL_S = 1.0
 DEFAULT_TIMEOUT_S = 10.0
 COORDINATOR_GONE_EXIT_CODE = 4  # a rank whose coordinator stopped answering
 MAX_POLL_S = 0.2  # the longest a thread waits before looking at its stop flag
+# After the coordinator's farewell a rank waits this long for its frames to end
+# and the shutdown to arrive before it leaves on its own.
+FAREWELL_GRACE_S = 600.0
+FAREWELL_LINGER_MS = 500  # how long the farewell may take to leave the socket
 MAX_REJECT_LOGS = 20  # rejections logged per thread (all are counted)
 
 
@@ -80,6 +84,8 @@ class LivenessConfig:
 class _Beat:
     """The loop both sides share: send every interval, take what arrives, check."""
 
+    accepted: tuple[str, ...] = ("heartbeat",)  # the Control commands this side takes
+
     def __init__(self, sock: zmq.Socket, config: LivenessConfig, name: str) -> None:
         if not isinstance(config, LivenessConfig):
             raise TypeError(f"config must be a LivenessConfig, got {config!r}")
@@ -89,13 +95,16 @@ class _Beat:
         self.sent = 0
         self._sock = sock
         self._stop = threading.Event()
+        self._say_farewell = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the thread; it closes its socket (call before the socket's context ends)."""
+    def close(self, timeout_s: float = 5.0, *, farewell: bool = False) -> None:
+        """Stop the thread; it closes its socket (call before the socket's context ends).
+        ``farewell``: first tell the peers this is a stop, not a death."""
+        self._say_farewell = farewell
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
@@ -115,7 +124,7 @@ class _Beat:
         except ProtocolError as exc:
             self._reject(str(exc))
             return None
-        if not isinstance(message, Control) or message.command != "heartbeat":
+        if not isinstance(message, Control) or message.command not in self.accepted:
             what = message.command if isinstance(message, Control) else type(message).__name__
             self._reject(f"{what!r} on the heartbeat socket")
             return None
@@ -140,11 +149,18 @@ class _Beat:
                         except zmq.Again:
                             break
                         self._take(parts, time.monotonic_ns())
+            if self._say_farewell:
+                self._farewell()
         except zmq.ZMQError as exc:  # the context went away under us: nothing to watch
             if not self._stop.is_set():
                 log.error("%s: heartbeat socket failed: %s", self.name, exc)
         finally:
-            sock.close(linger=0)
+            sock.close(linger=FAREWELL_LINGER_MS if self.said_farewell else 0)
+
+    said_farewell = False
+
+    def _farewell(self) -> None:
+        """On :meth:`close`: tell the peers this is a stop, not a death (nothing here)."""
 
     def _send(self, parts: list[bytes]) -> None:
         try:
@@ -218,6 +234,15 @@ class CoordinatorLiveness(_Beat):
         for identity in list(self._identities.values()):
             self._send([identity, data])
 
+    def _farewell(self) -> None:
+        """A normal stop: every rank hears ``Control("shutdown")`` here, so one still
+        busy in a long frame (it reads the frames socket's shutdown only after the
+        frame) does not take the silence that follows for a dead coordinator."""
+        data = encode(Control("shutdown", COORDINATOR_RANK))
+        for identity in list(self._identities.values()):
+            self._send([identity, data])
+        self.said_farewell = bool(self._identities)
+
     def _take(self, parts: list[bytes], now_ns: int) -> None:
         if len(parts) != 2:
             self._reject(f"{len(parts) - 1}-part message")
@@ -268,6 +293,8 @@ class RankHeartbeat(_Beat):
     :data:`COORDINATOR_GONE_EXIT_CODE`, else the thread ends.
     """
 
+    accepted = ("heartbeat", "shutdown")  # shutdown: the coordinator stops normally
+
     def __init__(
         self,
         sock: zmq.Socket,
@@ -283,6 +310,7 @@ class RankHeartbeat(_Beat):
         self.exit_process = exit_process
         self.fired: str | None = None
         self.heard = 0  # coordinator heartbeats received
+        self.stopping = False  # the coordinator said shutdown on this socket
         self._last = time.monotonic_ns()
         self._sequence = 0
 
@@ -304,12 +332,20 @@ class RankHeartbeat(_Beat):
         if message.rank != COORDINATOR_RANK:
             self._reject(f"heartbeat from rank {message.rank}, not the coordinator")
             return
+        if message.command == "shutdown":
+            if not self.stopping:
+                log.info("%s: the coordinator is stopping", self.name)
+            self.stopping = True
         self.heard += 1
         self._last = now_ns
 
     def _check(self, now_ns: int) -> bool:
         silent = (now_ns - self._last) / 1e9
-        if silent <= self.config.timeout_s:
+        # A stopping coordinator goes quiet on purpose: the rank leaves once its
+        # frames in flight are done and it reads the shutdown; only a rank stuck
+        # far longer than that exits on its own.
+        limit = max(self.config.timeout_s, FAREWELL_GRACE_S) if self.stopping else None
+        if silent <= (limit or self.config.timeout_s):
             return False
         where = f" at {self.endpoint}" if self.endpoint else ""
         reason = (

@@ -166,6 +166,23 @@ def test_a_rank_whose_coordinator_falls_silent_gives_up(pair) -> None:
         watcher.close()
 
 
+def test_a_stopping_coordinator_says_farewell_and_the_rank_stays(pair) -> None:
+    """A normal stop is no death: a rank still busy in a long frame reads the frames
+    socket's shutdown only after the frame, so its heartbeat thread must not end the
+    process in the silence that follows the coordinator's farewell."""
+    coordinator, rank = pair
+    watcher, beat = start_pair(coordinator, rank, lambda r, why: None)
+    try:
+        wait_for(lambda: beat.heard >= 2 and watcher.heard == [0])
+        watcher.close(farewell=True)
+        wait_for(lambda: beat.stopping, limit_s=5.0)
+        time.sleep(3 * FAST.timeout_s)  # far past the heartbeat timeout
+        assert beat.fired is None and beat.alive
+    finally:
+        beat.close()
+        watcher.close()
+
+
 def test_after_watch_all_a_rank_that_never_heartbeats_is_gone(pair) -> None:
     coordinator, _ = pair
     gone: list[int] = []
@@ -372,3 +389,48 @@ def test_a_replayed_frame_is_refused_naming_its_fence() -> None:
     assert fences[3][1].startswith("rejected: fence 1 replayed")
     assert worker.frames == 2  # the replays changed nothing
     assert worker.slots.generation[0] == 1
+
+
+def test_a_rank_lost_before_its_catalog_fails_start_up_at_once() -> None:
+    """The heartbeats watch start-up too: a rank that answered the handshake and
+    then fell silent (died or hung preparing its programs) ends the wait for its
+    catalog at once, naming it, instead of after catalog_timeout_s."""
+    engine = Engine(
+        EngineConfig(
+            world_size=1,
+            heartbeat_interval_s=FAST.interval_s,
+            heartbeat_timeout_s=FAST.timeout_s,
+            require_heartbeats=True,
+            handshake_timeout_s=WAIT_S,
+            catalog_timeout_s=60.0,
+        )
+    )
+    endpoints = engine.bind()
+    done = threading.Event()
+
+    def rank() -> None:
+        channel = RankChannel(endpoints, 0)
+        try:
+            channel.handshake(int(WAIT_S * 1000))
+            sock = channel.open_heartbeat_socket()
+            assert sock is not None
+            beat = RankHeartbeat(sock, 0, FAST, exit_process=False)
+            beat.start()
+            time.sleep(3 * FAST.interval_s)
+            beat.close()  # silent from here on, and no catalog ever comes
+            done.wait(WAIT_S)
+        finally:
+            channel.close()
+
+    thread = threading.Thread(target=rank, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(EngineError, match="rank 0 is gone: no heartbeat") as raised:
+            engine.start()
+        assert "catalog of rank(s) [0]" in str(raised.value)
+        assert time.monotonic() - started < 10.0  # not the 60 s catalog timeout
+    finally:
+        done.set()
+        thread.join(WAIT_S)
+        engine.stop()

@@ -210,13 +210,20 @@ class Engine:
         cfg = self.config
         try:
             liveness = self._start_liveness(channel)
+
+            def gone() -> str | None:  # a rank the heartbeats lost ends start-up at once
+                lost = None if liveness is None else liveness.gone
+                return next(iter(lost.values())) if lost else None
+
             try:
-                channel.handshake(timeout_s=cfg.handshake_timeout_s)
+                channel.handshake(timeout_s=cfg.handshake_timeout_s, abort=gone)
             except HandshakeTimeout as exc:
                 raise EngineStartError(f"{exc} (handshake_timeout_s)") from exc
+            except TransportError as exc:
+                raise EngineStartError(str(exc)) from exc
             if cfg.require_heartbeats and cfg.heartbeat_timeout_s is not None:
                 liveness.watch_all()
-            reports = collect_reports(channel, self._world, cfg.catalog_timeout_s)
+            reports = collect_reports(channel, self._world, cfg.catalog_timeout_s, abort=gone)
             facts = agree(reports, cfg.expected_identity)
             max_slots = cfg.max_slots or min(MAX_SLOTS, facts.max_decode_batch)
             scheduler_config = SchedulerConfig(
@@ -1064,7 +1071,9 @@ class Engine:
         if already:
             return
         if self.liveness is not None:  # its socket goes before the channel's context
-            self.liveness.close()
+            # The ranks hear "shutdown" on their heartbeat sockets: one still busy in
+            # a long frame does not take the silence that follows for a dead coordinator.
+            self.liveness.close(farewell=True)
         channel = self._channel
         if channel is not None and not channel.closed:
             try:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from runtime.catalog import GraphDescriptor, GraphKind
@@ -72,15 +72,31 @@ class ModelFacts:
         return max(d.batch_capacity for d in self.descriptors if d.kind is GraphKind.DECODE)
 
 
+START_POLL_MS = 200  # how often the start-up waits look at ``abort``
+
+
 def collect_reports(
-    channel: CoordinatorChannel, world_size: int, timeout_s: float
+    channel: CoordinatorChannel,
+    world_size: int,
+    timeout_s: float,
+    abort: Callable[[], str | None] | None = None,
 ) -> dict[int, CatalogReport]:
-    """One CatalogReport from every rank 0..world_size-1, or EngineStartError."""
+    """One CatalogReport from every rank 0..world_size-1, or EngineStartError.
+
+    ``abort``: looked at every :data:`START_POLL_MS`; a reason (a rank the
+    heartbeats found gone) ends the wait at once with that reason."""
     reports: dict[int, CatalogReport] = {}
     deadline = time.monotonic() + timeout_s
     while len(reports) < world_size:
+        why = abort() if abort is not None else None
+        if why:
+            missing = sorted(set(range(world_size)) - set(reports))
+            raise EngineStartError(f"{why} while waiting for the catalog of rank(s) {missing}")
         remaining_ms = int((deadline - time.monotonic()) * 1000)
-        message = channel.recv(timeout_ms=max(0, remaining_ms)) if remaining_ms > 0 else None
+        wait_ms = min(remaining_ms, START_POLL_MS)
+        message = channel.recv(timeout_ms=max(0, wait_ms)) if remaining_ms > 0 else None
+        if message is None and remaining_ms > START_POLL_MS:
+            continue
         if message is None:
             missing = sorted(set(range(world_size)) - set(reports))
             raise EngineStartError(
