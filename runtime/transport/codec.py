@@ -41,7 +41,12 @@ def encode(message: Message) -> bytes:
     if MESSAGE_TYPES.get(name) is not type(message):
         raise TypeError(f"not a transport message: {type(message).__name__}")
     envelope = {"v": PROTOCOL_VERSION, "t": name, "b": message.to_wire()}
-    return msgpack.packb(envelope, use_bin_type=True)
+    data = msgpack.packb(envelope, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:  # the receiver's socket would drop it unseen
+        raise ProtocolError(
+            "message", f"{name} of {len(data)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}"
+        )
+    return data
 
 
 def unpack(data: bytes | bytearray | memoryview) -> Any:

@@ -132,6 +132,15 @@ def test_oversized_message_is_refused_before_unpacking(monkeypatch: pytest.Monke
     _refused(data, "message", "exceed the limit")
 
 
+def test_an_oversized_message_is_refused_by_the_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiving socket drops a message over the limit unseen (ZMQ_MAXMSGSIZE):
+    the sender must learn it instead, naming the type and the size."""
+    size = len(encode(examples.completion()))
+    monkeypatch.setattr(codec, "MAX_MESSAGE_BYTES", size - 1)
+    with pytest.raises(ProtocolError, match=f"Completion of {size} bytes exceeds the limit"):
+        encode(examples.completion())
+
+
 def test_length_caps_apply() -> None:
     _refused(msgpack.packb(["x"] * (codec.MAX_ARRAY_LEN + 1)), "message", "max_array_len")
 
