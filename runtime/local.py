@@ -41,6 +41,7 @@ DEFAULT_SPIN_US = 200
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
 RANK_EXIT_GRACE_S = 1.0  # the engine takes a dying rank's last completion first
 RANK_WATCH_S = 0.5
+START_ABORT_JOIN_S = 5.0  # the start-up waits look at their abort every 0.2 s at most
 
 
 def spin_budget_us(local_ranks: int) -> int:
@@ -378,9 +379,14 @@ class LocalDeployment:
             starter.join(0.1)
             dead = [(r, p.returncode) for r, p in enumerate(self.ranks) if p.poll() is not None]
             if dead and starter.is_alive():
-                stop_ranks(self.ranks, timeout_s=0)
                 rank, code = dead[0]
-                raise RuntimeError(f"rank {rank} exited with code {code} during start-up")
+                reason = f"rank {rank} exited with code {code} during start-up"
+                # The start thread owns the channel until it returns: end its wait
+                # and let it go before anything closes the channel's sockets.
+                self.engine.abort_start(reason)
+                starter.join(START_ABORT_JOIN_S)
+                stop_ranks(self.ranks, timeout_s=0)
+                raise RuntimeError(reason)
         if failure:
             self.stop()
             raise failure[0]

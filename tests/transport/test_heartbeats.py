@@ -434,3 +434,29 @@ def test_a_rank_lost_before_its_catalog_fails_start_up_at_once() -> None:
         done.set()
         thread.join(WAIT_S)
         engine.stop()
+
+
+def test_stop_ends_a_start_running_in_another_thread_before_closing_its_channel() -> None:
+    """start() owns the channel while it waits for the ranks: stop() from another
+    thread ends that wait first (EngineStartError), instead of closing sockets the
+    start thread is still polling (which libzmq does not allow)."""
+    engine = Engine(EngineConfig(world_size=2, handshake_timeout_s=60.0))
+    engine.bind()
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            engine.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=start, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # the handshake is waiting for ranks that never come
+    stopped = time.monotonic()
+    engine.stop()
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert time.monotonic() - stopped < 5.0
+    assert len(errors) == 1 and isinstance(errors[0], EngineError), errors
+    assert "the engine is stopping" in str(errors[0])

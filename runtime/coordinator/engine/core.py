@@ -145,6 +145,8 @@ class Engine:
         self._queries = RankQueries(self._world)  # inspect / profile questions to every rank
         self.rank_metrics = RankMetrics(self._world)
         self._next_fence = 1
+        self._start_aborted: str | None = None  # abort_start's reason
+        self._start_thread: threading.Thread | None = None  # running start()
         self._head_since_ns = 0  # when the head of _inflight became the head
         self.liveness: CoordinatorLiveness | None = None  # heartbeats (started by start())
         self.trace: FrameTrace | None = None  # the live plan trace (enable_trace)
@@ -201,9 +203,19 @@ class Engine:
         return None if self._run_keys is None else self._run_keys.clients[0]
 
     def start(self) -> None:
-        """Handshake with every rank, collect and check their catalogs, build the scheduler."""
+        """Handshake with every rank, collect and check their catalogs, build the scheduler.
+
+        :meth:`stop` (or :meth:`abort_start`) from another thread ends it within
+        a fraction of a second with EngineStartError."""
         if self.started:
             raise EngineError("the engine is already started")
+        self._start_thread = threading.current_thread()
+        try:
+            self._start()
+        finally:
+            self._start_thread = None
+
+    def _start(self) -> None:
         self.bind()
         channel = self._channel
         assert channel is not None
@@ -212,6 +224,8 @@ class Engine:
             liveness = self._start_liveness(channel)
 
             def gone() -> str | None:  # a rank the heartbeats lost ends start-up at once
+                if self._start_aborted is not None:
+                    return self._start_aborted
                 lost = None if liveness is None else liveness.gone
                 return next(iter(lost.values())) if lost else None
 
@@ -366,6 +380,12 @@ class Engine:
         self.liveness = liveness
         liveness.start()
         return liveness
+
+    def abort_start(self, reason: str) -> None:
+        """End a :meth:`start` running in another thread within a fraction of a
+        second (any thread), with EngineStartError(``reason``): say, a local rank
+        process exited during start-up."""
+        self._start_aborted = str(reason)
 
     def rank_gone(self, rank: int, reason: str) -> None:
         """Rank ``rank`` is gone (any thread): its process exited, or its heartbeats
@@ -1035,6 +1055,11 @@ class Engine:
         """
         self._stopping.set()
         self._wake.set()
+        starting = self._start_thread
+        if starting is not None and starting is not threading.current_thread():
+            # start() owns the channel until it returns: end its wait, let it go.
+            self.abort_start("the engine is stopping")
+            starting.join(timeout_s)
         thread = self._thread
         try:
             if thread is not None and thread is not threading.current_thread():
