@@ -405,6 +405,11 @@ class DirectScheduler:
         self._trace.clear()
         return out
 
+    def trim_trace(self, keep: int) -> None:
+        """Drop all but the newest ``keep`` undrained records (as Scheduler.trim_trace)."""
+        while len(self._trace) > keep:
+            self._trace.popleft()
+
     def request(self, handle: RequestHandle) -> DirectRequest | None:
         """The request, or None once it is retired (or was never admitted)."""
         return self._residency.requests.get(handle.id)

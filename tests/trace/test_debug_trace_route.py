@@ -37,11 +37,17 @@ def test_needs_the_key_and_returns_the_trace_lines(tmp_path):
         body = {"prompt": "hello there", "max_tokens": 6, "ignore_eos": True, "temperature": 0}
         assert server.post("/v1/completions", body, headers=AUTH).status_code == 200
         deadline = time.monotonic() + 10
-        while True:  # the writer thread renders within its poll period
+        previous = -1
+        while True:  # the writer thread renders within its poll period; the request's
+            # frames (a terminal snapshot may follow its last token) are all written
+            # once the count holds still
             answer = httpx.get(url, headers=AUTH, timeout=30).json()
-            if answer["written"] >= 6 or time.monotonic() > deadline:
+            if answer["written"] >= 6 and answer["written"] == previous:
                 break
-            time.sleep(0.1)
+            if time.monotonic() > deadline:
+                break
+            previous = answer["written"]
+            time.sleep(0.5)
         frames = answer["frames"]
         assert answer["dropped"] == 0 and len(frames) == answer["written"] >= 6
         assert [f["fence"] for f in frames] == sorted(f["fence"] for f in frames)
