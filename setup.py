@@ -44,6 +44,8 @@ setup(
             "transformers>=4.45",
             "openai>=1.40",
             "hypothesis>=6.100",
+            # tests/frontend/test_reliability.py makes its own TLS certificates.
+            "cryptography>=41",
         ],
     },
     entry_points={"console_scripts": ["flare=runtime.cli:main"]},
