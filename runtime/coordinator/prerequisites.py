@@ -3,7 +3,7 @@
 Pure value arithmetic for a prerequisite graph (initialization, restore,
 vision, snapshot) that immediately enables inference.  Nothing here knows
 about requests, graphs or clocks: callers pass additive lane contributions
-and durations in ms, in the units of ``shared/spec/NOTES.md`` (value in
+and durations in ms, in the units of ``docs/design.md`` (value in
 prompt-token units, ``c`` in value/ms^2, ``sigma`` and ages in ms).
 
 The fixed pair (spec):

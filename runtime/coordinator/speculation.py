@@ -1,5 +1,5 @@
 """Acceptance and confidence estimates (spec, "Completed confidence and acceptance",
-"Funded acceptance learning"; NOTES.md, "Estimates, worked").
+"Funded acceptance learning"; docs/design.md, "Estimates, worked").
 
 Depths are 1-based draft positions.  ``s_d`` is the probability that the first
 ``d`` proposed tokens all survive verification; a lane of width ``W`` (target

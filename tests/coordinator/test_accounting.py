@@ -1,6 +1,6 @@
 """Funded timing refresh, execution counters, service accounting, publication and the
 commit trace (spec, "Funded timing refresh", "Service accounting and publication";
-NOTES.md, "Credit arithmetic, worked")."""
+docs/design.md, "Credit arithmetic, worked")."""
 
 from __future__ import annotations
 

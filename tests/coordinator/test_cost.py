@@ -1,5 +1,5 @@
 """Duration estimates: cost samples, the nine-sample median, staleness (spec, "Duration
-estimates"; NOTES.md, "Estimates, worked")."""
+estimates"; docs/design.md, "Estimates, worked")."""
 
 from __future__ import annotations
 

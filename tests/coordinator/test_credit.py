@@ -1,5 +1,5 @@
 """Exploration credit ledgers (spec, "Funded timing refresh", "Funded acceptance
-learning"; NOTES.md, "Credit arithmetic, worked")."""
+learning"; docs/design.md, "Credit arithmetic, worked")."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from runtime.coordinator.refresh import TIMING_REFRESH_RATE, timing_ledger
 
 MS = 1_000_000
 TIMING_FUNDING_NS = 2_495 * MS  # spec: 2,495 ms of credited ordinary execution
-LEARNING_FUNDING_NS = 495 * MS  # NOTES.md: 495 ms of ordinary execution
+LEARNING_FUNDING_NS = 495 * MS  # docs/design.md: 495 ms of ordinary execution
 
 LEDGERS = [
     pytest.param(timing_ledger, TIMING_FUNDING_NS, id="timing-refresh"),

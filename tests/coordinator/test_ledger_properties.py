@@ -1,5 +1,5 @@
 """Property tests of the exploration ledgers (spec, "Funded timing refresh",
-"Funded acceptance learning"; NOTES.md, "Credit arithmetic, worked"), driven
+"Funded acceptance learning"; docs/design.md, "Credit arithmetic, worked"), driven
 through the Scheduler's public API only (admit / advance_to / plan / commit /
 complete / published_output / cancel) on random traces.
 

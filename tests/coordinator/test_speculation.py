@@ -1,5 +1,5 @@
 """Acceptance and confidence estimates (spec, "Completed confidence and acceptance",
-"Funded acceptance learning"; NOTES.md, "Estimates, worked")."""
+"Funded acceptance learning"; docs/design.md, "Estimates, worked")."""
 
 from __future__ import annotations
 
