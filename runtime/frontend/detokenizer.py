@@ -15,6 +15,11 @@ never are. Otherwise the longest end of the buffer that could still grow into a 
 string is held back and the rest is emitted, so the client never sees part of a stop
 string. ``finish()`` (length, EOS, cancellation) decodes what is left, incomplete bytes
 included, and flushes the held text. Stop token ids are the caller's business.
+
+With ``include_stop`` (vLLM's ``include_stop_str_in_output``) the stop string is part of
+the text: nothing is held back, since a stop string's beginning is shown either way, and
+the text ends where the stop string does. The last characters already emitted are kept
+for the search, so a stop string split across pushes is still found.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ class IncrementalDetokenizer:
 
     ``stop``: stop strings (empty strings are not allowed). ``min_tokens``: stop strings
     completed by the first ``min_tokens`` output tokens do not stop the request (vLLM's
-    meaning). After a stop or ``finish()``, ``push`` and ``finish`` return an empty delta
+    meaning). ``include_stop``: the stop string that ends the request is emitted too.
+    After a stop or ``finish()``, ``push`` and ``finish`` return an empty delta
     (``stopped`` still set after a stop) and consume nothing.
     """
 
@@ -68,6 +74,7 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         min_tokens: int = 0,
+        include_stop: bool = False,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
@@ -79,6 +86,9 @@ class IncrementalDetokenizer:
         self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         self._pending = ""  # decoded, not yet emitted: a possible stop string's start
+        self._include_stop = include_stop
+        self._tail = ""  # include_stop: emitted text a split stop string may begin in
+        self._tail_chars = max((len(s) for s in self._stop), default=1) - 1
         self._num_output = 0
         self._done = False
         self._stop_reason: str | None = None
@@ -132,6 +142,8 @@ class IncrementalDetokenizer:
 
     def _release(self, *, final: bool = False) -> str:
         """Take the emittable text out of the pending buffer, detecting stop strings."""
+        if self._include_stop:
+            return self._release_through_stop()
         pending = self._pending
         if self._num_output >= self._min_tokens:
             hits = [(i, s) for s in self._stop if (i := pending.find(s)) >= 0]
@@ -143,6 +155,26 @@ class IncrementalDetokenizer:
         held = 0 if final else max((_partial_stop(pending, s) for s in self._stop), default=0)
         self._pending = pending[len(pending) - held :]
         return pending[: len(pending) - held]
+
+
+    def _release_through_stop(self) -> str:
+        """``_release`` for ``include_stop``: emit everything, up to the end of the first
+        stop string that ends in the new text."""
+        new, self._pending = self._pending, ""
+        window, start = self._tail + new, len(self._tail)
+        if self._num_output >= self._min_tokens:
+            # Only occurrences that end in the new text: older ones were seen (or were
+            # completed before min_tokens) already.
+            hits = [
+                (i, s) for s in self._stop if (i := window.find(s, max(start - len(s) + 1, 0))) >= 0
+            ]
+            if hits:
+                index, self._stop_reason = min(hits, key=lambda hit: hit[0])
+                self._done = True
+                return window[start : index + len(self._stop_reason)]
+        keep = self._tail_chars
+        self._tail = window[len(window) - keep :] if keep else ""
+        return new
 
 
 def _partial_stop(text: str, stop: str) -> int:

@@ -33,6 +33,18 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   With several API keys the server adds each key's own salt (``runtime.frontend.server``).
 - ``stream``, ``stream_options.include_usage`` (stream_options only with stream: true),
   ``ignore_eos`` (vLLM), ``min_tokens`` (0..max_tokens, vLLM); ``echo: true`` is refused.
+- vLLM's output fields: ``include_stop_str_in_output`` (bool, default false: the stop
+  string that ends a choice is part of its text), ``skip_special_tokens`` (bool, default
+  true: special tokens are left out of the text), ``return_tokens_as_token_ids`` (bool:
+  logprobs name tokens ``"token_id:{id}"``).
+- ``truncate_prompt_tokens`` (vLLM): k >= 1 keeps only the prompt's last k tokens (chat:
+  of the rendered prompt); -1 keeps as many as leave room for max_tokens (for one token
+  when max_tokens is not given, or the default max_tokens cap when there is one). k over
+  the context less an explicit max_tokens is a 400 naming it. Each prompt of a batch is
+  truncated on its own; ``prompt`` is then None (the ids are no longer its text's).
+- ``add_special_tokens`` (vLLM): completions default true (the tokenizer's special
+  tokens, a BOS where it adds one); chat default the template's (false for a model's
+  template, which writes the BOS itself). Chat ``add_generation_prompt`` (default true).
 - ``logit_bias``: an object of at most 300 token-id strings (ids in ``[0, vocab_size)``)
   to biases in [-100, 100]; ``presence_penalty`` and ``frequency_penalty`` in [-2, 2];
   ``repetition_penalty`` > 0 (vLLM; 1 is off). They reach the ranks in
@@ -45,6 +57,16 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   for a call, ``min_p`` other than 0. Their no-op forms pass: ``best_of`` <= n,
   ``suffix: ""``, ``use_beam_search: false``, ``response_format: {"type": "text"}``,
   ``tools: []``, ``tool_choice: "none"`` (or ``"auto"``, which with no tools calls none).
+  Likewise vLLM's ``prompt_logprobs`` (any value: prompts are not scored yet),
+  ``structural_tag``, ``allowed_token_ids``, ``bad_words`` (``[]`` passes),
+  ``prompt_embeds``, ``logits_processors`` (``[]``), ``vllm_xargs`` (``{}``),
+  ``kv_transfer_params`` (``{}``), ``priority`` (0), ``return_token_ids`` (false),
+  ``stream_options.continuous_usage_stats`` (false), the repetition-pattern stop
+  (``max_repetition_pattern_size``, ``min_repetition_pattern_size``,
+  ``repetition_min_count``: 0) and the chat template's inputs ``chat_template``,
+  ``chat_template_kwargs`` (``{}``), ``documents``, ``reasoning_effort`` and
+  ``continue_final_message`` (false). ``docs/serving.md`` ("vLLM request fields") lists
+  every field of vLLM's two request models and what flare does with it.
 
 Defaults: a field the request leaves out takes the model's ``generation_config.json``
 value (``GenerationDefaults``, see ``runtime.frontend.defaults``), else flare's. The
@@ -106,7 +128,30 @@ GUIDED_FIELDS = (
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "structural_tag",
     "structured_outputs",
+)
+
+# vLLM fields flare does not implement: (field, the values that ask for nothing, why).
+# Any other value is a 400 naming the field (``_unsupported``).
+REFUSED_FIELDS: tuple[tuple[str, tuple[Any, ...], str], ...] = (
+    ("prompt_logprobs", (), "flare does not score prompts yet (no prompt logprobs)"),
+    ("allowed_token_ids", (), "sampling from a list of allowed tokens is not implemented"),
+    ("bad_words", ([],), "banning words is not implemented"),
+    ("prompt_embeds", (), "prompts are text or token ids, not embeddings"),
+    ("logits_processors", ([],), "custom logits processors are not implemented"),
+    ("vllm_xargs", ({},), "extension arguments are not implemented"),
+    ("kv_transfer_params", ({},), "disaggregated serving (KV transfer) is not implemented"),
+    ("priority", (0,), "requests are not scheduled by priority (only priority 0)"),
+    ("return_token_ids", (False,), "responses do not carry token ids"),
+    ("max_repetition_pattern_size", (0,), "the repetition-pattern stop is not implemented"),
+    ("min_repetition_pattern_size", (0,), "the repetition-pattern stop is not implemented"),
+    ("repetition_min_count", (0,), "the repetition-pattern stop is not implemented"),
+    ("chat_template", (), "the chat template is the server's (flare run --chat-template)"),
+    ("chat_template_kwargs", ({},), "the chat template takes no request arguments"),
+    ("documents", (), "the chat template is not given documents"),
+    ("reasoning_effort", (), "the chat template is not given a reasoning effort"),
+    ("continue_final_message", (False,), "the final message cannot be continued"),
 )
 
 
@@ -206,6 +251,12 @@ class GenerationRequest:
     # Chat: each message's token endpoint in prompt_token_ids (chat.message_endpoints).
     message_endpoints: tuple[int, ...] = ()
     cache_salt: str = ""  # the request's own prefix-cache salt ("" none)
+    # vLLM's output fields (see the module docstring).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    # What the request asked (None: no truncation); prompt_token_ids are already cut.
+    truncate_prompt_tokens: int | None = None
 
 
 class Encoder(Protocol):
@@ -231,7 +282,8 @@ def parse_completion(
     max_tokens = _int(obj, "max_tokens", lo=1)
     logprobs = _int(obj, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if isinstance(prompt, str):
-        text, ids = prompt, tuple(tokenizer.encode(prompt))
+        special = _flag(obj, "add_special_tokens", True)
+        text, ids = prompt, tuple(tokenizer.encode(prompt, add_special_tokens=special))
     else:
         text, ids = None, prompt
     return _build(
@@ -302,15 +354,18 @@ def parse_chat(
         logprobs = top_logprobs or 0
     elif top_logprobs is not None:
         raise RequestError(400, "top_logprobs requires logprobs to be true", "top_logprobs")
+    generation = _flag(obj, "add_generation_prompt", True)
+    special = _flag(obj, "add_special_tokens", template.add_special_tokens)
     try:
-        text = template.render(messages)
+        text = template.render(messages, add_generation_prompt=generation)
     except ChatTemplateError as exc:
         raise RequestError(400, str(exc), "messages") from exc
-    special = template.add_special_tokens
     ids = tuple(tokenizer.encode(text, add_special_tokens=special))
     request = _build(
         model, ids, text, "messages", max_tokens, max_param, logprobs, fields, limits, defaults
     )
+    if len(request.prompt_token_ids) < len(ids):
+        return request  # truncated: the later turns' anchors would not be prefixes of it
     try:
         ends = message_endpoints(
             template, messages, ids, lambda t: tokenizer.encode(t, add_special_tokens=special)
@@ -391,6 +446,21 @@ def _build(
     if limits.kv_tokens is not None and limits.kv_tokens < context:
         context = limits.kv_tokens  # the KV cache, not the model, is the tighter limit
         limit = f"The KV cache holds {context} tokens for one request"
+    truncate = fields["truncate_prompt_tokens"]
+    if truncate is not None:
+        if truncate == -1:  # as many as leave room for the output
+            caps = [c for c in (limits.default_max_tokens, defaults.max_tokens) if c is not None]
+            reserve = max_tokens if max_tokens is not None else min(caps, default=1)
+            truncate = max(context - reserve, 1)
+        elif truncate > context - (max_tokens or 0):
+            also = f" less {max_param} {max_tokens}" if max_tokens is not None else ""
+            raise RequestError(
+                400,
+                f"truncate_prompt_tokens {truncate} exceeds the context{also}: {limit}",
+                "truncate_prompt_tokens",
+            )
+        if len(ids) > truncate:
+            ids, text = ids[-truncate:], None  # the last tokens: the text is no longer theirs
     room = context - len(ids)
     if room < 1:
         raise RequestError(
@@ -446,6 +516,11 @@ def _common(
                 400, "stream_options is only allowed when stream is true", "stream_options"
             )
         include_usage = _bool(options, "include_usage", "stream_options.include_usage")
+        name = "stream_options.continuous_usage_stats"
+        if _bool(options, "continuous_usage_stats", name):
+            raise RequestError(
+                400, f"{name}: usage in every chunk is not supported (only at the end)", name
+            )
     top_p = _float(obj, "top_p", defaults.top_p)
     if not 0 < top_p <= 1:
         raise RequestError(400, f"top_p must lie in (0, 1], got {top_p}", "top_p")
@@ -479,7 +554,23 @@ def _common(
         "repetition_penalty": _repetition_penalty(obj, defaults.repetition_penalty),
         "logit_bias": _logit_bias(obj.get("logit_bias"), limits),
         "cache_salt": _cache_salt(obj.get("cache_salt")),
+        "include_stop_str_in_output": _bool(obj, "include_stop_str_in_output"),
+        "skip_special_tokens": _flag(obj, "skip_special_tokens", True),
+        "return_tokens_as_token_ids": _bool(obj, "return_tokens_as_token_ids"),
+        "truncate_prompt_tokens": _truncate_prompt_tokens(obj.get("truncate_prompt_tokens")),
     }
+
+
+def _truncate_prompt_tokens(value: Any) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: an int >= 1, or -1 (as many as fit); None absent."""
+    name = "truncate_prompt_tokens"
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise RequestError(400, f"{name} must be an integer, got {_json_type(value)}", name)
+    if value < 1 and value != -1:
+        raise RequestError(400, f"{name} must be >= 1, or -1 for as many as fit, got {value}", name)
+    return value
 
 
 def _cache_salt(value: Any) -> str:
@@ -550,6 +641,10 @@ def _unsupported(obj: Mapping[str, Any], n: int) -> None:
     min_p = obj.get("min_p")
     if min_p is not None and not (type(min_p) in (int, float) and min_p == 0):
         raise refuse("min_p", "min_p sampling is not supported (only min_p: 0)")
+    for name, no_ops, why in REFUSED_FIELDS:
+        value = obj.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in no_ops):
+            raise refuse(name, f"{name} is not supported: {why}")
 
 
 def _check_choices(prompts: int, n: int, limits: ServingLimits) -> None:
@@ -826,6 +921,11 @@ def _bool(obj: Mapping[str, Any], name: str, param: str | None = None) -> bool:
             400, f"{param or name} must be true or false, got {_json_type(value)}", param or name
         )
     return value
+
+
+def _flag(obj: Mapping[str, Any], name: str, default: bool) -> bool:
+    """An optional boolean field (``default`` when absent or null)."""
+    return default if obj.get(name) is None else _bool(obj, name)
 
 
 def _json_type(value: Any) -> str:

@@ -360,7 +360,12 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
         message_endpoints=submit_endpoints(req.message_endpoints, len(req.prompt_token_ids)),
     )
     detok = IncrementalDetokenizer(
-        fe.tokenizer, req.prompt_token_ids, req.stop, min_tokens=req.min_tokens
+        fe.tokenizer,
+        req.prompt_token_ids,
+        req.stop,
+        skip_special_tokens=req.skip_special_tokens,
+        min_tokens=req.min_tokens,
+        include_stop=req.include_stop_str_in_output,
     )
     stop_ids = frozenset(req.stop_token_ids)
     produced = 0
@@ -393,9 +398,9 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
                 ),
                 None,
             )
-            if stop_at is not None:  # the stop token counts but is not shown
+            if stop_at is not None:  # the stop token counts; shown only with the stop strings
                 tokens, logprobs, finish = tokens[: stop_at + 1], logprobs[: stop_at + 1], "stop"
-                delta = detok.push(tokens[:stop_at])
+                delta = detok.push(tokens if req.include_stop_str_in_output else tokens[:stop_at])
             else:
                 delta = detok.push(tokens)
             text = delta.text
@@ -527,41 +532,53 @@ def _lp(value: float) -> float:
     return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
 
 
-def _token_text(fe: Frontend, token: int) -> str:
+def _token_text(fe: Frontend, token: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or with vLLM's
+    ``return_tokens_as_token_ids`` ``"token_id:{id}"`` (any token, JSON-safe)."""
+    if as_id:
+        return f"token_id:{token}"
     return fe.tokenizer.decode([token], skip_special_tokens=False)
 
 
-def _completion_logprobs(fe: Frontend, piece: Piece, offset: int) -> dict[str, Any]:
-    tokens = [_token_text(fe, t) for t in piece.token_ids]
+def _completion_logprobs(
+    fe: Frontend, piece: Piece, offset: int, as_ids: bool = False
+) -> dict[str, Any]:
+    """``text_offset`` counts the tokens' text, also when they are named by id."""
+    texts = [_token_text(fe, t) for t in piece.token_ids]
     offsets = []
-    for text in tokens:
+    for text in texts:
         offsets.append(offset)
         offset += len(text)
     return {
-        "tokens": tokens,
+        "tokens": [_token_text(fe, t, True) for t in piece.token_ids] if as_ids else texts,
         "token_logprobs": [_lp(item.logprob) for item in piece.logprobs],
-        "top_logprobs": [_top_by_text(fe, item) for item in piece.logprobs],
+        "top_logprobs": [_top_by_text(fe, item, as_ids) for item in piece.logprobs],
         "text_offset": offsets,
     }
 
 
-def _top_by_text(fe: Frontend, item: TokenLogprobs) -> dict[str, float]:
+def _top_by_text(fe: Frontend, item: TokenLogprobs, as_ids: bool = False) -> dict[str, float]:
     """The legacy completions map, text -> logprob; tokens decoding to the same
-    text (byte pieces) keep the best entry, so the map stays best-first."""
+    text (byte pieces) keep the best entry, so the map stays best-first.  With
+    ``as_ids`` the keys are ``"token_id:{id}"``, one per alternative."""
     top: dict[str, float] = {}
     for token, value in zip(item.top_token_ids, item.top_logprobs):
-        top.setdefault(_token_text(fe, token), _lp(value))
+        top.setdefault(_token_text(fe, token, as_ids), _lp(value))
     return top
 
 
-def _chat_logprobs(fe: Frontend, piece: Piece) -> list[dict[str, Any]]:
-    def entry(token: int, value: float) -> dict[str, Any]:
-        text = _token_text(fe, token)
-        return {"token": text, "logprob": _lp(value), "bytes": list(text.encode())}
+def _chat_logprobs(fe: Frontend, piece: Piece, as_ids: bool = False) -> list[dict[str, Any]]:
+    """With ``as_ids`` tokens are ``"token_id:{id}"``; as in vLLM, the sampled token's
+    ``bytes`` stay its text's and an alternative's are those of its ``token`` string."""
+
+    def entry(token: int, value: float, sampled: bool = False) -> dict[str, Any]:
+        name = _token_text(fe, token, as_ids)
+        text = _token_text(fe, token) if sampled and as_ids else name
+        return {"token": name, "logprob": _lp(value), "bytes": list(text.encode())}
 
     return [
         {
-            **entry(token, item.logprob),
+            **entry(token, item.logprob, sampled=True),
             "top_logprobs": [entry(t, v) for t, v in zip(item.top_token_ids, item.top_logprobs)],
         }
         for token, item in zip(piece.token_ids, piece.logprobs)
@@ -638,10 +655,11 @@ async def _stream_chunks(
                 continue  # held back (stop-string prefix, partial character)
             logprobs = None
             if req.logprobs is not None and piece.token_ids:
+                as_ids = req.return_tokens_as_token_ids
                 if chat:
-                    logprobs = {"content": _chat_logprobs(fe, piece)}
+                    logprobs = {"content": _chat_logprobs(fe, piece, as_ids)}
                 else:
-                    logprobs = _completion_logprobs(fe, piece, offsets[piece.index])
+                    logprobs = _completion_logprobs(fe, piece, offsets[piece.index], as_ids)
             offsets[piece.index] += len(piece.text)
             if chat:
                 delta = {"content": piece.text} if piece.text else {}
@@ -681,10 +699,11 @@ async def _collect(
         usage.add(piece)
         timing.tokens(piece)
         if req.logprobs is not None and piece.token_ids:
+            as_ids = req.return_tokens_as_token_ids
             if chat:
-                chat_lp[piece.index] += _chat_logprobs(fe, piece)
+                chat_lp[piece.index] += _chat_logprobs(fe, piece, as_ids)
             else:
-                more = _completion_logprobs(fe, piece, len(texts[piece.index]))
+                more = _completion_logprobs(fe, piece, len(texts[piece.index]), as_ids)
                 completion_lp[piece.index] = _merge_completion_logprobs(
                     completion_lp[piece.index], more
                 )
@@ -936,7 +955,8 @@ def create_app(fe: Frontend) -> FastAPI:
         body = await _json_body(request)
         if isinstance(body, Response):
             return body
-        if _text_chars(body, chat) > max_chars:
+        # (truncate_prompt_tokens: the prompt may be longer; it is cut after tokenizing)
+        if _text_chars(body, chat) > max_chars and body.get("truncate_prompt_tokens") is None:
             param = "messages" if chat else "prompt"
             return _error(
                 400,
