@@ -35,8 +35,9 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   ``ignore_eos`` (vLLM), ``min_tokens`` (0..max_tokens, vLLM); ``echo: true`` is refused.
 - vLLM's output fields: ``include_stop_str_in_output`` (bool, default false: the stop
   string that ends a choice is part of its text), ``skip_special_tokens`` (bool, default
-  true: special tokens are left out of the text), ``return_tokens_as_token_ids`` (bool:
-  logprobs name tokens ``"token_id:{id}"``).
+  true: special tokens are left out of the text; ``spaces_between_special_tokens: false``
+  is refused with it false), ``return_tokens_as_token_ids`` (bool: logprobs name tokens
+  ``"token_id:{id}"``).
 - ``truncate_prompt_tokens`` (vLLM): k >= 1 keeps only the prompt's last k tokens (chat:
   of the rendered prompt); -1 keeps as many as leave room for max_tokens (for one token
   when max_tokens is not given, or the default max_tokens cap when there is one). k over
@@ -537,6 +538,12 @@ def _common(
     presence, frequency = (
         _signed(obj, name, PENALTY_LIMIT) for name in ("presence_penalty", "frequency_penalty")
     )
+    skip_special_tokens = _flag(obj, "skip_special_tokens", True)
+    name = "spaces_between_special_tokens"  # matters only when special tokens are shown
+    if not _flag(obj, name, True) and not skip_special_tokens:
+        raise RequestError(
+            400, f"{name}: false is not supported with skip_special_tokens false", name
+        )
     return {
         "temperature": _float(obj, "temperature", defaults.temperature),
         "top_p": top_p,
@@ -555,7 +562,7 @@ def _common(
         "logit_bias": _logit_bias(obj.get("logit_bias"), limits),
         "cache_salt": _cache_salt(obj.get("cache_salt")),
         "include_stop_str_in_output": _bool(obj, "include_stop_str_in_output"),
-        "skip_special_tokens": _flag(obj, "skip_special_tokens", True),
+        "skip_special_tokens": skip_special_tokens,
         "return_tokens_as_token_ids": _bool(obj, "return_tokens_as_token_ids"),
         "truncate_prompt_tokens": _truncate_prompt_tokens(obj.get("truncate_prompt_tokens")),
     }

@@ -168,6 +168,15 @@ def test_skip_special_tokens_false_shows_special_tokens(tok):
     assert error.param == "skip_special_tokens"
 
 
+def test_spaces_between_special_tokens_false_is_refused_only_with_them_shown(tok):
+    body = {"prompt": "x", "spaces_between_special_tokens": False}
+    assert parse_completion(body, LIMITS, tok).skip_special_tokens is True  # no effect
+    error = refusal(parse_completion, {**body, "skip_special_tokens": False}, LIMITS, tok)
+    assert (error.status, error.param) == (400, "spaces_between_special_tokens")
+    body["spaces_between_special_tokens"] = True
+    assert parse_completion({**body, "skip_special_tokens": False}, LIMITS, tok)
+
+
 def test_the_eos_shows_with_include_stop_and_special_tokens_kept(tok):
     ids = [*tok.encode("alpha", add_special_tokens=False), 510]  # <|eos|>
     script = [Output(0, 10, tuple(ids), "length")]
