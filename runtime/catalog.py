@@ -28,6 +28,7 @@ coordinator ignores it on input: every estimate starts indeterminate.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -213,6 +214,22 @@ class GraphDescriptor:
         if self.device_allocated:
             parts.append("device-allocated")
         return " ".join(parts)
+
+
+# The programs that copy KV state (prefix-cache snapshots and restores): they run
+# no forward and have no prepared body on the ranks.
+STATE_KIND_NAMES = frozenset({GraphKind.SNAPSHOT.value, GraphKind.RESTORE.value})
+
+
+def describe_counts(programs: Iterable[GraphDescriptor | str]) -> str:
+    """``22 programs (10 forward + 12 state)``: a catalog counted the same way in
+    the ranks' log and in the coordinator's and the frontend's summaries.  Forward
+    programs run the model (prepared on every rank; on CUDA captured as graphs);
+    state programs (snapshot, restore) copy KV pages and have no prepared body.
+    ``programs``: descriptors, or their :meth:`GraphDescriptor.describe` names."""
+    kinds = [p.kind.value if isinstance(p, GraphDescriptor) else p.split()[0] for p in programs]
+    state = sum(1 for kind in kinds if kind in STATE_KIND_NAMES)
+    return f"{len(kinds)} programs ({len(kinds) - state} forward + {state} state)"
 
 
 def within_speculative_envelope(desc: GraphDescriptor, capacity: int) -> bool:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
+import logging
 import math
 import os
 import sys
@@ -33,7 +33,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT
+from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT, describe_counts
 from runtime.cli_debug import (
     add_debug_flags,
     add_ranks_command,
@@ -43,6 +43,7 @@ from runtime.cli_debug import (
     debug_config,
 )
 from runtime.cli_deploy import add_deploy_flags, external_ranks
+from runtime.cli_groups import add_flag_groups, flag_group
 from runtime.cli_identity import add_identity_flags, identity_config
 from runtime.cli_keys import add_keys_command, add_transport_flags, cmd_keys, transport_config
 from runtime.cli_liveness import add_liveness_flags, liveness_config
@@ -50,6 +51,7 @@ from runtime.cli_memory import add_kv_flags, add_prefix_cache_flags, kv_pool, pr
 from runtime.cli_serving import add_serving_flags, serving_options
 from runtime.cli_speculation import add_speculation_flags, speculation_config
 from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig
+from runtime.devices import DEVICE_CHOICES, device_problem, parse_device
 from runtime.local import DTYPES, DeploymentConfig, LocalDeployment
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.ranks.memory import KVCacheSizeError, KVPool
@@ -65,6 +67,8 @@ from runtime.transport.schema import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.ranks.model.config import ModelConfig
+
+log = logging.getLogger("runtime.cli")
 
 # Flags of features that later issues build: refused rather than ignored.
 NOT_YET: dict[str, str] = {}
@@ -152,48 +156,109 @@ def _number(low: float | None = None, strict: bool = False):
 
 
 def _add_run_flags(run: argparse.ArgumentParser) -> None:
+    """Every flag of ``flare run``, each in its family (runtime/cli_groups.py)."""
+    add_flag_groups(run)
+    run._optionals.title = "general"
     run.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML file with [scheduler] and [run] tables; flags given on the command line "
+        "win (default: none)",
+    )
+    serving = flag_group(run, "serving")
+    serving.add_argument("--host", metavar="HOST", default="127.0.0.1", help="HTTP bind address")
+    serving.add_argument("--port", metavar="PORT", type=_port, default=8000, help="HTTP port")
+    serving.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the model id of the API (default: the directory name)",
+    )
+    serving.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        help="Jinja chat template for /v1/chat/completions (default: the model directory's; "
+        "without one a generic fallback, with a warning at start-up)",
+    )
+    serving.add_argument(
+        "--max-choices-per-request",
+        metavar="N",
+        type=_positive,
+        default=1024,
+        help="the most choices (prompts x n) one HTTP request may ask for",
+    )
+    generation = flag_group(run, "generation")
+    generation.add_argument(
+        "--prompt",
+        metavar="TEXT",
+        help="generate one completion for TEXT, print it and exit (default: serve HTTP)",
+    )
+    generation.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=_positive,
+        default=32,
+        help="--prompt: tokens to generate",
+    )
+    generation.add_argument(
+        "--temperature",
+        metavar="T",
+        type=_number(0.0),
+        default=0.0,
+        help="--prompt: sampling temperature (0: greedy)",
+    )
+    generation.add_argument(
+        "--top-p",
+        metavar="P",
+        type=_number(0.0, strict=True),
+        default=1.0,
+        help="--prompt: nucleus sampling mass, in (0, 1]",
+    )
+    generation.add_argument(
+        "--top-k",
+        metavar="N",
+        type=_int_in(-1),
+        default=-1,
+        help="--prompt: top-k sampling, -1 for all",
+    )
+    generation.add_argument(
+        "--seed", metavar="N", type=int, default=0, help="--prompt: sampling seed"
+    )
+    model = flag_group(run, "model")
+    model.add_argument(
         "model_dir",
         nargs="?",
         metavar="MODEL_DIR",
         help="Hugging Face style model directory, as --model (default: the "
         "embedded model, created on first use)",
     )
-    run.add_argument(
-        "--config",
-        metavar="FILE",
-        help="TOML file with [scheduler] and [run] tables (default: none)",
-    )
-    run.add_argument(
+    model.add_argument(
         "--model",
         metavar="DIR",
         help="model directory (default: the embedded model); the same as MODEL_DIR",
     )
-    run.add_argument(
-        "--served-model-name",
-        metavar="NAME",
-        help="the model id of the API (default: the directory name)",
-    )
-    run.add_argument(
+    model.add_argument(
         "--dtype",
         choices=list(DTYPES),
         default="auto",
         help="weights and activations; auto is bfloat16 on CUDA and float32 on CPU",
     )
-    run.add_argument(
-        "--chat-template",
-        metavar="FILE",
-        help="Jinja chat template for /v1/chat/completions (default: the model directory's)",
-    )
-    run.add_argument(
-        "-tp",
-        "--tensor-parallel-size",
+    model.add_argument(
+        "--max-model-len",
         metavar="N",
-        type=_int_in(1, 64),
-        default=1,
-        help="ranks, one per device",
+        type=_model_len,
+        help=f"context limit, >= {MIN_CONTEXT} (default: the model's max_position_embeddings)",
     )
-    run.add_argument(
+    model.add_argument(
+        "--enforce-eager",
+        "--no-cuda-graphs",
+        dest="enforce_eager",
+        action="store_true",
+        help="run programs eagerly, without CUDA graphs (--no-cuda-graphs is an alias)",
+    )
+    add_kv_flags(run, _positive)
+    add_prefix_cache_flags(run)
+    scheduling = flag_group(run, "scheduling")
+    scheduling.add_argument(
         "--max-num-seqs",
         "--max-concurrency",
         metavar="N",
@@ -207,7 +272,7 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         help="resident request slots (--max-concurrency is an alias); requests also need "
         "their worst-case KV pages (prompt + max_tokens) to become resident",
     )
-    run.add_argument(
+    scheduling.add_argument(
         "--max-prefill-tokens",
         "--max-num-batched-tokens",
         metavar="N",
@@ -218,66 +283,77 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         f"{PROMPT_ALIGNMENT}); longer prompts run in chunks. flare has no per-step "
         "token budget: --max-num-batched-tokens is an alias of this flag",
     )
-    run.add_argument(
-        "--max-choices-per-request",
-        metavar="N",
-        type=_positive,
-        default=1024,
-        help="the most choices (prompts x n) one HTTP request may ask for",
-    )
-    add_kv_flags(run, _positive)
-    add_prefix_cache_flags(run)
-    run.add_argument(
-        "--max-model-len",
-        metavar="N",
-        type=_model_len,
-        help=f"context limit, >= {MIN_CONTEXT} (default: the model's max_position_embeddings)",
-    )
-    run.add_argument(
-        "--device",
-        choices=["auto", "cpu", "cuda"],
-        default="auto",
-        help="auto is cuda when available",
-    )
-    run.add_argument(
-        "--enforce-eager",
-        "--no-cuda-graphs",
-        dest="enforce_eager",
-        action="store_true",
-        help="run programs eagerly, without CUDA graphs (--no-cuda-graphs is an alias)",
-    )
-    run.add_argument(
-        "--scheduler-policy",
-        choices=sorted(PRESETS),
-        default=None,
-        help="scheduling preset (default: balanced, or --config's [scheduler])",
-    )
-    run.add_argument(
-        "--scheduler-terminal-value",
-        type=float,
-        help="the policy's terminal value (default: the preset's)",
-    )
-    run.add_argument(
-        "--scheduler-terminal-age-price",
-        type=float,
-        help="the policy's terminal age price (default: the preset's)",
-    )
-    run.add_argument(
-        "--mtp-adaptive-verification-alpha",
-        type=_number(0.0, strict=True),
-        help="the exponent on prefix-survival estimates in speculative selection scores "
-        "(projections use the plain estimates; default: the preset's, 1)",
-    )
-    add_speculation_flags(run)
-    run.add_argument(
+    scheduling.add_argument(
         "--mixed-prefill",
         action="store_true",
         help="also capture mixed prefill/decode programs (one prompt chunk "
         "beside decode rows in one forward)",
     )
-    run.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    run.add_argument("--port", metavar="N", type=_port, default=8000, help="HTTP port")
-    run.add_argument(
+    scheduling.add_argument(
+        "--scheduler-policy",
+        choices=sorted(PRESETS),
+        default=None,
+        help="scheduling preset (default: balanced, or --config's [scheduler])",
+    )
+    scheduling.add_argument(
+        "--scheduler-terminal-value",
+        metavar="VALUE",
+        type=float,
+        help="the policy's terminal value (default: the preset's)",
+    )
+    scheduling.add_argument(
+        "--scheduler-terminal-age-price",
+        metavar="PRICE",
+        type=float,
+        help="the policy's terminal age price (default: the preset's)",
+    )
+    flag_group(run, "speculation").add_argument(
+        "--mtp-adaptive-verification-alpha",
+        metavar="ALPHA",
+        type=_number(0.0, strict=True),
+        help="the exponent on prefix-survival estimates in speculative selection scores "
+        "(projections use the plain estimates; default: the preset's, 1)",
+    )
+    add_speculation_flags(run)
+    deployment = flag_group(run, "deployment")
+    deployment.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        metavar="N",
+        type=_int_in(1, 64),
+        default=1,
+        help="ranks, one per device",
+    )
+    deployment.add_argument(
+        "--device",
+        metavar="{" + ",".join(DEVICE_CHOICES) + "}",
+        type=parse_device,
+        default="auto",
+        help="auto is cuda when available; cuda runs rank r on cuda:r, cuda:N on cuda:N+r",
+    )
+    deployment.add_argument(
+        "--startup-timeout",
+        metavar="SECONDS",
+        type=_number(0.0, strict=True),
+        default=600.0,
+        help="how long the ranks may take to load, prepare their programs and report",
+    )
+    deployment.add_argument(
+        "--frame-timeout-multiple",
+        metavar="X",
+        type=_number(0.0, strict=True),
+        default=20.0,
+        help="a rank reports a hung frame after X times its expected duration "
+        "+ --frame-timeout-margin",
+    )
+    deployment.add_argument(
+        "--frame-timeout-margin",
+        metavar="SECONDS",
+        type=_number(0.0, strict=True),
+        default=60.0,
+        help="seconds added to every frame's hang deadline",
+    )
+    flag_group(run, "security").add_argument(
         "--api-key",
         metavar="KEY[,KEY...]",
         action="append",
@@ -287,57 +363,6 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
         "is a tenant with its own prefix-cache salt, so tenants never share cached pages "
         "(default: $FLARE_API_KEY, read the same way, else none)",
     )
-    run.add_argument(
-        "--frame-timeout-multiple",
-        metavar="X",
-        type=_number(0.0, strict=True),
-        default=20.0,
-        help="a rank reports a hung frame after X times its expected duration "
-        "+ --frame-timeout-margin",
-    )
-    run.add_argument(
-        "--frame-timeout-margin",
-        metavar="SECONDS",
-        type=_number(0.0, strict=True),
-        default=60.0,
-        help="seconds added to every frame's hang deadline",
-    )
-    run.add_argument(
-        "--startup-timeout",
-        type=_number(0.0, strict=True),
-        default=600.0,
-        help="seconds",
-    )
-    run.add_argument(
-        "--prompt", help="generate one completion for this text, then exit (default: serve HTTP)"
-    )
-    run.add_argument(
-        "--max-tokens",
-        metavar="N",
-        type=_positive,
-        default=32,
-        help="--prompt: tokens to generate",
-    )
-    run.add_argument(
-        "--temperature",
-        type=_number(0.0),
-        default=0.0,
-        help="--prompt: sampling temperature",
-    )
-    run.add_argument(
-        "--top-p",
-        type=_number(0.0, strict=True),
-        default=1.0,
-        help="--prompt: nucleus sampling mass, in (0, 1]",
-    )
-    run.add_argument(
-        "--top-k",
-        metavar="N",
-        type=_int_in(-1),
-        default=-1,
-        help="--prompt: top-k sampling, -1 for all",
-    )
-    run.add_argument("--seed", metavar="N", type=int, default=0, help="--prompt: sampling seed")
     add_run_flags(run)
     add_debug_flags(run)
     add_liveness_flags(run)
@@ -351,15 +376,33 @@ def _add_run_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument("--api-debug", help=argparse.SUPPRESS)
 
 
+# The top-level --help (the module docstring is for readers of the code).
+DESCRIPTION = (
+    "flare: a tensor-parallel LLM serving runtime. `flare run` serves a model over an "
+    "OpenAI-compatible HTTP API, or generates one completion with --prompt; `flare bench` "
+    "load-tests a server."
+)
+RUN_USAGE = "%(prog)s [MODEL_DIR] [--prompt TEXT] [OPTIONS]"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="flare", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser = Parser(
+        prog="flare",
+        description=DESCRIPTION,
+        epilog="`flare COMMAND --help` lists a command's flags.",
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=Parser, metavar="COMMAND", title="commands"
+    )
     run = sub.add_parser(
         "run",
         aliases=["serve"],
         help="serve a model over HTTP (or generate once with --prompt); serve is an alias",
+        usage=RUN_USAGE,
         description="Serve MODEL_DIR over an OpenAI-compatible HTTP API, or generate one "
-        "completion with --prompt. `flare serve` is the same command.",
+        "completion with --prompt. `flare serve` is the same command. The flags come in "
+        "families: serving, generation, model, memory, scheduling, speculation, deployment, "
+        "security, debugging.",
         formatter_class=HelpFormatter,
     )
     _add_run_flags(run)
@@ -562,6 +605,10 @@ def checked_run(
     except ModelConfigError as exc:
         allowed = ", ".join(map(str, model.tensor_parallel_sizes()))
         parser.error(f"--tensor-parallel-size {tp}: {exc} ({named}); allowed: {allowed}")
+    if external is None:  # external ranks run on their own machines' devices
+        problem = device_problem(args.device, tp)
+        if problem is not None:
+            parser.error(problem)
     limit = model.max_position_embeddings
     if args.max_model_len is not None and args.max_model_len > limit:
         parser.error(
@@ -666,10 +713,58 @@ def _check_prompt(
         )
 
 
+def completion_text(tokenizer, prompt_ids: list[int], out: list[int]) -> str:
+    """The completion's text as it continues the prompt: decoded together with the
+    prompt and cut after it (a token's leading space survives), else on its own."""
+    prefix = tokenizer.decode(prompt_ids)
+    whole = tokenizer.decode(prompt_ids + out)
+    return whole[len(prefix) :] if whole.startswith(prefix) else tokenizer.decode(out)
+
+
+def _ms(ns: float) -> str:
+    return f"{ns / 1e6:.1f} ms"
+
+
+def describe_summary(summary: dict) -> str:
+    """The engine's frame figures (``EngineStats.summary``) in words, one line."""
+    frames = summary.get("frames", 0)
+    parts = [f"{frames} frame{'s' if frames != 1 else ''}"]
+    if "mean_device_ns" in summary:
+        parts[0] += f", {_ms(summary['mean_device_ns'])} of device time each"
+    overhead = []
+    if "host_overhead_ratio" in summary:
+        alone = f"host {100 * (summary['host_overhead_ratio'] - 1):.1f}% per frame"
+        if "round_trip_ns" in summary:
+            alone += f" ({_ms(summary['round_trip_ns'])} round trip)"
+        overhead.append(alone)
+    if "busy_overhead_ratio" in summary:
+        overhead.append(f"{100 * (summary['busy_overhead_ratio'] - 1):.1f}% over the busy span")
+    if overhead:
+        parts.append("overhead over device time: " + ", ".join(overhead))
+    return "; ".join(parts)
+
+
+# --prompt prints labelled blocks: the labels, the prompt and the figures on
+# stderr, the completion alone on stdout (so `> FILE` keeps only the completion).
+LABEL = "==>"
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
 def generate_once(
     args: argparse.Namespace, config: DeploymentConfig, sampling, tokenizer, ids: list[int]
 ) -> int:
-    """``--prompt``: one completion in this process, printed with the run's figures."""
+    """``--prompt``: one completion in this process, printed apart from the prompt::
+
+        flare: serving MODEL with TP=2, catalog of ..., ready in 5.3 s   (stderr)
+        ==> prompt (4 tokens)                                             (stderr)
+        Hello                                                             (stderr)
+        ==> completion (32 generated tokens in 969 ms, finish: length)    (stderr)
+        sing, and then ...                                                (stdout)
+        ==> 33 frames, ...; overhead over device time: ...                (stderr)
+    """
     started = time.monotonic()
     deployment = LocalDeployment(config)
     tracing = trace_options(args)
@@ -685,11 +780,11 @@ def generate_once(
     try:
         engine = deployment.engine
         facts = engine.facts
-        print(
-            f"serving {facts.model_name} with TP={config.tensor_parallel_size}, "
-            f"{len(facts.descriptors)} prepared programs, coordinator at "
-            f"{engine.endpoints.frames} (ready in {time.monotonic() - started:.1f} s)",
-            file=sys.stderr,
+        log.info("coordinator at %s", engine.endpoints.frames)
+        _say(
+            f"flare: serving {facts.model_name} with TP={config.tensor_parallel_size}, "
+            f"catalog of {describe_counts(facts.descriptors)}, "
+            f"ready in {time.monotonic() - started:.1f} s"
         )
         t0 = time.monotonic()
         stream = engine.submit(ids, args.max_tokens, sampling)
@@ -697,24 +792,24 @@ def generate_once(
         for event in stream:
             out += event.token_ids
         seconds = time.monotonic() - t0
-        print(args.prompt + tokenizer.decode(out))
-        print(
-            f"[{len(ids)} prompt + {len(out)} generated tokens in {seconds * 1e3:.0f} ms, "
-            f"finish: {stream.finish_reason}]",
-            file=sys.stderr,
+        _say(f"{LABEL} prompt ({len(ids)} tokens)")
+        _say(args.prompt)
+        _say(
+            f"{LABEL} completion ({len(out)} generated tokens in {seconds * 1e3:.0f} ms, "
+            f"finish: {stream.finish_reason})"
         )
+        print(completion_text(tokenizer, ids, out), flush=True)
         summary = engine.stats.summary()
     finally:
         deployment.stop()
     trace = deployment.engine.trace
     if trace is not None:
         counters = trace.counters()
-        print(
+        _say(
             f"trace: {counters['trace_lines']} frames written to {args.trace} "
-            f"({counters['trace_dropped']} dropped)",
-            file=sys.stderr,
+            f"({counters['trace_dropped']} dropped)"
         )
-    print(json.dumps({k: summary[k] for k in sorted(summary)}), file=sys.stderr)
+    _say(f"{LABEL} figures: {describe_summary(summary)}")
     if stream.finish_reason == "error":  # the engine failed: the log above says why
         print(f"flare: the engine failed: {stream.error}", file=sys.stderr)
         return 1
@@ -736,16 +831,29 @@ def _without_secrets(argv: list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def configure_logging(level: str, process: str) -> None:
+    """This process's log lines, ``[process] LEVEL message`` at ``--log-level``
+    (warning unless asked); a no-op where logging is set up already (a test)."""
+    logging.basicConfig(level=level.upper(), format=f"[{process}] %(levelname)s %(message)s")
+
+
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
     """``flare run`` / ``flare serve``: every check first, then the processes."""
     parser = _run_parser(parser)
+    # --prompt: the engine runs here; serving: this process is the frontend.
+    configure_logging(args.log_level, "flare" if args.prompt is not None else "frontend")
     config, model = checked_run(args, parser, argv)
     sampling = _sampling(args, parser)
     tokenizer = _tokenizer(config.model, parser)
+    context = min(model.max_position_embeddings, config.max_model_len or 1 << 62)
+    pool = kv_pool(config, model)
     if args.prompt is not None:
-        context = min(model.max_position_embeddings, config.max_model_len or 1 << 62)
         ids = tokenizer.encode(args.prompt).ids
-        _check_prompt(args, parser, config, kv_pool(config, model), context, ids)
+        _check_prompt(args, parser, config, pool, context, ids)
+    shortfall = pool.shortfall(context) if pool is not None else None
+    if shortfall is not None:  # every check passed: a warning, then the start
+        log.warning(shortfall)
+    if args.prompt is not None:
         return generate_once(args, config, sampling, tokenizer, ids)
     from runtime.frontend.serve import ServeOptions, serve
 
@@ -763,6 +871,7 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
             chat_template=args.chat_template,
             max_choices_per_request=args.max_choices_per_request,
             debug_endpoints=args.debug_endpoints,
+            log_level=args.log_level,
             **serving_options(args, parser),
         )
     )

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 
+from runtime.cli_groups import flag_group
 from runtime.replay import ReplayError, replay
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -14,6 +15,7 @@ DEFAULT_PROFILE_DIR = "flare-profiles"  # with --debug-endpoints and no --profil
 
 
 def add_debug_flags(run: argparse.ArgumentParser) -> None:
+    run = flag_group(run, "debugging")  # every flag below
     run.add_argument(
         "--check-ranks",
         action="store_true",
@@ -49,7 +51,11 @@ def add_debug_flags(run: argparse.ArgumentParser) -> None:
         "(default: off)",
     )
     run.add_argument(
-        "--log-level", choices=LOG_LEVELS, default="info", help="the rank processes' log level"
+        "--log-level",
+        choices=LOG_LEVELS,
+        default="warning",
+        help="the log level of every process: this one, the coordinator and the ranks "
+        "(info adds start-up details: the KV pool, the catalog, the engine)",
     )
     run.add_argument(
         "--log-dir",

@@ -94,10 +94,9 @@ def _seconds(text: str) -> float:
 
 
 def add_deploy_flags(run: argparse.ArgumentParser) -> None:
-    group = run.add_argument_group(
-        "multi-node deployment",
-        "Ranks started elsewhere with torchrun connect to this coordinator (docs/deploy.md).",
-    )
+    from runtime.cli_groups import flag_group
+
+    group = flag_group(run, "deployment")  # every flag below
     group.add_argument(
         "--ranks",
         choices=["local", "external"],
@@ -115,28 +114,28 @@ def add_deploy_flags(run: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--bind-host",
-        metavar="ADDR",
+        metavar="HOST",
         default="127.0.0.1",
         help="--ranks external: the address the frames, completions and heartbeat ports "
         "bind (a non-loopback address needs --allow-remote)",
     )
     group.add_argument(
         "--frames-port",
-        metavar="N",
+        metavar="PORT",
         type=_port,
         default=DEFAULT_FRAMES_PORT,
         help="--ranks external: the port ranks receive frames from",
     )
     group.add_argument(
         "--completions-port",
-        metavar="N",
+        metavar="PORT",
         type=_port,
         default=DEFAULT_COMPLETIONS_PORT,
         help="--ranks external: the port ranks send completions to",
     )
     group.add_argument(
         "--heartbeat-port",
-        metavar="N",
+        metavar="PORT",
         type=_port,
         default=DEFAULT_HEARTBEAT_PORT,
         help="--ranks external: the port of the heartbeats, both ways",
@@ -152,7 +151,7 @@ def add_deploy_flags(run: argparse.ArgumentParser) -> None:
         type=_seconds,
         default=DEFAULT_EXTERNAL_HANDSHAKE_S,
         help="--ranks external: how long to wait for every rank to load its shard, "
-        "prepare its programs and connect (progress is logged meanwhile)",
+        "prepare its programs and connect (--log-level info logs the progress)",
     )
 
 

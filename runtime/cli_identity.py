@@ -7,6 +7,9 @@ import argparse
 
 
 def add_identity_flags(run: argparse.ArgumentParser) -> None:
+    from runtime.cli_groups import flag_group
+
+    run = flag_group(run, "deployment")  # every flag below
     run.add_argument(
         "--verify-weights",
         action="store_true",

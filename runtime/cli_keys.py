@@ -75,6 +75,9 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def add_transport_flags(run: argparse.ArgumentParser) -> None:
+    from runtime.cli_groups import flag_group
+
+    run = flag_group(run, "security")  # every flag below
     run.add_argument(
         "--transport-keys",
         metavar="DIR",

@@ -42,14 +42,14 @@ def add_heartbeat_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
     ``heartbeat_timeout``), on ``flare run`` and on ``python -m runtime.ranks``."""
     parser.add_argument(
         "--heartbeat-interval",
-        metavar="S",
+        metavar="SECONDS",
         type=_positive,
         default=DEFAULT_INTERVAL_S,
         help="seconds between heartbeats, coordinator to ranks and back",
     )
     parser.add_argument(
         "--heartbeat-timeout",
-        metavar="S",
+        metavar="SECONDS",
         type=_positive,
         default=DEFAULT_TIMEOUT_S,
         help="a peer silent this long is gone: a rank exits, the coordinator fails its "
@@ -77,16 +77,15 @@ def check_heartbeat_args(args: argparse.Namespace, parser: argparse.ArgumentPars
 
 def add_liveness_flags(run: argparse.ArgumentParser) -> None:
     # Imported here: a rank process reads only the heartbeat flags above.
+    from runtime.cli_groups import flag_group
     from runtime.coordinator.engine.config import (
         DEFAULT_WATCHDOG_FLOOR_S,
         DEFAULT_WATCHDOG_MARGIN_S,
         DEFAULT_WATCHDOG_MULTIPLE,
     )
 
-    group = run.add_argument_group(
-        "liveness and hang detection",
-        "Heartbeats both ways and the coordinator's per-frame watchdog (docs/runtime.md).",
-    )
+    # Heartbeats both ways and the coordinator's per-frame watchdog (docs/runtime.md).
+    group = flag_group(run, "deployment")  # every flag below
     add_heartbeat_flags(group)
     group.add_argument(
         "--frame-watchdog-multiple",
@@ -98,14 +97,14 @@ def add_liveness_flags(run: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--frame-watchdog-margin",
-        metavar="S",
+        metavar="SECONDS",
         type=_positive,
         default=DEFAULT_WATCHDOG_MARGIN_S,
         help="seconds added to every frame's watchdog limit",
     )
     group.add_argument(
         "--frame-watchdog-floor",
-        metavar="S",
+        metavar="SECONDS",
         type=_positive,
         default=DEFAULT_WATCHDOG_FLOOR_S,
         help="the watchdog limit, in seconds, of a frame whose program's cost is still unknown "

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from runtime.cli_groups import flag_group
 from runtime.ranks import memory
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ def parse_fraction_flag(text: str) -> float:
 
 
 def add_kv_flags(run: argparse.ArgumentParser, positive: Callable[[str], int]) -> None:
+    run = flag_group(run, "memory")  # every flag below
     run.add_argument(
         "--num-pages",
         metavar="N",
@@ -62,6 +64,7 @@ def add_kv_flags(run: argparse.ArgumentParser, positive: Callable[[str], int]) -
 
 
 def add_prefix_cache_flags(run: argparse.ArgumentParser) -> None:
+    run = flag_group(run, "memory")  # every flag below
     run.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -78,11 +81,9 @@ def prefix_cache_config(args: argparse.Namespace) -> dict[str, object]:
 
 def uses_cuda(device: str) -> bool:
     """Whether the ranks will run on CUDA (``auto``: when this machine has it)."""
-    if device != "auto":
-        return device == "cuda"
-    import torch
+    from runtime.devices import uses_cuda as on_cuda
 
-    return torch.cuda.is_available()
+    return on_cuda(device)
 
 
 def kv_pool(config: DeploymentConfig, model: ModelConfig) -> memory.KVPool | None:

@@ -13,6 +13,8 @@ import argparse
 import math
 import ssl
 
+from runtime.cli_groups import flag_group
+
 
 def _seconds(text: str) -> float:
     try:
@@ -35,13 +37,15 @@ def _count(text: str) -> int:
 
 
 def add_serving_flags(run: argparse.ArgumentParser) -> None:
+    security = flag_group(run, "security")
+    run = flag_group(run, "serving")  # every flag below that names no other family
     run.add_argument(
         "--drain-timeout",
-        metavar="S",
+        metavar="SECONDS",
         type=_seconds,
         default=0.0,
         help="on SIGTERM/SIGINT, refuse new requests (503 with Retry-After) and let open ones "
-        "finish for up to S seconds; those still open then end with finish_reason 'abort' "
+        "finish for up to SECONDS; those still open then end with finish_reason 'abort' "
         "(default 0: every open request ends with 'abort' at once); a second signal aborts now",
     )
     run.add_argument(
@@ -52,19 +56,19 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
         help="answer 429 with Retry-After to a request whose choices would make the open ones "
         "exceed --max-concurrency + N (default: no limit)",
     )
-    run.add_argument(
+    security.add_argument(
         "--ssl-keyfile",
         metavar="FILE",
         default=None,
         help="serve HTTPS: the private key (PEM; default: plain HTTP)",
     )
-    run.add_argument(
+    security.add_argument(
         "--ssl-certfile",
         metavar="FILE",
         default=None,
         help="serve HTTPS: the certificate chain (PEM), with --ssl-keyfile (default: plain HTTP)",
     )
-    run.add_argument(
+    security.add_argument(
         "--ssl-ca-certs",
         metavar="FILE",
         default=None,

@@ -32,7 +32,9 @@ FLAGS = {  # SpeculationConfig field -> the flag that sets it
 
 
 def add_speculation_flags(run: argparse.ArgumentParser) -> None:
-    group = run.add_argument_group("speculative decoding")
+    from runtime.cli_groups import flag_group
+
+    group = flag_group(run, "speculation")  # every flag below
     group.add_argument(
         "--draft-model",
         metavar="DIR",

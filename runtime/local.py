@@ -23,6 +23,7 @@ from runtime.coordinator.engine.config import (
     DEFAULT_WATCHDOG_MARGIN_S,
     DEFAULT_WATCHDOG_MULTIPLE,
 )
+from runtime.devices import is_device
 from runtime.identity import expected_identity
 from runtime.launch import spawn_ranks, stop_ranks
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
@@ -71,7 +72,7 @@ class DeploymentConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    device: str = "auto"  # auto | cpu | cuda
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (rank r on cuda:N+r; runtime/devices.py)
     dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cuda_graphs: bool = True
@@ -88,7 +89,7 @@ class DeploymentConfig:
     frame_watchdog_margin_s: float = DEFAULT_WATCHDOG_MARGIN_S
     frame_watchdog_floor_s: float = DEFAULT_WATCHDOG_FLOOR_S
     check_ranks: bool = False  # every rank reports a CRC of its sampled tokens; mismatch fails
-    log_level: str = "info"  # the ranks' log level
+    log_level: str = "warning"  # the ranks' log level (flare run --log-level)
     log_dir: str | None = None  # also one log file per rank there
     record_frames: str | None = None  # record every frame from start-up there (flare replay)
     profile_dir: str | None = None  # Control("profile") traces there (POST /debug/profile)
@@ -118,8 +119,8 @@ class DeploymentConfig:
             raise ValueError(
                 f"tensor_parallel_size must be in 1..64, got {self.tensor_parallel_size}"
             )
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if not is_device(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -406,7 +407,7 @@ class LocalDeployment:
         external = self.config.external
         assert external is not None
         endpoints = self.engine.bind()
-        log.info(
+        log.warning(  # an instruction: shown at the default --log-level too
             "waiting up to %.0f s for %d rank(s); start them with:\n  %s",
             external.handshake_timeout_s,
             external.world_size,

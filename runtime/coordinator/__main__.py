@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(["run", *argv])
     if not args.api_requests or not args.api_outputs:
         parser.error("the coordinator process is started by `flare run` with --api-* endpoints")
-    logging.basicConfig(level=logging.INFO, format="[coordinator] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="[coordinator] %(levelname)s %(message)s"
+    )
     config = replace(deployment_config(args, parser, argv), external_publication=True)
     endpoints = ApiEndpoints(args.api_requests, args.api_outputs)
     deployment = LocalDeployment(config)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,6 +54,10 @@ __all__ = [
     "load_chat_template",
     "message_endpoints",
 ]
+
+log = logging.getLogger("runtime.frontend")
+
+FALLBACK_DESCRIPTION = "<|{role}|>\\n{content}\\n per message, then <|assistant|>\\n"
 
 Role = Literal["system", "user", "assistant"]
 ROLES: tuple[Role, ...] = ("system", "user", "assistant")
@@ -169,6 +174,15 @@ def load_chat_template(
         source = named["default"]
     if source is not None and not isinstance(source, str):
         raise ValueError(f"tokenizer_config.json: chat_template must be a string, got {source!r}")
+    if source is None:
+        log.warning(
+            "%s has no chat template (no chat_template.jinja, no chat_template in "
+            "tokenizer_config.json): /v1/chat/completions renders conversations with the "
+            "fallback template (%s), which the model was not trained on; give the model's "
+            "template with --chat-template FILE",
+            model_dir,
+            FALLBACK_DESCRIPTION,
+        )
     return ChatTemplate(source, tokenizer.bos_token or "", tokenizer.eos_token or "")
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from runtime.catalog import describe_counts
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
 from runtime.frontend.debug import DebugLink
@@ -72,6 +73,7 @@ class ServeOptions:
     ssl_keyfile: str | None = None  # --ssl-keyfile, --ssl-certfile: HTTPS
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None  # --ssl-ca-certs: client certificates required
+    log_level: str = "warning"  # --log-level: this process's (the coordinator gets the flag)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
@@ -239,7 +241,7 @@ async def _serve(
         scheme_host = f"[{opts.host}]" if ":" in opts.host else opts.host
         summary = (
             f"flare: serving {status.model_name} with TP={status.tensor_parallel_size}, "
-            f"{len(status.graph_estimates_ns)} prepared programs, "
+            f"catalog of {describe_counts(status.graph_estimates_ns)}, "
             f"at {scheme}://{scheme_host}:{opts.port}/v1"
         )
         announce = asyncio.create_task(_announce(server, summary, started))
@@ -306,7 +308,9 @@ async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient, gate: 
 
 def serve(opts: ServeOptions) -> int:
     """Run the HTTP deployment until interrupted; the exit code."""
-    logging.basicConfig(level=logging.INFO, format="[frontend] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=opts.log_level.upper(), format="[frontend] %(levelname)s %(message)s"
+    )
     try:
         tokenizer = ModelTokenizer.from_dir(opts.model_dir)
         template = load_chat_template(opts.model_dir, tokenizer, opts.chat_template)

@@ -26,6 +26,7 @@ import httpx
 from tqdm import tqdm
 
 from runtime.loadgen.client import PATHS, ClientConfig, model_card, run_benchmark
+from runtime.loadgen.progress import ProgressLines
 from runtime.loadgen.report import format_table, per_request, summarize
 from runtime.loadgen.workload import (
     EMBEDDED_TOKENS_PER_WORD,
@@ -108,30 +109,78 @@ def _tokenizer_vocab(path: str) -> int:
         raise argparse.ArgumentTypeError(f"cannot load {file}: {exc}") from None
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the help states it already
+    or there is none (as ``flare run --help``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if "default" in help_text.lower() or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        return super()._get_help_string(action) or help_text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flare bench",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
-    p.add_argument("--base-url", type=_base_url, default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", choices=sorted(PATHS), default="completions")
-    p.add_argument("--model", help="default: the first model GET /v1/models lists")
-    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--num-requests", type=_positive_int, default=100)
+    p.add_argument(
+        "--base-url",
+        metavar="URL",
+        type=_base_url,
+        default="http://127.0.0.1:8000",
+        help="the server, http(s)://HOST:PORT (the API is under /v1)",
+    )
+    p.add_argument(
+        "--endpoint",
+        choices=sorted(PATHS),
+        default="completions",
+        help="the route: completions (/v1/completions) or chat (/v1/chat/completions)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="NAME",
+        help="the model field of every request (default: the first model GET /v1/models lists)",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="sent as 'Authorization: Bearer KEY' (default: none)",
+    )
+    p.add_argument(
+        "--num-requests", metavar="N", type=_positive_int, default=100, help="requests to send"
+    )
     arrival = p.add_mutually_exclusive_group()
     arrival.add_argument(
         "--request-rate",
+        metavar="RATE",
         type=_rate,
         default=math.inf,
         help="Poisson arrivals in requests/s; inf sends everything at once",
     )
     arrival.add_argument(
-        "--concurrency", type=_positive_int, help="keep N requests in flight, no waits"
+        "--concurrency",
+        metavar="N",
+        type=_positive_int,
+        help="keep N requests in flight, no waits (default: --request-rate)",
     )
     dist_help = "N, uniform:LO:HI or normal:MEAN:STD[:LO:HI] (clamped)"
-    p.add_argument("--prompt-len", type=_distribution, default="128", help=dist_help)
-    p.add_argument("--output-len", type=_distribution, default="128", help=dist_help)
+    p.add_argument(
+        "--prompt-len",
+        metavar="DIST",
+        type=_distribution,
+        default="128",
+        help=f"prompt lengths (words, or tokens with token-id prompts): {dist_help}",
+    )
+    p.add_argument(
+        "--output-len",
+        metavar="DIST",
+        type=_distribution,
+        default="128",
+        help=f"max_tokens of each request: {dist_help}",
+    )
     p.add_argument(
         "--prompt-kind",
         choices=["words", "token-ids"],
@@ -139,13 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="random common words (--prompt-len counts words; measured "
         f"{EMBEDDED_TOKENS_PER_WORD} tokens per word with the embedded default model, "
         "the server's usage reports the real count), or token-id lists, exact lengths "
-        "(completions only)",
+        "(completions only); default: words",
     )
     p.add_argument(
         "--token-id-range",
+        metavar="LO:HI",
         type=_id_range,
         default=None,
-        help="LO:HI, token ids of token-id prompts; default: the middle of the served "
+        help="token ids of token-id prompts; default: the middle of the served "
         "model's vocabulary (vocab_size from /v1/models, or --tokenizer), "
         f"else {TOKEN_ID_RANGE[0]}:{TOKEN_ID_RANGE[1]}",
     )
@@ -154,19 +204,49 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         type=_tokenizer_vocab,
         help="a model directory or tokenizer.json: its vocabulary bounds token-id prompts "
-        "(for servers whose /v1/models gives no vocab_size, such as vLLM)",
+        "(for servers whose /v1/models gives no vocab_size, such as vLLM; default: none)",
     )
     p.add_argument(
         "--prompts-file",
+        metavar="FILE",
         type=_prompts_file,
-        help="explicit prompts, one a line, used in order instead of generated ones",
+        help="explicit prompts, one a line, used in order instead of generated ones "
+        "(default: generated)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        metavar="N",
+        type=int,
+        default=0,
+        help="seeds the prompts, the lengths and the arrival times",
+    )
     p.add_argument("--ignore-eos", action="store_true", help="vLLM extra: exact output lengths")
-    p.add_argument("--ttft-slo-ms", type=_positive_ms, help="goodput: TTFT limit")
-    p.add_argument("--tpot-slo-ms", type=_positive_ms, help="goodput: TPOT limit")
-    p.add_argument("--timeout", type=_seconds, default=300.0, help="connect/read timeout (s)")
-    p.add_argument("--result-json", type=Path, help="write the full result here")
+    p.add_argument(
+        "--ttft-slo-ms",
+        metavar="MS",
+        type=_positive_ms,
+        help="goodput: TTFT limit (default: none)",
+    )
+    p.add_argument(
+        "--tpot-slo-ms",
+        metavar="MS",
+        type=_positive_ms,
+        help="goodput: TPOT limit (default: none)",
+    )
+    p.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=300.0,
+        help="connect/read timeout of each request",
+    )
+    p.add_argument(
+        "--result-json",
+        metavar="FILE",
+        type=Path,
+        help="write the full result here: configuration, summary, one entry per request "
+        "(default: none)",
+    )
     return p
 
 
@@ -222,12 +302,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     rate = math.inf if args.concurrency else args.request_rate
     offsets = arrival_offsets(args.num_requests, rate, args.seed)
-    with tqdm(total=args.num_requests, unit="req", disable=None) as bar:
-        records, duration = asyncio.run(
-            run_benchmark(
-                config, build_requests(spec), offsets, args.concurrency, lambda _: bar.update()
+    requests = build_requests(spec)
+    if sys.stderr.isatty():
+        with tqdm(total=args.num_requests, unit="req") as bar:
+            records, duration = asyncio.run(
+                run_benchmark(config, requests, offsets, args.concurrency, lambda _: bar.update())
             )
-        )
+    else:  # a log or a pipe: a line every few seconds, not a bar
+        lines = ProgressLines(args.num_requests)
+        work = run_benchmark(config, requests, offsets, args.concurrency, lines.update)
+        records, duration = asyncio.run(lines.run(work))
 
     summary = summarize(records, duration, args.ttft_slo_ms, args.tpot_slo_ms)
     settings = {

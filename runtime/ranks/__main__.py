@@ -32,6 +32,7 @@ from runtime.cli_liveness import (
     add_heartbeat_flags,
     check_heartbeat_args,
 )
+from runtime.devices import first_cuda_index, parse_device, rank_device_problem
 from runtime.identity import IdentityError, collective_fingerprint, model_identity
 from runtime.private_files import make_private_dirs, open_private
 from runtime.ranks import memory
@@ -100,7 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also hash every weight byte for the start-up agreement (reads the whole checkpoint)",
     )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="warning",
+        help="info also logs the KV pool and the prepared catalog (default: warning)",
+    )
     p.add_argument(
         "--log-dir", default=None, help="also write this rank's log to DIR/rank<r>.log (0600)"
     )
@@ -109,7 +115,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="where Control('profile') writes DIR/profile-<nonce>/rank<r>.json (default: refused)",
     )
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--device",
+        type=parse_device,
+        default="auto",
+        help="auto, cpu, cuda (rank r on cuda:LOCAL_RANK) or cuda:N (on cuda:N+LOCAL_RANK)",
+    )
     p.add_argument(
         "--dtype",
         choices=["auto", *sorted(DTYPES)],
@@ -236,9 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     configure_logging(rank, args.log_level, args.log_dir)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    problem = rank_device_problem(args.device, local_rank)
+    if problem is not None:  # one line, not torch's traceback
+        print(f"rank {rank}: {problem}", file=sys.stderr)
+        return 2
+    use_cuda = args.device != "cpu" and (args.device != "auto" or torch.cuda.is_available())
+    cuda_index = first_cuda_index(args.device) + local_rank
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(cuda_index)
     else:
         # CPU ranks share the machine's cores with each other and with the
         # coordinator: leave it one core and split the rest, since oversubscribed
@@ -246,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         torch.set_num_threads(max(1, ((cores or 1) - 1) // local_world))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", cuda_index) if use_cuda else torch.device("cpu")
     if args.dtype != "auto":
         dtype = DTYPES[args.dtype]
     else:
@@ -299,20 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             if use_cuda and args.num_pages is None and args.kv_cache_memory is None:
                 context = min(model.config.max_position_embeddings, args.max_model_len or 1 << 62)
                 args.num_pages = -(-context // args.page_size)
-        progress = None
-        if rank == 0:
-            from tqdm import tqdm
-
-            def progress(items):
-                return tqdm(items, desc="preparing programs", unit="program")
-
+        capture = use_cuda and not args.no_cuda_graphs
+        progress = preparation_bar if rank == 0 and capture else None
         try:
             worker = build_worker(args, model, model_dir, use_cuda, progress)
-            captured = sum(p.captured for p in worker.programs.values())
-            log.info(
-                "%d programs prepared (%d captured) on %s; %d KV pages",
-                len(worker.programs), captured, worker.device, worker.num_pages,
-            )  # fmt: skip
+            counts = catalog_counts(worker)
+            log.info("%s on %s; %d KV pages", counts, worker.device, worker.num_pages)
         except KVCacheSizeError as exc:  # one line, not a traceback per rank
             print(f"rank {rank}: {exc}", file=sys.stderr)
             return 1
@@ -336,6 +344,30 @@ def main(argv: list[str] | None = None) -> int:
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def preparation_bar(items: Iterable) -> Iterable:
+    """Rank 0's bar while it captures its programs as CUDA graphs (on a terminal
+    only): the count and the elapsed time, no rate (programs differ in cost by
+    orders of magnitude, so a programs-per-second figure says nothing)."""
+    from tqdm import tqdm
+
+    return tqdm(
+        items,
+        desc="capturing programs",
+        bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}",
+        disable=None,  # not when stderr is a pipe or a file
+    )
+
+
+def catalog_counts(worker: RankWorker) -> str:
+    """What the catalog holds, in the words the coordinator's summary uses
+    (:func:`runtime.catalog.describe_counts`): the prepared forward programs (and
+    how many are CUDA graphs) and the state programs, which have no body."""
+    from runtime.catalog import describe_counts
+
+    captured = sum(p.captured for p in worker.programs.values())
+    return f"catalog of {describe_counts(worker.catalog)}, {captured} captured as CUDA graphs"
 
 
 def start_heartbeat(
@@ -469,6 +501,9 @@ def size_kv_cache(
         dist.all_reduce(pages, op=dist.ReduceOp.MIN)
         pool = dataclasses.replace(pool, num_pages=int(pages.item()))
     pool.check(max_context, args.max_model_len)
+    shortfall = pool.shortfall(max_context) if measured is not None else None
+    if shortfall is not None and int(os.environ.get("RANK", "0")) == 0:
+        log.warning(shortfall)  # else flare run said it before the ranks started
     return pool, measured
 
 

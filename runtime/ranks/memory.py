@@ -170,6 +170,22 @@ class KVPool:
                 f"pages; raise {self.flag}"
             )
 
+    def shortfall(self, context: int) -> str | None:
+        """A warning when the pool, though it passes :meth:`check`, holds fewer tokens
+        than one request of the whole context (``--max-model-len``, or the model's
+        context when not given): every request's prompt + max_tokens is then bounded
+        by the pool, not by the context.  None when one full request fits."""
+        if self.tokens >= context:
+            return None
+        needed = pages_for_tokens(context, self.page_size)
+        return (
+            f"{self.origin}: {self._held()} cannot hold one request of the --max-model-len "
+            f"context ({context} tokens; default: the model's), which needs {needed} pages "
+            f"({needed * self.page_bytes} bytes), so a request's prompt + max_tokens is "
+            f"limited to {self.tokens} tokens; raise {self.flag}, or set --max-model-len "
+            f"{self.tokens} or lower"
+        )
+
 
 def plan_pool(
     page_bytes: int,

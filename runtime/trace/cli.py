@@ -50,6 +50,9 @@ def _keep(text: str) -> int:
 
 def add_run_flags(run: argparse.ArgumentParser) -> None:
     """``flare run``'s tracing and debugging flags."""
+    from runtime.cli_groups import flag_group
+
+    run = flag_group(run, "debugging")  # every flag below
     run.add_argument(
         "--trace",
         metavar="FILE",
@@ -58,17 +61,17 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--trace-max-bytes",
-        metavar="N",
+        metavar="BYTES",
         type=parse_bytes,
         default=DEFAULT_MAX_BYTES,
         help="rotate the trace file past this size (256M, 1G: binary units)",
     )
     run.add_argument(
         "--trace-keep",
-        metavar="K",
+        metavar="N",
         type=_keep,
         default=DEFAULT_KEEP,
-        help="rotated trace files kept (FILE.1 .. FILE.K, oldest dropped)",
+        help="rotated trace files kept (FILE.1 .. FILE.N, oldest dropped)",
     )
     run.add_argument(
         "--debug-endpoints",

@@ -263,7 +263,8 @@ def test_flare_run_with_a_positional_model_and_the_new_flags_generates(models, s
     code, stdout, stderr, _ = flare(argv, short_tmp)
     assert code == 0, stderr
     assert "serving tiny with TP=1" in stderr and "3 generated tokens" in stderr
-    assert stdout.startswith("hi")
+    assert "==> prompt (" in stderr and "\nhi\n==> completion (" in stderr
+    assert stdout.endswith("\n") and "==>" not in stdout  # the completion only
 
 
 def test_kv_cache_memory_sizes_the_pool_the_ranks_report(models):

@@ -7,6 +7,7 @@ scenarios are tests/server/test_scheduler.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -37,11 +38,13 @@ def server(request: pytest.FixtureRequest) -> Iterator[Server]:
     s = Server(*flags)
     s.mode = request.param
     # One summary line once listening: model, TP, catalog size, address.
-    line = f"TP=1, {programs} prepared programs, at http://127.0.0.1:{s.port}/v1"
+    # (The forward + state split: runtime.catalog.describe_counts.)
+    line = re.compile(rf"TP=1, catalog of {programs} programs \(\d+ forward \+ \d+ state\), "
+                      rf"at http://127\.0\.0\.1:{s.port}/v1")  # fmt: skip
     deadline = time.monotonic() + 10
-    while line not in s.output() and time.monotonic() < deadline:
+    while not line.search(s.output()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert line in s.output()
+    assert line.search(s.output()), s.output()
     yield s
     assert s.stop() == 0
     # The coordinator and rank processes went with it.

@@ -3,7 +3,6 @@ real sockets, against transformers' greedy tokens."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -103,10 +102,12 @@ def test_flare_run_cli_generates_with_the_embedded_model(tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.startswith("Hello")
+    # The completion alone on stdout; the prompt and the figures on stderr.
+    assert done.stdout.strip() and not done.stdout.startswith("Hello")
     assert "TP=2" in done.stderr and "5 generated tokens" in done.stderr
-    summary = json.loads(done.stderr.strip().splitlines()[-1])
-    assert summary["frames"] >= 5
+    figures = done.stderr.strip().splitlines()[-1]
+    frames = int(figures.removeprefix("==> figures: ").split()[0])
+    assert frames >= 5
 
 
 def test_flare_run_rejects_bad_flags_naming_them():

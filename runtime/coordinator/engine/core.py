@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.catalog import GraphKind
+from runtime.catalog import GraphKind, describe_counts
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.engine.config import (
     EngineConfig,
@@ -267,10 +267,10 @@ class Engine:
         self.facts = facts
         self.scheduler = scheduler
         log.info(
-            "engine started: %s, %d ranks, %d programs, %d slots, %d pages of %d tokens",
+            "engine started: %s, %d ranks, catalog of %s, %d slots, %d pages of %d tokens",
             facts.model_name,
             self._world,
-            len(facts.descriptors),
+            describe_counts(facts.descriptors),
             max_slots,
             facts.num_pages,
             facts.page_size,
