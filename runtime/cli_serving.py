@@ -56,6 +56,7 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
         help="answer 429 with Retry-After to a request whose choices would make the open ones "
         "exceed --max-concurrency + N (default: no limit)",
     )
+    add_hostile_client_flags(run)
     security.add_argument(
         "--ssl-keyfile",
         metavar="FILE",
@@ -74,6 +75,53 @@ def add_serving_flags(run: argparse.ArgumentParser) -> None:
         default=None,
         help="HTTPS: require client certificates signed by these CAs (PEM; mutual TLS; "
         "default: no client certificates)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    value = _seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def _positive_count(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_hostile_client_flags(run) -> None:
+    """The frontend's limits against hostile clients (docs/serving.md, "Hostile
+    clients and limits")."""
+    run.add_argument(
+        "--max-connections",
+        metavar="N",
+        type=_positive_count,
+        default=None,
+        help="hold at most N client connections: one more closes the connection that has "
+        "waited longest for a request head (503), or gets the 503 itself when every "
+        "connection has a request in progress (default: the open-file limit, raised to its "
+        "hard value at start, less room for accepting and the process's own files; at most "
+        "10000)",
+    )
+    run.add_argument(
+        "--header-timeout",
+        metavar="SECONDS",
+        type=_positive_seconds,
+        default=10.0,
+        help="close a connection whose request head is not complete SECONDS after it opened "
+        "or its previous response ended (408; default 10)",
+    )
+    run.add_argument(
+        "--preprocess-workers",
+        metavar="N",
+        type=_count,
+        default=2,
+        help="processes that parse, validate and tokenize large request bodies (over 16 KiB, "
+        "or chats costly to tokenize), so the event loop never stalls on them; 0: all in "
+        "the frontend process (default 2)",
     )
 
 
@@ -127,4 +175,7 @@ def serving_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         "ssl_keyfile": keyfile,
         "ssl_certfile": certfile,
         "ssl_ca_certs": ca_certs,
+        "max_connections": args.max_connections,
+        "header_timeout_s": float(args.header_timeout),
+        "preprocess_workers": args.preprocess_workers,
     }

@@ -18,6 +18,7 @@ from dataclasses import replace
 from runtime.coordinator.bridge import ApiEndpoints, FrontendBridge, ServingInfo
 from runtime.coordinator.debug import DebugService
 from runtime.local import LocalDeployment
+from runtime.logs import install_rate_limit
 from runtime.trace.cli import trace_options
 
 log = logging.getLogger("runtime.coordinator")
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="[coordinator] %(levelname)s %(message)s"
     )
+    install_rate_limit()  # a flood of one message is a burst and a count
     config = replace(deployment_config(args, parser, argv), external_publication=True)
     endpoints = ApiEndpoints(args.api_requests, args.api_outputs)
     deployment = LocalDeployment(config)

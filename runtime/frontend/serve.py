@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import socket
 import ssl
@@ -39,13 +40,24 @@ import uvicorn
 from runtime.catalog import describe_counts
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
+from runtime.frontend.connections import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    ConnectionGuard,
+    default_max_connections,
+    fd_headroom,
+    listen_backlog,
+    quiet_accept_errors,
+    raise_fd_limit,
+)
 from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
+from runtime.frontend.preprocess import DEFAULT_WORKERS, PreprocessPool
 from runtime.frontend.protocol import ServingLimits
 from runtime.frontend.server import Frontend, Gate, create_app
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.launch import spawn_coordinator
+from runtime.logs import install_rate_limit
 
 log = logging.getLogger("runtime.frontend")
 
@@ -74,6 +86,10 @@ class ServeOptions:
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None  # --ssl-ca-certs: client certificates required
     log_level: str = "warning"  # --log-level: this process's (the coordinator gets the flag)
+    # Hostile clients (docs/serving.md, "Hostile clients and limits"):
+    max_connections: int | None = None  # --max-connections (None: from the fd limit)
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # --header-timeout
+    preprocess_workers: int = DEFAULT_WORKERS  # --preprocess-workers (0: none)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
@@ -93,6 +109,15 @@ class ServeOptions:
             raise ValueError("ssl_keyfile and ssl_certfile go together")
         if self.ssl_ca_certs is not None and self.ssl_certfile is None:
             raise ValueError("ssl_ca_certs needs ssl_certfile and ssl_keyfile")
+        self._check_hostile_limits()
+
+    def _check_hostile_limits(self) -> None:
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not 0 < self.header_timeout_s < float("inf"):
+            raise ValueError(f"header_timeout_s must be > 0 seconds, got {self.header_timeout_s!r}")
+        if self.preprocess_workers < 0:
+            raise ValueError(f"preprocess_workers must be >= 0, got {self.preprocess_workers}")
 
 
 class StartupError(RuntimeError):
@@ -206,6 +231,7 @@ async def _serve(
     debug = DebugLink(client.run_dir) if opts.debug_endpoints else None
     proc = None
     gate: Gate | None = None
+    pool: PreprocessPool | None = None
     try:
         started = time.monotonic()
         proc, status = await _start_coordinator(client, opts, debug)
@@ -216,6 +242,14 @@ async def _serve(
             kv_tokens=status.kv_tokens,
             max_choices=opts.max_choices_per_request,
         )
+        if opts.preprocess_workers > 0:  # large bodies are prepared there
+            pool = PreprocessPool(
+                limits, template, defaults, opts.model_dir, opts.preprocess_workers
+            )
+            try:
+                await pool.start()
+            except Exception as exc:
+                raise StartupError(f"the preprocessing workers did not start: {exc}") from None
         gate = Gate(
             client,
             opts.heartbeat_timeout_s,
@@ -232,8 +266,10 @@ async def _serve(
             defaults,
             debug=debug,
             gate=gate,
+            preprocess=pool,
         )
         app = create_app(frontend)
+        quiet_accept_errors(asyncio.get_running_loop())
         server = _Server(uvicorn_config(app, opts), client, gate, opts.drain_timeout_s)
         watcher = asyncio.create_task(_watch(proc, server, client, gate))
         liveness = asyncio.create_task(gate.watch(), name="flare-coordinator-liveness")
@@ -257,25 +293,45 @@ async def _serve(
             await asyncio.get_running_loop().run_in_executor(None, _stop_coordinator, proc, grace)
         if debug is not None:
             debug.close()
+        if pool is not None:
+            await pool.close()
         await client.close()
 
 
 def uvicorn_config(app, opts: ServeOptions) -> uvicorn.Config:
     """uvicorn's settings: HTTPS with ``--ssl-keyfile``/``--ssl-certfile`` (client
-    certificates required with ``--ssl-ca-certs``), as vLLM passes them."""
+    certificates required with ``--ssl-ca-certs``), as vLLM passes them; the
+    request-head timeout and the connection limit (runtime.frontend.connections:
+    ``--header-timeout``, ``--max-connections``, by default the descriptor limit
+    less a reserve); uvicorn's own log lines rate-limited like this process's."""
     tls = {}
     if opts.ssl_certfile is not None:
         tls = {"ssl_keyfile": opts.ssl_keyfile, "ssl_certfile": opts.ssl_certfile}
         if opts.ssl_ca_certs is not None:
             tls |= {"ssl_ca_certs": opts.ssl_ca_certs, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-    return uvicorn.Config(
+    max_connections = opts.max_connections or default_max_connections()
+    guard = ConnectionGuard(max_connections, opts.header_timeout_s)
+    fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if max_connections + fd_headroom() > fd_limit:
+        log.warning(
+            "--max-connections %d leaves too few of the %d open files this process may have: "
+            "a flood of connections can exhaust them",
+            max_connections,
+            fd_limit,
+        )
+    config = uvicorn.Config(
         app,
         host=opts.host,
         port=opts.port,
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=guard.protocol_class(),
+        backlog=listen_backlog(),
         **tls,
     )
+    for name in ("uvicorn", "uvicorn.access"):  # configured by uvicorn.Config just now
+        install_rate_limit(logging.getLogger(name))
+    return config
 
 
 async def _announce(server: uvicorn.Server, summary: str, started: float) -> None:
@@ -311,6 +367,8 @@ def serve(opts: ServeOptions) -> int:
     logging.basicConfig(
         level=opts.log_level.upper(), format="[frontend] %(levelname)s %(message)s"
     )
+    install_rate_limit()  # a flood of one message is a burst and a count
+    raise_fd_limit()  # room for --max-connections (its default follows the new limit)
     try:
         tokenizer = ModelTokenizer.from_dir(opts.model_dir)
         template = load_chat_template(opts.model_dir, tokenizer, opts.chat_template)

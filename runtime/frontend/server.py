@@ -61,6 +61,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from runtime.frontend.chat import ChatTemplate
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone, LocalEnd
@@ -68,14 +69,18 @@ from runtime.frontend.debug import DebugLink, add_debug_routes
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.detokenizer import IncrementalDetokenizer
 from runtime.frontend.metrics import ServingMetrics
+from runtime.frontend.preprocess import (
+    TRIM_BODY_BYTES,
+    TRIMMER,
+    Preparer,
+    PreprocessPool,
+    parse_json,
+    prepare_body,
+)
 from runtime.frontend.protocol import (
     GenerationRequest,
     RequestError,
     ServingLimits,
-    parse_chat,
-    parse_completions,
-    parse_detokenize,
-    parse_tokenize,
 )
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.transport.api import Output, TokenLogprobs
@@ -288,6 +293,8 @@ class Frontend:
     created: int = field(default_factory=lambda: int(time.time()))
     debug: DebugLink | None = None  # --debug-endpoints: the /debug/* routes' link
     gate: Gate | None = None  # liveness, drain and overload (None: admit everything)
+    # --preprocess-workers: where large bodies are prepared (None: in this process)
+    preprocess: PreprocessPool | None = None
 
 
 @dataclass
@@ -805,38 +812,64 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _json_body(request: Request) -> object:
-    """The request's JSON body, or the 4xx response refusing it (content type, size,
-    syntax)."""
+async def _body_bytes(request: Request) -> bytes | Response:
+    """The request's JSON body, unparsed, or the 4xx response refusing it (content
+    type, size).  A client that leaves during the upload costs one log line."""
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         return _error(415, f"Content-Type must be application/json, got {content_type!r}")
     try:
-        return json.loads(await _read_body(request))
+        return await _read_body(request)
     except BodyTooLarge:
-        return _error(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        return _error(400, f"body is not valid JSON: {str(exc)[:200]}")
+        return _error(
+            413,
+            f"the request body is larger than this server's limit of {MAX_BODY_BYTES} bytes",
+            code="request_too_large",
+        )
+    except ClientDisconnect:
+        log.warning(
+            "%s %s: the client disconnected during the upload of its body",
+            request.method,
+            request.url.path,
+        )
+        return Response(status_code=499)
 
 
-def _text_chars(body: object, chat: bool) -> int:
-    """Characters of the longest prompt text a body carries (before tokenization)."""
-    if not isinstance(body, dict):
-        return 0
-    if not chat:  # a prompt, or a batch of them: the longest counts
-        prompt = body.get("prompt")
-        prompts = prompt if isinstance(prompt, list) else [prompt]
-        return max((len(p) for p in prompts if isinstance(p, str)), default=0)
-    total = 0
-    messages = body.get("messages")
-    for message in messages if isinstance(messages, list) else ():
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            texts = [p.get("text") for p in content if isinstance(p, dict)]
-            total += sum(len(t) for t in texts if isinstance(t, str))
-    return total
+async def _json_body(request: Request) -> object:
+    """The request's JSON body, or the 4xx response refusing it (content type, size,
+    syntax).  Parsed on the event loop: for small bodies (see _prepared)."""
+    body = await _body_bytes(request)
+    if isinstance(body, Response):
+        return body
+    try:
+        return parse_json(body)
+    except RequestError as exc:
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+
+
+async def _prepared(
+    fe: Frontend, preparer: Preparer, request: Request, route: str
+) -> list[GenerationRequest] | dict[str, Any] | bytes | Response:
+    """A body prepared for ``route`` (runtime.frontend.preprocess: on the event loop
+    when small and cheap, else in a preprocessing worker), or the response refusing
+    it."""
+    body = await _body_bytes(request)
+    if isinstance(body, Response):
+        return body
+    try:
+        return await prepare_body(preparer, fe.preprocess, route, body)
+    except RequestError as exc:
+        return JSONResponse(exc.to_json(), status_code=exc.status)
+    finally:
+        if len(body) >= TRIM_BODY_BYTES:
+            TRIMMER.soon()  # the body's pages go back to the system
+
+
+def _json_reply(result: dict[str, Any] | bytes) -> Response:
+    """A prepared /tokenize or /detokenize answer: rendered here, or by a worker."""
+    if isinstance(result, bytes):
+        return Response(result, media_type="application/json")
+    return JSONResponse(result)
 
 
 def create_app(fe: Frontend) -> FastAPI:
@@ -844,9 +877,8 @@ def create_app(fe: Frontend) -> FastAPI:
     keys = api_keys(fe.api_key)
     if keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys, salts=tenant_salts(keys))
-    # No token decodes to more characters than the longest in the vocabulary, so
-    # a text longer than this cannot fit the context: refused before tokenizing.
-    max_chars = fe.limits.max_context * fe.tokenizer.max_token_chars
+    # Size limits, then parsing and tokenizing (runtime.frontend.preprocess).
+    preparer = Preparer(fe.limits, fe.tokenizer, fe.template, fe.defaults)
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception):
@@ -912,38 +944,13 @@ def create_app(fe: Frontend) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            ids, token_strs = await asyncio.to_thread(
-                parse_tokenize, body, fe.limits, fe.tokenizer, fe.template
-            )
-        except RequestError as exc:
-            return JSONResponse(exc.to_json(), status_code=exc.status)
-        strs = None
-        if token_strs:
-            strs = [fe.tokenizer.backend.id_to_token(t) or "" for t in ids]
-        return JSONResponse(
-            {
-                "count": len(ids),
-                "max_model_len": fe.limits.max_context,
-                "tokens": ids,
-                "token_strs": strs,
-            }
-        )
+        result = await _prepared(fe, preparer, request, "tokenize")
+        return result if isinstance(result, Response) else _json_reply(result)
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            ids = parse_detokenize(body, fe.limits)
-        except RequestError as exc:
-            return JSONResponse(exc.to_json(), status_code=exc.status)
-        text = await asyncio.to_thread(fe.tokenizer.decode, ids, skip_special_tokens=False)
-        return JSONResponse({"prompt": text})
+        result = await _prepared(fe, preparer, request, "detokenize")
+        return result if isinstance(result, Response) else _json_reply(result)
 
     async def generate(request: Request, chat: bool) -> Response:
         arrived = time.perf_counter()
@@ -952,33 +959,12 @@ def create_app(fe: Frontend) -> FastAPI:
         refused = None if gate is None else gate.refusal(1)
         if refused is not None:
             return refused
-        body = await _json_body(request)
-        if isinstance(body, Response):
-            return body
-        # (truncate_prompt_tokens: the prompt may be longer; it is cut after tokenizing)
-        if _text_chars(body, chat) > max_chars and body.get("truncate_prompt_tokens") is None:
-            param = "messages" if chat else "prompt"
-            return _error(
-                400,
-                f"{param} is longer than the model's maximum context of "
-                f"{fe.limits.max_context} tokens",
-                param,
-                code="context_length_exceeded",
-            )
-        try:
-            # Tokenizing and rendering templates take time: keep the event loop free.
-            if chat:
-                req = await asyncio.to_thread(
-                    parse_chat, body, fe.limits, fe.tokenizer, fe.template, fe.defaults
-                )
-                reqs = [req]
-            else:
-                reqs = await asyncio.to_thread(
-                    parse_completions, body, fe.limits, fe.tokenizer, fe.defaults
-                )
-                req = reqs[0]
-        except RequestError as exc:
-            return JSONResponse(exc.to_json(), status_code=exc.status)
+        # Size limits, parsing, tokenizing: off the event loop unless small.
+        prepared = await _prepared(fe, preparer, request, "chat" if chat else "completions")
+        if isinstance(prepared, Response):
+            return prepared
+        reqs = prepared
+        req = reqs[0]
         tenant = request.scope.get(TENANT_SALT_SCOPE_KEY, "")
         if tenant:  # several API keys: this key's pages are its own
             salt = combined_salt(tenant, req.cache_salt)

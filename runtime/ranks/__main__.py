@@ -34,6 +34,7 @@ from runtime.cli_liveness import (
 )
 from runtime.devices import first_cuda_index, parse_device, rank_device_problem
 from runtime.identity import IdentityError, collective_fingerprint, model_identity
+from runtime.logs import install_rate_limit
 from runtime.private_files import make_private_dirs, open_private
 from runtime.ranks import memory
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY, CapacityConfig, CapacityError
@@ -239,6 +240,7 @@ def configure_logging(rank: int, level: str, log_dir: str | None) -> None:
         fd = open_private(os.path.join(log_dir, f"rank{rank}.log"), truncate=False)
         handlers.append(logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8")))
     logging.basicConfig(level=level.upper(), format=fmt, handlers=handlers, force=True)
+    install_rate_limit()  # a flood of one message is a burst and a count
 
 
 def main(argv: list[str] | None = None) -> int:
