@@ -12,7 +12,7 @@ the same request gets without the rogue.  The same rogue against a deployment
 started with ``insecure_transport`` shows that the attack is real.
 
 Run as a script, this file is the rogue: ``python test_rogue_peer.py FRAMES
-COMPLETIONS SECONDS blind|precise`` prints one JSON line (frames read, prompt tokens seen,
+COMPLETIONS SECONDS blind|precise|flood`` prints one JSON line (frames read, prompt tokens seen,
 forgeries queued).
 """
 
@@ -28,18 +28,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FORGED_TOKEN = 7
 BLIND_FENCES = 400  # fences guessed when nothing can be read
+FLOOD_BASE = 1_000_000  # "flood": forged fences from here on, never in flight
 PROMPT = [5, 17, 33, 2, 91, 40, 8, 64, 12]
 NEW = 24
 WAIT_S = 120
 
 
-def rogue(frames: str, completions: str, seconds: float, blind: bool) -> dict:
+def rogue(frames: str, completions: str, seconds: float, blind: bool, base: int = 0) -> dict:
     """Read frames and forge completions for ``seconds``; what it managed.
 
     Every frame read is answered at once with a completion of the same lanes
     carrying FORGED_TOKEN; with ``blind``, while nothing can be read, it also
     forges completions for the first BLIND_FENCES fences (slot 0, generations
-    1..3) five times a second."""
+    1..3) five times a second, numbered from ``base``; a ``base`` far above the
+    deployment's fences floods it with completions for fences never sent, and then
+    it answers no frame."""
     import zmq
 
     from runtime.transport.codec import decode, encode
@@ -75,7 +78,7 @@ def rogue(frames: str, completions: str, seconds: float, blind: bool) -> dict:
                 frame = decode(sub.recv())
             except ProtocolError:
                 continue
-            if not isinstance(frame, Frame):
+            if not isinstance(frame, Frame) or base:
                 continue
             lanes = []
             for lane in frame.lanes:
@@ -84,7 +87,7 @@ def rogue(frames: str, completions: str, seconds: float, blind: bool) -> dict:
             forge(Completion.from_results(frame.fence, 0, 1, 1, lanes=lanes))
         elif blind and time.monotonic() >= next_blind:  # nothing to read: guess
             next_blind = time.monotonic() + 0.2
-            for fence in range(BLIND_FENCES):
+            for fence in range(base, base + BLIND_FENCES):
                 lanes = [LaneResult(0, 1 + fence % 3, (FORGED_TOKEN,))]
                 forge(Completion.from_results(fence, 0, 1, 1, lanes=lanes))
     sub.close()
@@ -96,7 +99,9 @@ def rogue(frames: str, completions: str, seconds: float, blind: bool) -> dict:
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     args = sys.argv[1:]
-    print(json.dumps(rogue(args[0], args[1], float(args[2]), args[3] == "blind")), flush=True)
+    mode = args[3]
+    base = FLOOD_BASE if mode == "flood" else 0
+    print(json.dumps(rogue(args[0], args[1], float(args[2]), mode != "precise", base)), flush=True)
     sys.exit(0)
 
 
@@ -124,7 +129,9 @@ def _deployment(model_dir: Path, **kwargs: object) -> LocalDeployment:
     )  # fmt: skip
 
 
-def _start_rogue(deployment: LocalDeployment, seconds: float, blind: bool) -> subprocess.Popen:
+def _start_rogue(
+    deployment: LocalDeployment, seconds: float, blind: bool, flood: bool = False
+) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLARE_TRANSPORT_")}
     endpoints = deployment.engine.endpoints
     return subprocess.Popen(
@@ -134,7 +141,7 @@ def _start_rogue(deployment: LocalDeployment, seconds: float, blind: bool) -> su
             endpoints.frames,
             endpoints.completions,
             str(seconds),
-            "blind" if blind else "precise",
+            "flood" if flood else "blind" if blind else "precise",
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -208,3 +215,52 @@ def test_without_curve_the_same_rogue_reads_prompts_and_forges(model_dir: Path) 
     # Every forgery reached the engine: it took the rogue's tokens where the rogue
     # answered first, and ignored the forgeries (or the true answers) that came second.
     assert FORGED_TOKEN in got or ignored > 0
+
+
+def test_a_flood_of_forgeries_is_logged_as_a_burst_and_a_count(model_dir: Path) -> None:
+    """Without CURVE a rogue can push thousands of forged completions a second; the
+    coordinator logs a burst of them and then counts (issue 23: 8,388 lines in 8 s
+    before).  The handler is guarded the way the coordinator process guards its own
+    (``install_rate_limit`` in ``runtime/coordinator/__main__.py``)."""
+    import logging
+
+    from runtime.logs import DEFAULT_BURST, RateLimitFilter, install_rate_limit
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    handler = Lines()
+    install_rate_limit(handler)
+    engine_log = logging.getLogger("runtime.coordinator.engine")
+    engine_log.addHandler(handler)
+    try:
+        with _deployment(model_dir, insecure_transport=True) as exposed:
+            engine = exposed.engine
+            ignored_before = engine.stats.counters().get("ignored_messages", 0)
+            rogue = _start_rogue(exposed, seconds=3.0, blind=True, flood=True)
+            try:
+                _rogue_ready(rogue)
+                result = _rogue_result(rogue)
+            finally:
+                if rogue.poll() is None:
+                    rogue.kill()
+            # The engine reads completions while frames are in flight: a request makes
+            # it drain what the rogue queued (up to the sockets' high-water marks).
+            _generate(exposed)
+            ignored = engine.stats.counters().get("ignored_messages", 0) - ignored_before
+    finally:
+        engine_log.removeHandler(handler)
+    for guard in handler.filters:
+        if isinstance(guard, RateLimitFilter):
+            guard.flush()  # the interval's count now rather than in 10 s
+    forged_lines = [line for line in handler.lines if line.startswith("ignoring completion")]
+    summaries = [line for line in handler.lines if line.startswith("suppressed")]
+    assert result["queued"] > 1000  # the flood was real
+    assert ignored > 500  # and reached the engine, which ignored each forgery
+    assert len(forged_lines) <= DEFAULT_BURST  # logged: one burst ...
+    assert summaries and any("ignoring completion" in line for line in summaries)  # ... a count
