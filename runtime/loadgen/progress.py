@@ -30,12 +30,12 @@ class ProgressLines:
         self,
         total: int,
         stream: TextIO | None = None,
-        interval_s: float = DEFAULT_INTERVAL_S,
+        interval_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.total = total
         self.stream = stream if stream is not None else sys.stderr
-        self.interval_s = interval_s
+        self.interval_s = DEFAULT_INTERVAL_S if interval_s is None else interval_s
         self.clock = clock
         self.started = clock()
         self.done = 0

@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             worker = build_worker(args, model, model_dir, use_cuda, progress)
             counts = catalog_counts(worker)
-            log.info("%s on %s; %d KV pages", counts, worker.device, worker.num_pages)
+            log.info("on %s: %s; %d KV pages", worker.device, counts, worker.num_pages)
         except KVCacheSizeError as exc:  # one line, not a traceback per rank
             print(f"rank {rank}: {exc}", file=sys.stderr)
             return 1

@@ -9,6 +9,7 @@ by the sleeps (upper bounds are generous: they only catch gross errors).
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import json
 import math
@@ -28,8 +29,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from runtime.loadgen import progress
 from runtime.loadgen.cli import main
 from runtime.loadgen.client import ClientConfig, RequestRecord, run_benchmark
+from runtime.loadgen.progress import ProgressLines
 from runtime.loadgen.report import format_table, percentile, summarize
 from runtime.loadgen.workload import (
     EMBEDDED_TOKENS_PER_WORD,
@@ -262,6 +265,34 @@ def test_every_printed_figure_is_in_the_last_json_line(fake, capsys):
     assert printed >= 20
     assert result["config"]["request_rate"] == "50.0"
     assert result["config"]["model"] == MODEL
+
+
+def test_without_a_terminal_progress_is_a_line_every_few_seconds(fake, capsys, monkeypatch):
+    """stderr is no terminal under pytest: lines, not a bar; here one every 50 ms."""
+    url, behaviour = fake
+    behaviour.first_delay, behaviour.gap = 0.05, 0.05
+    monkeypatch.setattr(progress, "DEFAULT_INTERVAL_S", 0.05)
+    argv = ["--num-requests", "4", "--concurrency", "2", "--output-len", "4"]
+    assert main(["--base-url", url, "--seed", "3", *argv]) == 0
+    err = capsys.readouterr().err
+    pattern = r"flare bench: (\d+)/4 requests done \(0 failed\), [\d.]+ req/s, [\d.]+ s elapsed"
+    done = [int(re.fullmatch(pattern, line).group(1)) for line in err.splitlines()]
+    assert len(done) >= 3 and done[-1] == 4 and done == sorted(done)
+    assert "\r" not in err  # no bar
+
+
+def test_progress_lines_count_and_rate_on_a_given_clock():
+    now = [100.0]
+    stream = io.StringIO()
+    lines = ProgressLines(10, stream, interval_s=5.0, clock=lambda: now[0])
+    ok = RequestRecord(0, 0.0, 1.0, (0.5,), 3, 2)
+    lines.update(ok)
+    lines.update(RequestRecord(1, 0.0, 1.0, (), 3, 0, error="HTTP 500"))
+    now[0] += 4.0
+    lines.line()
+    assert stream.getvalue() == (
+        "flare bench: 2/10 requests done (1 failed), 0.5 req/s, 4.0 s elapsed\n"
+    )
 
 
 def test_an_unreachable_server_without_model_fails_cleanly(capsys):
