@@ -8,6 +8,7 @@ multi-host deployment runs the very same entry point under ``torchrun``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -126,16 +128,22 @@ def _remove_store(path: str) -> None:
 
 
 def stop_ranks(procs: Sequence[subprocess.Popen], timeout_s: float = 30.0) -> list[int | None]:
-    """Wait for the ranks to exit (after a shutdown control); kill stragglers."""
-    codes: list[int | None] = []
+    """Wait for the ranks to exit (after a shutdown control), all of them against one
+    deadline ``timeout_s`` from now, then kill the ones left together: a hung rank
+    costs the deadline once, whatever the tensor parallel size.  Each rank's exit
+    code (None: killed)."""
+    deadline = time.monotonic() + max(0.0, timeout_s)
     for p in procs:
-        try:
-            codes.append(p.wait(timeout=timeout_s) if timeout_s > 0 else p.poll())
-        except subprocess.TimeoutExpired:
-            codes.append(None)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        left = deadline - time.monotonic()
+        if left > 0:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=left)
+    codes = [p.poll() for p in procs]
+    stragglers = [p for p in procs if p.poll() is None]
+    for p in stragglers:
+        p.kill()  # SIGKILL: a stopped (SIGSTOP) or hung process goes too
+    for p in stragglers:
+        p.wait()
     for store_dir in {getattr(p, "flare_store_dir", None) for p in procs} - {None}:
         _remove_store(store_dir)
     return codes

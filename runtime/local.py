@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from runtime.cli_deploy import ExternalRanks
@@ -41,7 +42,13 @@ log = logging.getLogger("runtime.local")
 DEFAULT_SPIN_US = 200
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: bfloat16 on CUDA, float32 on CPU
 RANK_EXIT_GRACE_S = 1.0  # the engine takes a dying rank's last completion first
-RANK_WATCH_S = 0.5
+RANK_WATCH_S = 0.1  # a rank process that exits stops the serving within this
+STOP_RANKS_S = 30.0  # a stop: the ranks end their frame and leave (all in parallel)
+# After a failure the ranks were told to shut down at once; one still there this
+# long after the failure (at least STOP_FAILED_MIN_S after the stop began) is stuck
+# (in a collective with a dead or hung peer) and is killed.
+STOP_FAILED_RANKS_S = 2.0
+STOP_FAILED_MIN_S = 0.5
 START_ABORT_JOIN_S = 5.0  # the start-up waits look at their abort every 0.2 s at most
 
 
@@ -433,27 +440,55 @@ class LocalDeployment:
             "protocol_version": PROTOCOL_VERSION,
         }
 
+    def _dead_rank(self) -> tuple[int, str] | None:
+        """The first rank process that exited, and how (None: all run)."""
+        dead = [(r, p.returncode) for r, p in enumerate(self.ranks) if p.poll() is not None]
+        if not dead:
+            return None
+        rank, code = dead[0]
+        return rank, f"rank {rank} exited with code {code}"
+
+    def health(self) -> str | None:
+        """Why this deployment can serve no more (None: it can, or it was stopped):
+        the engine's word (:meth:`Engine.health`), or a rank process that exited
+        and that the watcher has not reported yet (any thread)."""
+        problem = self.engine.health()
+        if problem is None and not self._stopping.is_set() and self.engine.serving:
+            dead = self._dead_rank()
+            problem = None if dead is None else dead[1]
+        return problem
+
     def _watch_ranks(self) -> None:
-        """A rank that exits while serving fails the engine at once: its requests
-        end with an error and /health turns 503, instead of frames waiting for a
-        completion that never comes."""
+        """A rank that exits while serving fails the engine at once: it stops
+        serving (/health turns 503) within RANK_WATCH_S, and its requests end with
+        an error, instead of frames waiting for a completion that never comes."""
         while not self._stopping.wait(RANK_WATCH_S):
-            dead = [(r, p.returncode) for r, p in enumerate(self.ranks) if p.poll() is not None]
-            if dead:
-                rank, code = dead[0]
+            dead = self._dead_rank()
+            if dead is not None:
+                rank, reason = dead
+                self.engine.mark_failing(reason)
                 # A rank that reports why it stops (a hung frame, a failed
                 # collective) sends that completion before exiting: give the
                 # engine a moment to take it, so its reason is the one kept.
                 if not self._stopping.wait(RANK_EXIT_GRACE_S):
-                    self.engine.rank_gone(rank, f"rank {rank} exited with code {code}")
+                    self.engine.rank_gone(rank, reason)
                 return
 
     def stop(self) -> list[int | None]:
+        """Stop the engine (the ranks are told to shut down) and wait for the ranks,
+        all against one deadline: STOP_RANKS_S, or STOP_FAILED_RANKS_S after the
+        engine's failure (a rank still there is stuck); those left are killed
+        together."""
         self._stopping.set()
         try:
             self.engine.stop()
         finally:
-            codes = stop_ranks(self.ranks, timeout_s=30.0)
+            timeout = STOP_RANKS_S
+            failed_at = self.engine.failed_at
+            if failed_at is not None:
+                left = failed_at + STOP_FAILED_RANKS_S - time.monotonic()
+                timeout = max(STOP_FAILED_MIN_S, left)
+            codes = stop_ranks(self.ranks, timeout_s=timeout)
         return codes
 
     def __enter__(self) -> LocalDeployment:

@@ -74,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             profile_dir = config.profile_dir and os.path.abspath(config.profile_dir)
             debug = DebugService(deployment.engine, args.api_debug, profile_dir).start()
         beat_s = args.heartbeat_interval  # the frontend's heartbeat too
-        bridge = FrontendBridge(deployment.engine, endpoints, info, heartbeat_interval_s=beat_s)
+        bridge = FrontendBridge(
+            deployment.engine, endpoints, info, heartbeat_interval_s=beat_s,
+            health=deployment.health,
+        )  # fmt: skip
         bridge.serve()
         if deployment.engine.error is not None:
             code = 1

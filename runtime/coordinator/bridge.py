@@ -17,12 +17,29 @@ completion is applied.  A third thread sends a :class:`Heartbeat` every
 ``heartbeat_interval_s`` (``--heartbeat-interval``), whatever the other two
 are doing, so the frontend can tell a stuck coordinator (stopped, hung) from
 a busy one.  Sends from all threads share one lock.
+
+A failure is said at once, not left to a silence: the heartbeat's ``serving``
+is the engine's real state (``health``: the engine failed or is failing, a rank
+process exited, a rank silent past the heartbeat timeout, as right after this
+process was itself paused), and the moment ``health`` names a problem the
+bridge sends a ``Heartbeat(serving=False)`` and an unsolicited
+:class:`Status` whose ``error`` says why (the frontend's /health turns 503 and
+it takes no new requests).  Once the engine has failed (every request it held
+got its error output) the bridge answers what is still queued for a moment
+(Submits are refused) and stops; the coordinator process then exits non-zero.
+
+The frontend queues what this side's PULL socket cannot take yet (its
+high-water mark of 1,000 messages is back-pressure, not a loss: the frontend's
+outbox, runtime.frontend.client), so a pause here delays requests, never drops
+one.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
@@ -44,8 +61,8 @@ from runtime.transport.codec import decode_or_log, encode
 
 log = logging.getLogger("runtime.coordinator.bridge")
 
-POLL_MS = 100
-ERROR_GRACE_S = 0.5
+POLL_MS = 100  # the loop looks at the engine's health at least this often
+ERROR_GRACE_S = 0.5  # after a failure: the error outputs leave, queued messages are answered
 REFUSED = "refused"
 
 
@@ -84,7 +101,10 @@ class FrontendBridge:
         endpoints: ApiEndpoints,
         info: ServingInfo,
         heartbeat_interval_s: float = 1.0,
+        health: Callable[[], str | None] | None = None,
     ) -> None:
+        """``health``: why the deployment can serve no more (None: it can), e.g.
+        :meth:`runtime.local.LocalDeployment.health`; by default the engine's."""
         if not 0 < heartbeat_interval_s < float("inf"):
             raise ValueError(
                 f"heartbeat_interval_s must be a finite number of seconds > 0, "
@@ -93,14 +113,17 @@ class FrontendBridge:
         self.engine = engine
         self.info = info
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.health = engine.health if health is None else health
         self.heartbeats = 0  # sent so far
         self.rejected = 0
+        self.announced: str | None = None  # the problem last told to the frontend
         self._context = zmq.Context()
         self._inbox = make_socket(self._context, zmq.PULL)
         self._outbox = make_socket(self._context, zmq.PUSH)
         self._inbox.connect(endpoints.requests)
         self._outbox.connect(endpoints.outputs)
         self._send_lock = threading.Lock()
+        self._beat_lock = threading.Lock()  # the heartbeat count
         self._streams: dict[int, RequestStream] = {}  # by the frontend's request id
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
@@ -114,34 +137,69 @@ class FrontendBridge:
         self._beater = threading.Thread(target=self._beat, name="flare-api-heartbeat", daemon=True)
         self._beater.start()
         while not self._stop.is_set():
+            problem = self.health()
+            if problem is not None and problem != self.announced:
+                self._announce(problem)
             if self.engine.error is not None:
                 # Every open request got its error output from the engine's shutdown;
                 # exiting lets the frontend (and whatever supervises it) see the failure.
                 log.error("the engine failed (%s): the coordinator stops", self.engine.error)
-                self._stop.wait(ERROR_GRACE_S)  # let the engine's error outputs leave
+                self._answer_queued(ERROR_GRACE_S)  # the error outputs leave meanwhile
                 break
-            if not self._inbox.poll(POLL_MS):
-                continue
-            message = decode_or_log(self._inbox.recv(), "the frontend")
-            if message is None:
-                self.rejected += 1
-                continue
-            try:
-                self._handle(message)
-            except EngineError as exc:
-                log.error("frontend bridge: the engine refused %s: %s", type(message).__name__, exc)
+            if self._inbox.poll(POLL_MS):
+                self._take()
+
+    def _take(self) -> None:
+        message = decode_or_log(self._inbox.recv(), "the frontend")
+        if message is None:
+            self.rejected += 1
+            return
+        try:
+            self._handle(message)
+        except EngineError as exc:
+            log.error("frontend bridge: the engine refused %s: %s", type(message).__name__, exc)
+
+    def _answer_queued(self, seconds: float) -> None:
+        """Answer what the frontend sent before it heard of the failure, for up to
+        ``seconds`` (a Submit is refused: it never ran)."""
+        deadline = time.monotonic() + seconds
+        while not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._inbox.poll(max(1, int(left * 1000))):
+                self._take()
+
+    def _announce(self, problem: str) -> None:
+        """Tell the frontend at once that the deployment cannot serve, and why."""
+        self.announced = problem
+        log.error("not serving: %s", problem)
+        try:
+            self._heartbeat(block=False)
+            self._send(self._status(0), within_s=ERROR_GRACE_S)
+        except zmq.ZMQError as exc:  # the frontend is not reading: its watch still sees the exit
+            log.warning("could not tell the frontend (%s): %s", problem, exc)
 
     def stop(self) -> None:
         self._stop.set()
 
+    def serving(self) -> bool:
+        """The engine accepts requests and nothing says the deployment cannot serve."""
+        return self.engine.serving and self.health() is None
+
     def _beat(self) -> None:
         """Send a Heartbeat every interval until :meth:`stop` (its own thread)."""
         while not self._stop.wait(self.heartbeat_interval_s):
-            self.heartbeats += 1
             try:
-                self._send(Heartbeat(self.heartbeats, self.engine.serving), block=False)
+                self._heartbeat(block=False)
             except zmq.ZMQError as exc:  # a full queue (the frontend is not reading): skip
                 log.debug("heartbeat %d not sent: %s", self.heartbeats, exc)
+
+    def _heartbeat(self, block: bool) -> None:
+        with self._beat_lock:
+            self.heartbeats += 1
+            seq = self.heartbeats
+        self._send(Heartbeat(seq, self.serving()), block=block)
 
     def close(self) -> None:
         self._stop.set()
@@ -226,9 +284,10 @@ class FrontendBridge:
     def _status(self, nonce: int) -> Status:
         engine = self.engine
         info = self.info
+        problem = self.health()
         return Status(
             nonce,
-            engine.serving,
+            engine.serving and problem is None,
             info.model_name,
             info.vocab_size,
             info.max_context,
@@ -237,11 +296,31 @@ class FrontendBridge:
             info.kv_tokens,
             {key: float(value) for key, value in engine.metrics().items()},
             engine.graph_estimates(),
-            None if engine.error is None else str(engine.error)[:MAX_ERROR_CHARS],
+            None if problem is None else problem[:MAX_ERROR_CHARS],
         )
 
-    def _send(self, message: Output | Status | Heartbeat, block: bool = True) -> None:
+    def _send(
+        self,
+        message: Output | Status | Heartbeat,
+        block: bool = True,
+        within_s: float | None = None,
+    ) -> None:
+        """Send ``message``: waiting for room in the queue (``block``), or not at all
+        (zmq.Again), or for at most ``within_s`` seconds (then zmq.Again)."""
         data = encode(message)
         with self._send_lock:
-            if not self._outbox.closed:
+            if self._outbox.closed:
+                return
+            if within_s is None:
                 self._outbox.send(data, 0 if block else zmq.NOBLOCK)
+                return
+            deadline = time.monotonic() + within_s
+            while True:
+                try:
+                    self._outbox.send(data, zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise
+                    self._outbox.poll(max(1, int(min(left, 0.05) * 1000)), zmq.POLLOUT)

@@ -64,6 +64,11 @@ log = logging.getLogger("runtime.frontend")
 READY_POLL_S = 0.5
 DRAIN_POLL_S = 0.05
 STOP_COORDINATOR_S = 60.0  # its engine stops, then its ranks
+STOP_FAILED_COORDINATOR_S = 5.0  # one that is silent or failed: SIGKILL after this
+WATCH_S = 0.1  # how often _watch looks whether the coordinator process exited
+# A coordinator whose engine failed exits by itself within a few seconds (its
+# ranks get 2 s, runtime.local); one still there after this is stopped.
+FAILED_EXIT_S = 8.0
 GRACEFUL_SHUTDOWN_S = 5  # uvicorn's wait for responses still being written
 
 
@@ -287,9 +292,14 @@ async def _serve(
         return 0 if proc.poll() is None else 1
     finally:
         if proc is not None:
-            # A silent coordinator (stopped, hung) gets its heartbeat timeout, not a minute.
+            # A silent coordinator (stopped, hung) gets its heartbeat timeout, not a
+            # minute; one whose engine failed a few seconds.
             stuck = gate is not None and gate.stuck() is not None
-            grace = max(5.0, opts.heartbeat_timeout_s) if stuck else STOP_COORDINATOR_S
+            grace = STOP_COORDINATOR_S
+            if stuck:
+                grace = max(STOP_FAILED_COORDINATOR_S, opts.heartbeat_timeout_s)
+            elif client.failure is not None:
+                grace = STOP_FAILED_COORDINATOR_S
             await asyncio.get_running_loop().run_in_executor(None, _stop_coordinator, proc, grace)
         if debug is not None:
             debug.close()
@@ -353,12 +363,40 @@ def _check_port(host: str, port: int) -> None:
 
 
 async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient, gate: Gate) -> None:
-    """Stop serving if the coordinator dies; open requests end as aborted."""
+    """Stop serving when the coordinator exits, or fails and does not exit by itself.
+
+    Exit code 0 is a stop someone asked for (a signal of its own): open requests
+    end as aborted.  Any other exit (its engine failed, it was killed) loses the
+    open requests' work: each ends with an error (a 500, an SSE error event),
+    /health and new requests get 503 naming the exit.
+    """
+    failed_at = None
     while proc.poll() is None:
-        await asyncio.sleep(0.5)
-    log.error("the coordinator exited with code %s; stopping", proc.returncode)
-    gate.stopping = True
-    client.abort_all()
+        await asyncio.sleep(WATCH_S)
+        if client.failure is None:
+            continue
+        failed_at = failed_at or time.monotonic()
+        if time.monotonic() - failed_at > FAILED_EXIT_S:  # its shutdown hangs: stop it
+            reason = (
+                f"the coordinator did not exit within {FAILED_EXIT_S:g} s of its engine's "
+                f"failure ({client.failure})"
+            )
+            log.error("%s; stopping (%d open requests fail)", reason, client.lose(reason))
+            server.should_exit = True
+            return
+    code = proc.returncode
+    if code == 0:
+        log.error("the coordinator exited (code 0: stopped by a signal of its own); stopping")
+        gate.stopping = True
+        client.abort_all()
+    else:
+        how = f"exited with code {code}"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                how = f"was killed by {signal.Signals(-code).name}"
+        failure = f" ({client.failure})" if client.failure else ""
+        reason = f"the coordinator {how}{failure}"
+        log.error("%s; stopping (%d open requests fail)", reason, client.lose(reason))
     server.should_exit = True
 
 

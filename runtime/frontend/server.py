@@ -64,7 +64,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from runtime.frontend.chat import ChatTemplate
-from runtime.frontend.client import CoordinatorClient, CoordinatorGone, LocalEnd
+from runtime.frontend.client import CoordinatorClient, CoordinatorGone, CoordinatorLost, LocalEnd
 from runtime.frontend.debug import DebugLink, add_debug_routes
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.detokenizer import IncrementalDetokenizer
@@ -186,6 +186,13 @@ class Gate:
     admitted whatever its choices when nothing is open.
     ``drain_until``: the monotonic deadline of a drain in progress
     (``--drain-timeout``); ``stopping``: the server is stopping.
+
+    A coordinator that cannot serve any more (``client.failure``: its engine
+    failed or is failing, or its process exited) makes new requests and /health
+    503 with that reason at once, ahead of any silence that follows; so does a
+    heartbeat saying the engine does not serve.  Heard again after a silence,
+    the coordinator counts as serving only once a heartbeat (or status) sent
+    since says so: an output it had queued says nothing of its ranks.
     """
 
     client: CoordinatorClient
@@ -221,8 +228,20 @@ class Gate:
                 "it takes no new requests",
                 max(1, math.ceil(left)),
             )
+        failure = getattr(self.client, "failure", None)
+        if failure is not None:
+            return failure, 1
         reason = self.stuck() if self.stuck_since is not None else None  # as watch() found
+        if reason is None and self.stuck_since is not None and not self._fresh():
+            reason = "the coordinator answers again after a silence: waiting for its heartbeat"
+        if reason is None and not getattr(self.client, "serving", True):
+            reason = "the engine is not serving"
         return None if reason is None else (reason, 1)
+
+    def _fresh(self) -> bool:
+        """Whether the coordinator's serving flag arrived after the silence watch() found."""
+        since = self.stuck_since
+        return since is None or getattr(self.client, "serving_at", math.inf) > since
 
     def overloaded(self, choices: int) -> str | None:
         """Why ``choices`` more would overload the server (None: they fit)."""
@@ -255,6 +274,8 @@ class Gate:
         tick = min(0.25, self.heartbeat_timeout_s / 4)
         while True:
             await asyncio.sleep(tick)
+            if getattr(self.client, "failure", None) is not None:
+                continue  # it said it failed and goes silent as it exits: serve.py's watch
             reason = self.stuck()
             if reason is not None and self.stuck_since is None:
                 # Messages this process has not read yet (its own loop stalled) go first.
@@ -267,12 +288,13 @@ class Gate:
                 ended = self.client.fail_all(reason)
                 if ended:
                     log.error("ended %d open requests: the coordinator is silent", ended)
-            elif self.stuck_since is not None:
+            elif self.stuck_since is not None and self._fresh():
                 silent = self.client.last_heard - self.stuck_since
                 log.warning(
-                    "the coordinator answers again after %.1f s of silence: new requests "
-                    "are served (the ones ended meanwhile stay ended)",
+                    "the coordinator answers again after %.1f s of silence: %s (the "
+                    "requests ended meanwhile stay ended)",
                     silent,
+                    "new requests are served" if self.unavailable() is None else "not serving",
                 )
                 self.stuck_since = None
 
@@ -351,9 +373,9 @@ def _sampling(req: GenerationRequest, index: int, seed: int, vocab: int) -> Samp
     )
 
 
-async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, group: int):
-    """One choice's pieces, in order; the last carries its finish reason.  ``group``:
-    the HTTP request's admission group, shared by all its choices."""
+def _submit(fe: Frontend, req: GenerationRequest, index: int, seed: int, group: int):
+    """Send choice ``index`` to the coordinator (at once, or queued in the client's
+    outbox: never half-sent); its request id and output queue."""
     client = fe.client
     rid = client.new_request_id()
     queue = client.submit(
@@ -366,6 +388,17 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
         cache_salt=req.cache_salt,
         message_endpoints=submit_endpoints(req.message_endpoints, len(req.prompt_token_ids)),
     )
+    return rid, queue
+
+
+async def _choice(
+    fe: Frontend, req: GenerationRequest, index: int, seed: int, group: int, submitted=None
+):
+    """One choice's pieces, in order; the last carries its finish reason.  ``group``:
+    the HTTP request's admission group, shared by all its choices; ``submitted``:
+    the choice's (request id, queue) from :func:`_submit` (None: submit it now)."""
+    client = fe.client
+    rid, queue = _submit(fe, req, index, seed, group) if submitted is None else submitted
     detok = IncrementalDetokenizer(
         fe.tokenizer,
         req.prompt_token_ids,
@@ -382,6 +415,8 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
         while not done:
             item = await queue.get()
             if isinstance(item, LocalEnd):  # ended by the frontend itself
+                if item.failed:  # the coordinator is gone: the work is lost, an error
+                    raise CoordinatorLost(item.error)
                 if item.error is not None:
                     raise CoordinatorGone(item.error)  # the coordinator stopped answering
                 # The server stops: "abort", whether it ran or still waited for a slot.
@@ -389,7 +424,9 @@ async def _choice(fe: Frontend, req: GenerationRequest, index: int, seed: int, g
             else:
                 out = item
                 if out.finish_reason == "aborted" and produced == 0 and out.fence == 0:
-                    raise CoordinatorGone("the engine is not serving")  # refused on arrival
+                    # Refused on arrival: the engine was stopping or had failed.
+                    why = getattr(client, "failure", None) or "the engine is not serving"
+                    raise CoordinatorGone(why)
             if out.finish_reason == "refused":
                 raise EngineRefused(out.error or "refused")
             if out.finish_reason == "error":
@@ -447,11 +484,22 @@ async def _merged(fe: Frontend, reqs: list[GenerationRequest], seed: int) -> Asy
         async for piece in _choice(fe, reqs[0], 0, seed, group):
             yield piece
         return
+    # Every choice is sent (or queued in the client's outbox) before any is awaited,
+    # with no await in between: all of them reach the coordinator, or none does.
+    submitted: list[tuple[int, asyncio.Queue]] = []
+    try:
+        for req, index in choices:
+            submitted.append(_submit(fe, req, index, seed, group))
+    except BaseException:
+        _cancel_all(fe, [rid for rid, _ in submitted])
+        raise
     queue: asyncio.Queue[Piece | BaseException | None] = asyncio.Queue()
+    started: set[int] = set()  # choices whose _choice runs (it cancels its own request)
 
-    async def pump(req: GenerationRequest, index: int) -> None:
+    async def pump(req: GenerationRequest, index: int, sent: tuple[int, asyncio.Queue]) -> None:
+        started.add(index)
         try:
-            async for piece in _choice(fe, req, index, seed, group):
+            async for piece in _choice(fe, req, index, seed, group, sent):
                 await queue.put(piece)
         except BaseException as exc:  # handed to the consumer
             await queue.put(exc)
@@ -459,7 +507,10 @@ async def _merged(fe: Frontend, reqs: list[GenerationRequest], seed: int) -> Asy
         finally:
             await queue.put(None)
 
-    tasks = [asyncio.create_task(pump(req, index)) for req, index in choices]
+    tasks = [
+        asyncio.create_task(pump(req, index, sent))
+        for (req, index), sent in zip(choices, submitted)
+    ]
     try:
         remaining = len(choices)
         while remaining:
@@ -474,6 +525,14 @@ async def _merged(fe: Frontend, reqs: list[GenerationRequest], seed: int) -> Asy
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # A task cancelled before it ran never reached its choice's own cancel.
+        _cancel_all(fe, [sent[0] for (_, i), sent in zip(choices, submitted) if i not in started])
+
+
+def _cancel_all(fe: Frontend, request_ids: list[int]) -> None:
+    for rid in request_ids:
+        with contextlib.suppress(CoordinatorGone):
+            fe.client.cancel(rid)
 
 
 class Usage:
@@ -899,9 +958,10 @@ def create_app(fe: Frontend) -> FastAPI:
             if down is not None:
                 reason, retry = down
                 return _error(503, reason, None, "service_unavailable", retry_after=retry)
-            # The coordinator's latest word, no round trip: answers at once under load.
-            latest = fe.client.heartbeat or fe.client.status
-            if latest is not None and latest.serving:
+            # The coordinator's latest word (its heartbeat or status), no round trip:
+            # answers at once under load.  A failure, an exit, a silence or a heartbeat
+            # saying the engine does not serve made unavailable() answer above.
+            if fe.client.serving:
                 return Response(status_code=200)
         try:
             status = await fe.client.query_status()

@@ -228,6 +228,19 @@ class CoordinatorLiveness(_Beat):
         """The ranks that have sent a heartbeat."""
         return sorted(self._identities)
 
+    def silent(self, now_ns: int | None = None) -> list[tuple[int, float]]:
+        """(rank, seconds since its last heartbeat) of every watched rank silent past
+        the timeout, by the rule :meth:`_check` applies (any thread; it reports them
+        to ``on_gone`` on its next look; this says so at once)."""
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        timeout_ns = self.config.timeout_s * 1e9
+        busy_until = self._busy_until_ns
+        return [
+            (rank, (now_ns - last) / 1e9)
+            for rank, last in enumerate(list(self._last))
+            if last is not None and now_ns - max(last, busy_until) > timeout_ns
+        ]
+
     def _send_all(self) -> None:
         self._sequence += 1
         data = encode(Control("heartbeat", COORDINATOR_RANK, self._sequence))

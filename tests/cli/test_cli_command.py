@@ -301,7 +301,8 @@ def test_flare_serve_model_dir_serves_over_http(tmp_path, short_tmp):
     env.pop("FLARE_API_KEY", None)
     argv = ["serve", str(model), "--port", str(port), "--device", "cpu", "--dtype", "float32",
             "--max-num-seqs", "2", "--max-num-batched-tokens", "128", "--enforce-eager",
-            "--chat-template", str(template), "--max-choices-per-request", "8"]  # fmt: skip
+            "--chat-template", str(template), "--max-choices-per-request", "8",
+            "--log-level", "info"]  # fmt: skip
     with open(tmp_path / "log", "w+") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli", *argv], env=env, stdout=log, stderr=log
@@ -335,4 +336,5 @@ def test_flare_serve_model_dir_serves_over_http(tmp_path, short_tmp):
         output = Path(log.name).read_text()
     assert proc.returncode == 0, output
     assert "Traceback" not in output
-    assert "2 slots" in output  # the coordinator took --max-num-seqs
+    # The coordinator took --max-num-seqs (and --log-level: its engine's INFO line).
+    assert "[coordinator] INFO engine started: " in output and "2 slots" in output

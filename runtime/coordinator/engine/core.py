@@ -123,6 +123,10 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self.facts: ModelFacts | None = None
         self.error: BaseException | None = None
+        # Why the engine is about to fail (mark_failing, any thread): it stops serving
+        # at once; the failure itself (error) follows at the engine thread's next round.
+        self.failing: str | None = None
+        self.failed_at: float | None = None  # monotonic time of the first sign of failure
         self._channel: CoordinatorChannel | None = None
         self._run_keys: DeploymentKeys | None = None  # per-run CURVE keys (tcp, none given)
         self._world = self.config.world_size
@@ -164,13 +168,48 @@ class Engine:
 
     @property
     def serving(self) -> bool:
-        """Started, not failed and not stopping: submissions are accepted."""
+        """Started, not failed (nor failing) and not stopping: submissions are accepted."""
         return (
             self.started
             and self.error is None
+            and self.failing is None
             and not self._closed
             and (not self._stopping.is_set())
         )
+
+    def health(self) -> str | None:
+        """Why this engine can serve no more, known at once (any thread); None while it
+        serves, and after a stop that was asked for.
+
+        Its failure; a failure on its way (:meth:`mark_failing`: a rank process
+        exited, a rank's heartbeats stopped); or a rank silent past the heartbeat
+        timeout that the liveness thread has not reported yet, as right after this
+        process was itself paused (SIGSTOP) for longer than the timeout: its ranks
+        have left by then, and nothing of theirs it still has queued says otherwise.
+        """
+        if self.error is not None:
+            return f"the engine failed: {self.error}"
+        if self.failing is not None:
+            return self.failing
+        liveness = self.liveness
+        if liveness is None or not self.started or self._closed or self._stopping.is_set():
+            return None
+        silent = liveness.silent()
+        if not silent:
+            return None
+        rank, seconds = silent[0]
+        return (
+            f"rank {rank}: no heartbeat for {seconds:.1f} s "
+            f"(heartbeat timeout {liveness.config.timeout_s:g} s)"
+        )
+
+    def mark_failing(self, reason: str) -> None:
+        """The engine is about to fail (any thread): it stops serving at once
+        (``serving`` False, :meth:`health` says ``reason``, submissions are refused)
+        while the failure itself follows (:meth:`rank_gone`, :meth:`fail`)."""
+        if self.failing is None and self.error is None and not self._closed:
+            self.failing = str(reason)
+            self.failed_at = time.monotonic()
 
     def bind(self) -> ChannelEndpoints:
         """Bind the coordinator channel (idempotent) and return its endpoints."""
@@ -338,6 +377,8 @@ class Engine:
             raise ValueError(f"message_endpoints must hold integers, got {ends!r}")
         with self._command_lock:
             self._check_open()
+            if self.failing is not None:
+                raise EngineError(f"the engine is failing: {self.failing}")
             request_id = self._next_request
             self._next_request += 1
             stream = RequestStream(
@@ -392,6 +433,7 @@ class Engine:
         stopped.  The engine fails at its next round with an EngineError naming the
         rank and the fences in flight; a hung or lost rank cannot be recovered in
         place, so the deployment shuts down."""
+        self.mark_failing(reason)
         with self._command_lock:
             if self._closed:
                 return
@@ -413,6 +455,7 @@ class Engine:
         The engine thread raises ``exc`` at its next round: every open stream
         ends with finish_reason "error", the ranks are told to shut down.
         """
+        self.mark_failing(str(exc))
         with self._command_lock:
             if self._closed:
                 return
@@ -1074,6 +1117,8 @@ class Engine:
     def _fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
+        if self.failed_at is None:
+            self.failed_at = time.monotonic()
         log.error("engine failed: %s", exc, exc_info=exc)
         self._shutdown(ERROR, exc)
 
