@@ -7,10 +7,10 @@ Process layout (``../ARCHITECTURE.md``)::
            └─ python -m runtime.ranks × N (torchrun environment)
 
 The frontend binds the API sockets, starts the coordinator with its own flags
-plus the endpoints, waits for the coordinator's first status (the ranks print
-their program-preparation progress bar meanwhile), prints a one-line summary
-and serves until Ctrl-C or SIGTERM; then it stops the coordinator, which stops
-the ranks.
+plus the endpoints, waits for the coordinator's first status (on CUDA rank 0
+shows the graph capture's progress on a terminal meanwhile), prints a one-line
+summary and serves until Ctrl-C or SIGTERM; then it stops the coordinator,
+which stops the ranks.
 
 On SIGTERM/SIGINT without ``--drain-timeout`` every open request ends at once
 with finish_reason "abort" (running or still waiting for a slot); with

@@ -4,10 +4,10 @@ Each rank joins ``torch.distributed`` (``nccl`` on CUDA, ``gloo`` on CPU) from
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT),
 loads its weight shard, sizes its KV cache (:func:`size_kv_cache`, on CUDA by
 measuring the device; ``runtime.ranks.memory``), prepares the program catalog
-(a progress bar on rank 0), connects to the coordinator's endpoints, reports
-its catalog and serves frames until the coordinator says shutdown.  The
-coordinator is a process of its own (``flare run`` starts both on one
-machine); ranks find it through ``--frames-endpoint`` /
+(on CUDA rank 0 shows the graph capture's progress on a terminal), connects to
+the coordinator's endpoints, reports its catalog and serves frames until the
+coordinator says shutdown.  The coordinator is a process of its own (``flare
+run`` starts both on one machine); ranks find it through ``--frames-endpoint`` /
 ``--completions-endpoint`` / ``--heartbeat-endpoint`` or the environment
 variables FLARE_FRAMES_ENDPOINT / FLARE_COMPLETIONS_ENDPOINT /
 FLARE_HEARTBEAT_ENDPOINT.  A rank that hears no heartbeat from the coordinator
@@ -356,7 +356,7 @@ def preparation_bar(items: Iterable) -> Iterable:
 
     return tqdm(
         items,
-        desc="capturing programs",
+        desc="capturing CUDA graphs",
         bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {elapsed}",
         disable=None,  # not when stderr is a pipe or a file
     )
