@@ -756,14 +756,11 @@ def _say(text: str) -> None:
 def generate_once(
     args: argparse.Namespace, config: DeploymentConfig, sampling, tokenizer, ids: list[int]
 ) -> int:
-    """``--prompt``: one completion in this process, printed apart from the prompt::
+    """``--prompt``: one completion in this process, printed apart from the prompt.
 
-        flare: serving MODEL with TP=2, catalog of ..., ready in 5.3 s   (stderr)
-        ==> prompt (4 tokens)                                             (stderr)
-        Hello                                                             (stderr)
-        ==> completion (32 generated tokens in 969 ms, finish: length)    (stderr)
-        sing, and then ...                                                (stdout)
-        ==> 33 frames, ...; overhead over device time: ...                (stderr)
+    On stderr the start-up summary, ``==> prompt (N tokens)`` and the prompt, then
+    ``==> completion (N generated tokens in T ms, finish: REASON)``; on stdout the
+    completion alone; last, on stderr, ``==> figures: ...`` (:func:`describe_summary`).
     """
     started = time.monotonic()
     deployment = LocalDeployment(config)
