@@ -449,9 +449,9 @@ class LocalDeployment:
         return rank, f"rank {rank} exited with code {code}"
 
     def health(self) -> str | None:
-        """Why this deployment can serve no more (None: it can, or it was stopped):
-        the engine's word (:meth:`Engine.health`), or a rank process that exited
-        and that the watcher has not reported yet (any thread)."""
+        """Why this deployment can serve no more, for good (None: it can, or it was
+        stopped): the engine's word (:meth:`Engine.health`), or a rank process that
+        exited and that the watcher has not reported yet (any thread)."""
         problem = self.engine.health()
         if problem is None and not self._stopping.is_set() and self.engine.serving:
             dead = self._dead_rank()

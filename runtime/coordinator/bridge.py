@@ -20,13 +20,14 @@ a busy one.  Sends from all threads share one lock.
 
 A failure is said at once, not left to a silence: the heartbeat's ``serving``
 is the engine's real state (``health``: the engine failed or is failing, a rank
-process exited, a rank silent past the heartbeat timeout, as right after this
-process was itself paused), and the moment ``health`` names a problem the
-bridge sends a ``Heartbeat(serving=False)`` and an unsolicited
-:class:`Status` whose ``error`` says why (the frontend's /health turns 503 and
-it takes no new requests).  Once the engine has failed (every request it held
-got its error output) the bridge answers what is still queued for a moment
-(Submits are refused) and stops; the coordinator process then exits non-zero.
+process exited; and no rank silent past the heartbeat timeout, as right after
+this process was itself paused, :meth:`Engine.unheard`), and the moment
+``health`` names a problem, which is for good, the bridge sends a
+``Heartbeat(serving=False)`` and an unsolicited :class:`Status` whose ``error``
+says why (the frontend's /health turns 503 and it takes no new requests).
+Once the engine has failed (every request it held got its error output) the
+bridge answers what is still queued for a moment (Submits are refused) and
+stops; the coordinator process then exits non-zero.
 
 The frontend queues what this side's PULL socket cannot take yet (its
 high-water mark of 1,000 messages is back-pressure, not a loss: the frontend's
@@ -184,8 +185,10 @@ class FrontendBridge:
         self._stop.set()
 
     def serving(self) -> bool:
-        """The engine accepts requests and nothing says the deployment cannot serve."""
-        return self.engine.serving and self.health() is None
+        """The engine accepts requests, nothing says the deployment cannot serve and
+        every rank was heard within the heartbeat timeout."""
+        engine = self.engine
+        return engine.serving and self.health() is None and engine.unheard() is None
 
     def _beat(self) -> None:
         """Send a Heartbeat every interval until :meth:`stop` (its own thread)."""
@@ -287,7 +290,7 @@ class FrontendBridge:
         problem = self.health()
         return Status(
             nonce,
-            engine.serving and problem is None,
+            problem is None and self.serving(),
             info.model_name,
             info.vocab_size,
             info.max_context,

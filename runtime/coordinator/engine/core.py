@@ -178,21 +178,22 @@ class Engine:
         )
 
     def health(self) -> str | None:
-        """Why this engine can serve no more, known at once (any thread); None while it
-        serves, and after a stop that was asked for.
-
-        Its failure; a failure on its way (:meth:`mark_failing`: a rank process
-        exited, a rank's heartbeats stopped); or a rank silent past the heartbeat
-        timeout that the liveness thread has not reported yet, as right after this
-        process was itself paused (SIGSTOP) for longer than the timeout: its ranks
-        have left by then, and nothing of theirs it still has queued says otherwise.
-        """
+        """Why this engine can serve no more, for good, known at once (any thread):
+        its failure, or a failure on its way (:meth:`mark_failing`: a rank process
+        exited, a rank's heartbeats stopped).  None while it serves, and after a
+        stop that was asked for."""
         if self.error is not None:
             return f"the engine failed: {self.error}"
-        if self.failing is not None:
-            return self.failing
+        return self.failing
+
+    def unheard(self) -> str | None:
+        """A rank whose last heartbeat is older than the heartbeat timeout and that the
+        liveness thread has not reported yet (any thread; None: none): right after this
+        process was itself paused (SIGSTOP) for longer than the timeout, its ranks may
+        have left.  Not a failure by itself: heartbeats of theirs still queued here
+        may show them alive a moment later, so it only says "not serving now"."""
         liveness = self.liveness
-        if liveness is None or not self.started or self._closed or self._stopping.is_set():
+        if liveness is None or not self.serving:
             return None
         silent = liveness.silent()
         if not silent:
