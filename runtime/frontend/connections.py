@@ -22,14 +22,18 @@ descriptors (then asyncio's accept loop logs each failed accept).
   at once (a health check) gets served even while idle connections flood in.
 
 :func:`raise_fd_limit` lifts the descriptor limit's soft value to the hard one.
-asyncio accepts up to the listen backlog's count of connections at once before
-any of them is seen (and closes a refused one a turn later), so
-:func:`listen_backlog` scales the backlog with the descriptor limit and
-:func:`default_max_connections` leaves two backlogs plus ``FD_RESERVE``
-descriptors for that and the rest of the process (its coordinator link,
-workers, logs).  Should descriptors run out anyway, :func:`quiet_accept_errors`
-makes asyncio's report of each failed accept one line (and the rate limit of
-runtime.logs bounds their number).
+asyncio accepts as many connections in one event-loop turn as the backlog it
+was given, and sets each up (uvicorn's protocol, about 0.2 ms) in the next:
+uvicorn's default of 2048 stalls the loop for a quarter second or more under a
+flood.  So the server is started with ``ACCEPT_BATCH`` (128) as its backlog,
+and :func:`widen_listen_backlog` then lets the kernel queue up to
+``LISTEN_BACKLOG`` (2048) waiting connections on the same socket: a flood is
+accepted 128 at a time, between other work, and a burst still finds room.
+:func:`default_max_connections` leaves two batches plus ``FD_RESERVE``
+descriptors for accepting and for the rest of the process (its coordinator
+link, workers, logs).  Should descriptors run out anyway,
+:func:`quiet_accept_errors` makes asyncio's report of each failed accept one
+line (and the rate limit of runtime.logs bounds their number).
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import resource
+import socket
 import time
 from collections import OrderedDict
 
@@ -54,18 +60,18 @@ __all__ = [
     "ConnectionGuard",
     "default_max_connections",
     "fd_headroom",
-    "listen_backlog",
     "quiet_accept_errors",
     "raise_fd_limit",
+    "widen_listen_backlog",
 ]
 
 DEFAULT_HEADER_TIMEOUT_S = 10.0
-FD_RESERVE = 128  # descriptors kept for everything but client connections and accepts
-MAX_BACKLOG = 2048  # uvicorn's default listen backlog
-MIN_BACKLOG = 64
+FD_RESERVE = 256  # descriptors kept for everything but client connections and accepts
+ACCEPT_BATCH = 128  # connections asyncio accepts per event-loop turn (its "backlog")
+LISTEN_BACKLOG = 2048  # connections the kernel queues for accept (uvicorn's default)
 MAX_DEFAULT_CONNECTIONS = 10000  # the default limit's ceiling, whatever the fd limit
 MIN_DEFAULT_CONNECTIONS = 64
-SWEEP_BATCH = 256  # overdue connections closed per event-loop turn
+SWEEP_BATCH = 64  # overdue connections closed per event-loop turn
 
 
 def raise_fd_limit() -> int:
@@ -91,21 +97,30 @@ def _fd_limit(fd_limit: int | None) -> int:
     return 1 << 20 if fd_limit == resource.RLIM_INFINITY else fd_limit
 
 
-def listen_backlog(fd_limit: int | None = None) -> int:
-    """The listen backlog: an eighth of the descriptor limit, within [64, 2048]
-    (asyncio accepts that many at once)."""
-    return max(MIN_BACKLOG, min(MAX_BACKLOG, _fd_limit(fd_limit) // 8))
-
-
-def fd_headroom(fd_limit: int | None = None) -> int:
+def fd_headroom() -> int:
     """Descriptors the process needs beside its held client connections."""
-    return 2 * listen_backlog(fd_limit) + FD_RESERVE
+    return 2 * ACCEPT_BATCH + FD_RESERVE
+
+
+async def widen_listen_backlog(server, backlog: int = LISTEN_BACKLOG) -> None:
+    """Once ``server`` (a uvicorn.Server started with ACCEPT_BATCH as its backlog)
+    listens, let the kernel queue ``backlog`` connections on its sockets."""
+    while not server.started:
+        await asyncio.sleep(0.02)
+    for listener in server.servers:
+        for transport_socket in listener.sockets:
+            # listen() again on the same socket (a duplicate descriptor of it).
+            with (
+                contextlib.suppress(OSError),
+                socket.socket(fileno=os.dup(transport_socket.fileno())) as sock,
+            ):
+                sock.listen(backlog)
 
 
 def default_max_connections(fd_limit: int | None = None) -> int:
     """``--max-connections``' default: the descriptor limit less :func:`fd_headroom`,
     at most MAX_DEFAULT_CONNECTIONS and at least MIN_DEFAULT_CONNECTIONS."""
-    room = _fd_limit(fd_limit) - fd_headroom(fd_limit)
+    room = _fd_limit(fd_limit) - fd_headroom()
     return max(MIN_DEFAULT_CONNECTIONS, min(MAX_DEFAULT_CONNECTIONS, room))
 
 

@@ -16,8 +16,10 @@ body is prepared in one of two places:
   of the answer, :func:`requests_from_wire`).  /tokenize and /detokenize get
   their finished JSON response from it.
 
-A worker is never wedged: a job that runs over ``PREPARE_TIMEOUT_S`` is a 413
-and the worker is killed and replaced.  Its memory comes back: after a large job
+A worker runs at a lower CPU priority (``nice`` +10): a large body never takes
+the CPU from the event loop, the coordinator or the ranks.  It is never wedged:
+a job that runs over ``PREPARE_TIMEOUT_S`` is a 413 and the worker is killed and
+replaced.  Its memory comes back: after a large job
 it collects garbage and hands freed heap pages back (``malloc_trim``), and one
 whose RSS still grew by more than ``RECYCLE_GROWTH_BYTES`` over its start is
 replaced.  When every worker is busy, at most ``MAX_QUEUED_PER_WORKER`` large
@@ -43,6 +45,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import gc
 import json
 import logging
@@ -101,7 +104,10 @@ MAX_QUEUED_PER_WORKER = 4  # large requests waiting for a busy worker, per worke
 RECYCLE_GROWTH_BYTES = 32 << 20  # a worker grown this much over its start is replaced
 TRIM_BODY_BYTES = 1 << 20  # after a body this large, free heap pages go back to the system
 WORKER_START_S = 120.0
+WORKER_NICE = 10  # the workers' CPU priority below the frontend's, coordinator's and ranks'
 MAX_FRAME_BYTES = 1 << 30
+PIPE_BYTES = 1 << 20  # the pipe to a worker (Linux's default limit for one)
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _FRAME = struct.Struct(">II")  # header length, payload length; then msgpack header, payload
 
 
@@ -581,6 +587,7 @@ class PreprocessPool:
             preexec_fn=_die_with_parent,
             limit=1 << 20,
         )
+        _widen_pipe(proc.stdin)
         worker = _Worker(proc)
         self.workers.add(worker)
         try:
@@ -678,11 +685,22 @@ class PreprocessPool:
             # timed out) and the worker to go back to the pool.
             job = asyncio.ensure_future(self._job(worker, route, body))
             job.add_done_callback(_retrieved)
-            return await asyncio.shield(job)
+            result, error = await asyncio.shield(job)
+            del job  # (no reference cycle through a traceback keeps the body alive)
         finally:
             self.waiting -= 1
+        if error is not None:
+            try:
+                raise error
+            finally:  # no cycle (error -> traceback -> this frame -> error) holds the body
+                error = None
+        return result
 
-    async def _job(self, worker: _Worker, route: str, body: bytes):
+    async def _job(
+        self, worker: _Worker, route: str, body: bytes
+    ) -> tuple[Any, RequestError | None]:
+        """(the result, None) or (None, the error): nothing raised, so no traceback
+        (holding this frame, and the body) outlives the job in the task."""
         started = time.monotonic()
         try:
             header, payload = await asyncio.wait_for(
@@ -690,18 +708,19 @@ class PreprocessPool:
             )
         except asyncio.TimeoutError:
             self._replace(worker, f"a {route} job ran over {self.timeout_s:g} s")
-            raise RequestError(
+            return None, RequestError(
                 413,
                 f"the request took more than {self.timeout_s:g} s to prepare (parse, render, "
                 "tokenize): it is too large for this server",
                 None,
-            ) from None
+                code="request_too_large",
+            )
         except (OSError, EOFError, asyncio.IncompleteReadError, WireError) as exc:
             code = worker.proc.returncode
             self._replace(worker, f"it failed ({type(exc).__name__}; exit code {code})")
-            raise RequestError(
+            return None, RequestError(
                 500, "the request's preprocessing worker failed", None, "server_error"
-            ) from None
+            )
         finally:
             if len(body) >= TRIM_BODY_BYTES:
                 TRIMMER.soon()
@@ -720,9 +739,9 @@ class PreprocessPool:
             return self._result(route, header, payload)
         except WireError as exc:
             log.error("a preprocessing worker answered badly: %s", exc)
-            raise RequestError(
+            return None, RequestError(
                 500, "the request's preprocessing worker answered badly", None, "server_error"
-            ) from None
+            )
 
     @staticmethod
     async def _exchange(worker: _Worker, route: str, body: bytes) -> tuple[dict[str, Any], bytes]:
@@ -730,13 +749,23 @@ class PreprocessPool:
         return await worker.receive()
 
     def _result(self, route: str, header: dict[str, Any], payload: bytes):
+        """(the result, None) or (None, the request's error); WireError for a bad answer."""
         if "error" in header:
-            raise error_from_wire(header["error"])
+            return None, error_from_wire(header["error"])
         if route in ("tokenize", "detokenize"):
             if header.get("json") is not True:
                 raise WireError("expected a JSON response")
-            return payload
-        return requests_from_wire(header.get("requests"), self.limits)
+            return payload, None
+        return requests_from_wire(header.get("requests"), self.limits), None
+
+
+def _widen_pipe(writer: asyncio.StreamWriter | None) -> None:
+    """Linux: a 1 MiB pipe to the worker (not 64 KiB): a large body crosses in
+    fewer event-loop turns."""
+    pipe = writer.get_extra_info("pipe") if writer is not None else None
+    if pipe is not None:
+        with contextlib.suppress(OSError, ValueError):
+            fcntl.fcntl(pipe.fileno(), F_SETPIPE_SZ, PIPE_BYTES)
 
 
 def _retrieved(task: asyncio.Future) -> None:
@@ -812,6 +841,8 @@ def worker_main() -> int:
     logging.basicConfig(level=logging.WARNING, format="[preprocess] %(levelname)s %(message)s")
     install_rate_limit()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend ends it (EOF, or a kill)
+    with contextlib.suppress(OSError):  # background work: the event loop and ranks go first
+        os.nice(WORKER_NICE)
     stdin = sys.stdin.buffer
     stdout = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # a stray print goes to stderr, never into the answers

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import resource
 import signal
@@ -41,13 +42,14 @@ from runtime.catalog import describe_counts
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
 from runtime.frontend.connections import (
+    ACCEPT_BATCH,
     DEFAULT_HEADER_TIMEOUT_S,
     ConnectionGuard,
     default_max_connections,
     fd_headroom,
-    listen_backlog,
     quiet_accept_errors,
     raise_fd_limit,
+    widen_listen_backlog,
 )
 from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
@@ -275,6 +277,10 @@ async def _serve(
         )
         app = create_app(frontend)
         quiet_accept_errors(asyncio.get_running_loop())
+        # What start-up made lives as long as the process: out of the collector's way
+        # (a full collection of it stalled the event loop for ~0.1 s).
+        gc.collect()
+        gc.freeze()
         server = _Server(uvicorn_config(app, opts), client, gate, opts.drain_timeout_s)
         watcher = asyncio.create_task(_watch(proc, server, client, gate))
         liveness = asyncio.create_task(gate.watch(), name="flare-coordinator-liveness")
@@ -286,8 +292,9 @@ async def _serve(
             f"at {scheme}://{scheme_host}:{opts.port}/v1"
         )
         announce = asyncio.create_task(_announce(server, summary, started))
+        backlog = asyncio.create_task(widen_listen_backlog(server))
         await server.serve()
-        for task in (watcher, liveness, announce):
+        for task in (watcher, liveness, announce, backlog):
             task.cancel()
         return 0 if proc.poll() is None else 1
     finally:
@@ -336,7 +343,7 @@ def uvicorn_config(app, opts: ServeOptions) -> uvicorn.Config:
         log_level="warning",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=guard.protocol_class(),
-        backlog=listen_backlog(),
+        backlog=ACCEPT_BATCH,  # accepted per event-loop turn; the kernel queues more
         **tls,
     )
     for name in ("uvicorn", "uvicorn.access"):  # configured by uvicorn.Config just now

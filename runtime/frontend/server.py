@@ -880,12 +880,14 @@ async def _body_bytes(request: Request) -> bytes | Response:
     try:
         return await _read_body(request)
     except BodyTooLarge:
+        TRIMMER.soon()  # what was read of it goes back to the system
         return _error(
             413,
             f"the request body is larger than this server's limit of {MAX_BODY_BYTES} bytes",
             code="request_too_large",
         )
     except ClientDisconnect:
+        TRIMMER.soon()
         log.warning(
             "%s %s: the client disconnected during the upload of its body",
             request.method,
