@@ -16,6 +16,7 @@ The figures each test measured are printed (``pytest -s`` shows them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -34,6 +35,14 @@ EXIT_S = 15.0  # the goal: the deployment exits within 15 s of a failure
 
 def processes(s: Server, module: str) -> list[psutil.Process]:
     return [p for p in tree(s.proc.pid) if module in " ".join(p.cmdline())]
+
+
+def resume(procs: list[psutil.Process]) -> None:
+    """SIGCONT whatever a failed test left stopped (a stopped process ignores the
+    SIGTERM its parent's death sends it, and would stay behind)."""
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.resume()
 
 
 class Health(threading.Thread):
@@ -145,8 +154,8 @@ def test_requests_sent_during_a_coordinator_pause_are_served_or_refused_never_lo
     # A pause well under the heartbeat timeout: nothing fails, the requests queue up.
     s = Server("--max-concurrency", "32", "--heartbeat-interval", "0.5",
                "--heartbeat-timeout", "20")  # fmt: skip
+    (coordinator,) = processes(s, "runtime.coordinator")
     try:
-        (coordinator,) = processes(s, "runtime.coordinator")
         before = s.metrics()
         # Three streams of 64 prompts x 16 = 1,024 choices: 3,072 Submits, beyond the
         # two sockets' 1,000-message queues; each client leaves after its first token,
@@ -212,6 +221,7 @@ def test_requests_sent_during_a_coordinator_pause_are_served_or_refused_never_lo
         assert count["finished"] + count["cancelled"] == accepted
         assert refused == 0  # the frontend queues what the sockets cannot take yet
     finally:
+        resume([coordinator])
         s.stop()
 
 
@@ -298,8 +308,7 @@ def test_a_hung_rank_at_tp2_fails_health_then_the_whole_deployment_exits():
     finally:
         if health is not None:
             health.stop()
-        if stopped is not None and stopped.is_running():
-            stopped.resume()
+        resume([stopped] if stopped is not None else [])
         s.stop()
 
 
@@ -307,8 +316,8 @@ def test_a_coordinator_resumed_after_its_ranks_left_never_serves_nor_ends_work_a
     s = Server(*BEAT)
     procs = tree(s.proc.pid)
     health = None
+    (coordinator,) = processes(s, "runtime.coordinator")
     try:
-        (coordinator,) = processes(s, "runtime.coordinator")
         ranks = processes(s, "runtime.ranks")
         health = Health(s.base)
         time.sleep(0.3)
@@ -339,4 +348,5 @@ def test_a_coordinator_resumed_after_its_ranks_left_never_serves_nor_ends_work_a
     finally:
         if health is not None:
             health.stop()
+        resume([coordinator])
         s.stop()
