@@ -12,8 +12,9 @@ What it does (docs/serving.md, "Hostile clients and limits"; issue 23):
 2. Starts a monitor process that, for the whole run, asks ``/health`` every 20 ms
    on a keep-alive connection (the event loop's responsiveness), every 250 ms on a
    fresh connection (can a new client get in), and keeps two streaming
-   completions open, timing every chunk.  A few quiet seconds give the streams'
-   normal largest gap.
+   completions open, timing every chunk.  A quiet period (15 s) gives the
+   streams' normal largest gap; an attack's gap excess is its largest gap less
+   that one.
 3. Sends each attack once, at full size, from this process (bodies built
    beforehand): a 30 MB ``/tokenize``, a chat of a million empty messages, a JSON
    body with two million keys, a prompt of seven million token ids, a
@@ -58,6 +59,7 @@ if str(ROOT) not in sys.path:
 HOST = "127.0.0.1"
 START_S = 240.0
 SERVER_FLAGS = ["--max-concurrency", "4", "--device", "cpu"]
+QUIET_S = 15.0  # the quiet period before the attacks: the streams' normal gap, /health's
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "sand"]
 
 
@@ -429,8 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, __file__, "--monitor", str(port), samples_path],
             stdin=subprocess.PIPE,
         )
-        time.sleep(10.0)
-        baseline = (time.monotonic() - 8.0, time.monotonic())
+        time.sleep(QUIET_S + 2.0)
+        baseline = (time.monotonic() - QUIET_S, time.monotonic())
         windows: dict[str, tuple[float, float]] = {}
         for name, path, body in [] if args.skip_attacks else attacks:
             print(f"attack {name} ({len(body) / 1e6:.1f} MB)...", file=sys.stderr)

@@ -27,8 +27,9 @@ was given, and sets each up (uvicorn's protocol, about 0.2 ms) in the next:
 uvicorn's default of 2048 stalls the loop for a quarter second or more under a
 flood.  So the server is started with ``ACCEPT_BATCH`` (128) as its backlog,
 and :func:`widen_listen_backlog` then lets the kernel queue up to
-``LISTEN_BACKLOG`` (2048) waiting connections on the same socket: a flood is
-accepted 128 at a time, between other work, and a burst still finds room.
+``LISTEN_BACKLOG`` (4096, or the system's somaxconn) waiting connections on the
+same socket: a flood is accepted 128 at a time, between other work, and a burst
+still finds room.
 :func:`default_max_connections` leaves two batches plus ``FD_RESERVE``
 descriptors for accepting and for the rest of the process (its coordinator
 link, workers, logs).  Should descriptors run out anyway,
@@ -68,7 +69,7 @@ __all__ = [
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 FD_RESERVE = 256  # descriptors kept for everything but client connections and accepts
 ACCEPT_BATCH = 128  # connections asyncio accepts per event-loop turn (its "backlog")
-LISTEN_BACKLOG = 2048  # connections the kernel queues for accept (uvicorn's default)
+LISTEN_BACKLOG = 4096  # connections the kernel queues for accept (capped by somaxconn)
 MAX_DEFAULT_CONNECTIONS = 10000  # the default limit's ceiling, whatever the fd limit
 MIN_DEFAULT_CONNECTIONS = 64
 SWEEP_BATCH = 64  # overdue connections closed per event-loop turn

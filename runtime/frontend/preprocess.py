@@ -434,6 +434,17 @@ def error_from_wire(data: Any) -> RequestError:
     return RequestError(status, message, param, kind, code=code)
 
 
+Body = bytes | Sequence[bytes]  # a body whole, or in the chunks it arrived in
+
+
+def body_size(body: Body) -> int:
+    return len(body) if isinstance(body, bytes) else sum(len(chunk) for chunk in body)
+
+
+def body_bytes(body: Body) -> bytes:
+    return body if isinstance(body, bytes) else b"".join(body)
+
+
 def _pack_frame(header: dict[str, Any], payload: bytes = b"") -> list[bytes]:
     head = msgpack.packb(header, use_bin_type=True)
     return [_FRAME.pack(len(head), len(payload)), head, payload]
@@ -507,12 +518,18 @@ class _Worker:
         self.ready_rss = 0
         self.jobs = 0
 
-    async def send(self, header: dict[str, Any], payload: bytes = b"") -> None:
+    async def send(self, header: dict[str, Any], payload: Body = b"") -> None:
+        """A frame; the payload slice by slice, so no copy of a large body is made
+        (nor a long memcpy on the event loop)."""
         stdin = self.proc.stdin
         assert stdin is not None
-        for part in _pack_frame(header, payload):
-            if part:
-                stdin.write(part)
+        head = msgpack.packb(header, use_bin_type=True)
+        stdin.write(_FRAME.pack(len(head), body_size(payload)) + head)
+        for chunk in [payload] if isinstance(payload, bytes) else payload:
+            view = memoryview(chunk)
+            for start in range(0, len(view), PIPE_BYTES):
+                stdin.write(view[start : start + PIPE_BYTES])
+                await stdin.drain()
         await stdin.drain()
 
     async def receive(self) -> tuple[dict[str, Any], bytes]:
@@ -659,7 +676,7 @@ class PreprocessPool:
 
     # -------------------------------------------------------------- jobs
 
-    async def prepare(self, route: str, body: bytes) -> list[GenerationRequest] | bytes:
+    async def prepare(self, route: str, body: Body) -> list[GenerationRequest] | bytes:
         """The requests of a generation route's body, or the JSON response of a
         /tokenize or /detokenize body; RequestError for an invalid one or when the
         pool is overloaded (503) or the job overran its time (413)."""
@@ -697,7 +714,7 @@ class PreprocessPool:
         return result
 
     async def _job(
-        self, worker: _Worker, route: str, body: bytes
+        self, worker: _Worker, route: str, body: Body
     ) -> tuple[Any, RequestError | None]:
         """(the result, None) or (None, the error): nothing raised, so no traceback
         (holding this frame, and the body) outlives the job in the task."""
@@ -722,7 +739,7 @@ class PreprocessPool:
                 500, "the request's preprocessing worker failed", None, "server_error"
             )
         finally:
-            if len(body) >= TRIM_BODY_BYTES:
+            if body_size(body) >= TRIM_BODY_BYTES:
                 TRIMMER.soon()
         worker.jobs += 1
         rss = header.get("rss")
@@ -734,7 +751,7 @@ class PreprocessPool:
             self.idle.put_nowait(worker)
         elapsed = time.monotonic() - started
         if elapsed > 1.0:
-            log.info("a %d-byte %s body took %.1f s to prepare", len(body), route, elapsed)
+            log.info("a %d-byte %s body took %.1f s to prepare", body_size(body), route, elapsed)
         try:
             return self._result(route, header, payload)
         except WireError as exc:
@@ -744,7 +761,7 @@ class PreprocessPool:
             )
 
     @staticmethod
-    async def _exchange(worker: _Worker, route: str, body: bytes) -> tuple[dict[str, Any], bytes]:
+    async def _exchange(worker: _Worker, route: str, body: Body) -> tuple[dict[str, Any], bytes]:
         await worker.send({"route": route}, body)
         return await worker.receive()
 
@@ -784,21 +801,28 @@ def _die_with_parent() -> None:
 
 
 async def prepare_body(
-    preparer: Preparer, pool: PreprocessPool | None, route: str, body: bytes
+    preparer: Preparer, pool: PreprocessPool | None, route: str, body: Body
 ) -> list[GenerationRequest] | dict[str, Any] | bytes:
     """The prepared body (:meth:`Preparer.run`'s result, or a worker's JSON bytes for
     /tokenize and /detokenize), from inline or from the pool (module docstring);
-    RequestError when it is invalid or over a limit."""
-    if pool is not None and len(body) > INLINE_BODY_BYTES:
+    RequestError when it is invalid or over a limit.  ``body``: whole, or in the
+    chunks it arrived in (a large one goes to a worker without being joined)."""
+    size = body_size(body)
+    if pool is not None and size > INLINE_BODY_BYTES:
         return await pool.prepare(route, body)
-    obj = parse_json(body)
+    data = body_bytes(body)
+    if pool is None and size > INLINE_BODY_BYTES:  # no pool: a thread, as good as it gets
+        return await asyncio.to_thread(_parse_and_run, preparer, route, data)
+    obj = parse_json(data)
     if pool is None:
-        if len(body) > INLINE_BODY_BYTES:  # no pool: a thread, as good as it gets
-            return await asyncio.to_thread(preparer.run, route, obj)
         return preparer.run(route, obj)
-    if inline_cost(route, obj, len(body)) > INLINE_COST:
-        return await pool.prepare(route, body)
+    if inline_cost(route, obj, size) > INLINE_COST:
+        return await pool.prepare(route, data)
     return preparer.run(route, obj)
+
+
+def _parse_and_run(preparer: Preparer, route: str, data: bytes):
+    return preparer.run(route, parse_json(data))
 
 
 # ------------------------------------------------------------------ the worker process

@@ -582,3 +582,18 @@ def test_a_worker_over_its_time_limit_is_replaced(tokenizer):
             await pool.close()
 
     asyncio.run(run())
+
+
+def test_a_many_choice_response_renders_a_choice_at_a_time_to_the_same_json():
+    from runtime.frontend.server import _rendered
+
+    content = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": 'odd "choices":[] name',
+        "choices": [{"index": i, "text": f"é {i}", "finish_reason": "length"} for i in range(20)],
+        "usage": {"prompt_tokens": 3},
+    }
+    response = asyncio.run(_rendered(content))
+    assert json.loads(response.body) == content
+    assert response.headers["content-type"] == "application/json"
