@@ -9,6 +9,7 @@ import os
 
 from runtime.cli_groups import flag_group
 from runtime.replay import ReplayError, replay
+from runtime.transport.recording import recording_exists
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_PROFILE_DIR = "flare-profiles"  # with --debug-endpoints and no --profile-dir
@@ -26,6 +27,7 @@ def add_debug_flags(run: argparse.ArgumentParser) -> None:
         "--record-frames",
         metavar="DIR",
         default=None,
+        type=_new_recording_dir,
         help="record every frame from start-up, with rank 0's answers, for `flare replay DIR` "
         "(DIR is created 0700, its files 0600: they hold prompts; default: off)",
     )
@@ -63,6 +65,14 @@ def add_debug_flags(run: argparse.ArgumentParser) -> None:
         default=None,
         help="also one log file per rank in DIR (0600; default: stderr only)",
     )
+
+
+def _new_recording_dir(text: str) -> str:
+    """``--record-frames``: a directory that holds no recording yet."""
+    problem = recording_exists(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
 
 
 def debug_config(args: argparse.Namespace) -> dict[str, object]:

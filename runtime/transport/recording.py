@@ -41,10 +41,17 @@ class RecordingError(ValueError):
 
 
 class FrameRecorder:
-    """Appends entries to ``DIR/log.msgpack`` (the channel calls it; one thread)."""
+    """Appends entries to ``DIR/log.msgpack`` (the channel calls it; one thread).
+
+    A recording replays from its first frame, so one run's frames appended to
+    another's would not replay: a directory that already holds a recording is
+    refused (:class:`RecordingError`), never appended to or overwritten."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
+        problem = recording_exists(self.directory)
+        if problem is not None:
+            raise RecordingError(problem)
         make_private_dirs(self.directory)
         self._file = os.fdopen(open_private(self.directory / LOG, truncate=False), "ab")
         self._packer = msgpack.Packer(use_bin_type=True)
@@ -61,6 +68,18 @@ class FrameRecorder:
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def recording_exists(directory: str | os.PathLike) -> str | None:
+    """Why ``directory`` cannot take a new recording (None: it can): it already
+    holds one."""
+    log_path = Path(directory) / LOG
+    if log_path.exists():
+        return (
+            f"{directory} already holds a recording ({LOG}, {log_path.stat().st_size} bytes): "
+            "give each recording a directory of its own, or remove that one"
+        )
+    return None
 
 
 def model_digest(model_dir: str | os.PathLike) -> str:
