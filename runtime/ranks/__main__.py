@@ -379,10 +379,18 @@ def start_heartbeat(
     process when the coordinator falls silent for ``--heartbeat-timeout``."""
     sock = channel.open_heartbeat_socket()
     if sock is None:
-        log.warning(
+        # A rank its launcher started on this machine (runtime.launch.spawn_ranks:
+        # `flare replay`, tests) dies with that launcher; one torchrun started needs
+        # the heartbeats to notice a coordinator that is gone.
+        local = "FLARE_DIST_INIT_METHOD" in os.environ  # set by spawn_ranks
+        log.log(
+            logging.INFO if local else logging.WARNING,
             "rank %d: no --heartbeat-endpoint: this rank cannot notice a coordinator "
-            "that is gone, and the coordinator learns of its death only by its silence",
+            "that is gone%s",
             rank,
+            " (it ends with the process that started it)"
+            if local
+            else ", and the coordinator learns of its death only by its silence",
         )
         return None
     heartbeat = RankHeartbeat(
