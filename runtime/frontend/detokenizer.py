@@ -156,7 +156,6 @@ class IncrementalDetokenizer:
         self._pending = pending[len(pending) - held :]
         return pending[: len(pending) - held]
 
-
     def _release_through_stop(self) -> str:
         """``_release`` for ``include_stop``: emit everything, up to the end of the first
         stop string that ends in the new text."""

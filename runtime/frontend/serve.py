@@ -409,9 +409,7 @@ async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient, gate: 
 
 def serve(opts: ServeOptions) -> int:
     """Run the HTTP deployment until interrupted; the exit code."""
-    logging.basicConfig(
-        level=opts.log_level.upper(), format="[frontend] %(levelname)s %(message)s"
-    )
+    logging.basicConfig(level=opts.log_level.upper(), format="[frontend] %(levelname)s %(message)s")
     install_rate_limit()  # a flood of one message is a burst and a count
     raise_fd_limit()  # room for --max-connections (its default follows the new limit)
     try:
