@@ -101,7 +101,9 @@ class DirectScheduler:
             raise SchedulerError("direct mode needs at least one decode program")
         prefills = len(self.catalog.programs(GraphKind.PREFILL))
         decodes = len(self.catalog.programs(GraphKind.DECODE))
-        log.info(
+        # A warning: the deployment is not running the product's scheduler, and an
+        # operator must see that at the default log level.
+        log.warning(
             "direct mode: the diagnostic scheduler (FCFS prefills, value-per-time decode "
             "rounds, 7/8 cost average reverting after %g s) with %d prefill and %d decode "
             "programs, %d others ignored",
