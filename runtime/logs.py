@@ -13,9 +13,9 @@ format string before ``%`` arguments; a message without arguments counts with
 its digits masked and only its first line, so ``fd=23`` and ``fd=24`` are one
 kind).  Use::
 
-    from runtime.logs import install_rate_limit
+    from runtime.logs import basic_config, install_rate_limit
 
-    logging.basicConfig(...)
+    basic_config(logging.INFO, "%(message)s")  # a process's own basicConfig, guarded
     install_rate_limit()                     # every handler of the root logger
     install_rate_limit(handler, burst=5, interval_s=60.0)
     install_rate_limit(logging.getLogger("uvicorn"))  # that logger's handlers
@@ -37,7 +37,13 @@ import time
 import weakref
 from collections.abc import Callable
 
-__all__ = ["DEFAULT_BURST", "DEFAULT_INTERVAL_S", "RateLimitFilter", "install_rate_limit"]
+__all__ = [
+    "DEFAULT_BURST",
+    "DEFAULT_INTERVAL_S",
+    "RateLimitFilter",
+    "basic_config",
+    "install_rate_limit",
+]
 
 DEFAULT_BURST = 10
 DEFAULT_INTERVAL_S = 10.0
@@ -230,3 +236,15 @@ def install_rate_limit(
         _installed.add(flt)
         out.append(flt)
     return out
+
+
+def basic_config(level: int | str, fmt: str) -> list[RateLimitFilter]:
+    """A process's own logging: :func:`logging.basicConfig` with ``level`` and
+    ``fmt``, its handler rate-limited.  Like basicConfig it changes nothing when
+    the root logger already has handlers (a program that embeds this one, a test
+    runner): their handlers, and what they let through, are theirs."""
+    root = logging.getLogger()
+    if root.handlers:
+        return []
+    logging.basicConfig(level=level, format=fmt)
+    return [flt for handler in root.handlers for flt in install_rate_limit(handler)]

@@ -105,3 +105,17 @@ def test_install_rate_limit_filters_each_handler_once():
 def test_bad_settings_are_refused(burst, interval):
     with pytest.raises(ValueError):
         RateLimitFilter(burst, interval)
+
+
+def test_basic_config_leaves_a_host_programs_handlers_alone():
+    """In a program that already logs (here pytest, whose capture handlers live for
+    the whole session), a flare entry point called in-process must not rate-limit
+    the host's handlers: before, a test that ran the coordinator's main() in-process
+    left every later test's log capture cut at ten records."""
+    from runtime.logs import basic_config
+
+    root = logging.getLogger()
+    assert root.handlers  # pytest's
+    before = [list(h.filters) for h in root.handlers]
+    assert basic_config(logging.INFO, "%(message)s") == []
+    assert [list(h.filters) for h in root.handlers] == before

@@ -18,7 +18,7 @@ from dataclasses import replace
 from runtime.coordinator.bridge import ApiEndpoints, FrontendBridge, ServingInfo
 from runtime.coordinator.debug import DebugService
 from runtime.local import LocalDeployment
-from runtime.logs import install_rate_limit
+from runtime.logs import basic_config
 from runtime.trace.cli import trace_options
 
 log = logging.getLogger("runtime.coordinator")
@@ -32,10 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(["run", *argv])
     if not args.api_requests or not args.api_outputs:
         parser.error("the coordinator process is started by `flare run` with --api-* endpoints")
-    logging.basicConfig(
-        level=args.log_level.upper(), format="[coordinator] %(levelname)s %(message)s"
-    )
-    install_rate_limit()  # a flood of one message is a burst and a count
+    # A flood of one message is a burst and a count (the handler is rate-limited).
+    basic_config(args.log_level.upper(), "[coordinator] %(levelname)s %(message)s")
     config = replace(deployment_config(args, parser, argv), external_publication=True)
     endpoints = ApiEndpoints(args.api_requests, args.api_outputs)
     deployment = LocalDeployment(config)

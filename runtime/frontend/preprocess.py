@@ -860,10 +860,9 @@ def _handle(preparer: Preparer, route: Any, payload: bytes) -> tuple[dict[str, A
 
 def worker_main() -> int:
     """``python -m runtime.frontend.preprocess``: frames on stdin, answers on stdout."""
-    from runtime.logs import install_rate_limit
+    from runtime.logs import basic_config
 
-    logging.basicConfig(level=logging.WARNING, format="[preprocess] %(levelname)s %(message)s")
-    install_rate_limit()
+    basic_config(logging.WARNING, "[preprocess] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend ends it (EOF, or a kill)
     with contextlib.suppress(OSError):  # background work: the event loop and ranks go first
         os.nice(WORKER_NICE)

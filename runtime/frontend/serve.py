@@ -59,7 +59,7 @@ from runtime.frontend.protocol import ServingLimits
 from runtime.frontend.server import Frontend, Gate, create_app
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.launch import spawn_coordinator
-from runtime.logs import install_rate_limit
+from runtime.logs import basic_config, install_rate_limit
 
 log = logging.getLogger("runtime.frontend")
 
@@ -409,8 +409,8 @@ async def _watch(proc, server: uvicorn.Server, client: CoordinatorClient, gate: 
 
 def serve(opts: ServeOptions) -> int:
     """Run the HTTP deployment until interrupted; the exit code."""
-    logging.basicConfig(level=opts.log_level.upper(), format="[frontend] %(levelname)s %(message)s")
-    install_rate_limit()  # a flood of one message is a burst and a count
+    # A flood of one message is a burst and a count (the handler is rate-limited).
+    basic_config(opts.log_level.upper(), "[frontend] %(levelname)s %(message)s")
     raise_fd_limit()  # room for --max-connections (its default follows the new limit)
     try:
         tokenizer = ModelTokenizer.from_dir(opts.model_dir)

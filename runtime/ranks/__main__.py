@@ -240,7 +240,8 @@ def configure_logging(rank: int, level: str, log_dir: str | None) -> None:
         fd = open_private(os.path.join(log_dir, f"rank{rank}.log"), truncate=False)
         handlers.append(logging.StreamHandler(os.fdopen(fd, "a", encoding="utf-8")))
     logging.basicConfig(level=level.upper(), format=fmt, handlers=handlers, force=True)
-    install_rate_limit()  # a flood of one message is a burst and a count
+    for handler in handlers:  # a flood of one message is a burst and a count
+        install_rate_limit(handler)
 
 
 def main(argv: list[str] | None = None) -> int:
