@@ -830,8 +830,11 @@ def _without_secrets(argv: list[str]) -> tuple[str, ...]:
 
 def configure_logging(level: str, process: str) -> None:
     """This process's log lines, ``[process] LEVEL message`` at ``--log-level``
-    (warning unless asked); a no-op where logging is set up already (a test)."""
-    logging.basicConfig(level=level.upper(), format=f"[{process}] %(levelname)s %(message)s")
+    (warning unless asked), a flood of one message a burst and a count; a no-op
+    where logging is set up already (a test)."""
+    from runtime.logs import basic_config
+
+    basic_config(level.upper(), f"[{process}] %(levelname)s %(message)s")
 
 
 def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: list[str]) -> int:
