@@ -79,9 +79,9 @@ def cuda_missing(device: str) -> str | None:
     return None
 
 
-def device_problem(device: str, ranks: int) -> str | None:
-    """Why ``ranks`` ranks on this machine cannot run on ``device`` (one line naming
-    the flags), or None.  ``auto`` on a machine without CUDA is the CPU: no problem."""
+def _cuda_devices(device: str) -> int | str | None:
+    """The visible CUDA device count when ``device`` runs on CUDA; None when it runs
+    on the CPU; why CUDA cannot run at all (a line naming the flag) otherwise."""
     if device == "cpu" or (device == "auto" and not uses_cuda(device)):
         return None
     if device != "auto":
@@ -90,7 +90,15 @@ def device_problem(device: str, ranks: int) -> str | None:
             return missing
     import torch
 
-    count = torch.cuda.device_count()
+    return torch.cuda.device_count()
+
+
+def device_problem(device: str, ranks: int) -> str | None:
+    """Why ``ranks`` ranks on this machine cannot run on ``device`` (one line naming
+    the flags), or None.  ``auto`` on a machine without CUDA is the CPU: no problem."""
+    count = _cuda_devices(device)
+    if isinstance(count, str) or count is None:
+        return count
     first = first_cuda_index(device)
     if first + ranks <= count:
         return None
@@ -112,15 +120,9 @@ def device_problem(device: str, ranks: int) -> str | None:
 def rank_device_problem(device: str, local_rank: int) -> str | None:
     """Why this rank (``LOCAL_RANK`` ``local_rank``) cannot run on ``device``, or None:
     the rank entry point's check (it may run under torchrun, without ``flare run``)."""
-    if device == "cpu" or (device == "auto" and not uses_cuda(device)):
-        return None
-    if device != "auto":
-        missing = cuda_missing(device)
-        if missing is not None:
-            return missing
-    import torch
-
-    count = torch.cuda.device_count()
+    count = _cuda_devices(device)
+    if isinstance(count, str) or count is None:
+        return count
     index = first_cuda_index(device) + local_rank
     if index < count:
         return None
