@@ -591,8 +591,7 @@ def checked_run(
         parser.error(f"{named}: no such directory")
     if not os.path.isdir(model_dir):
         parser.error(f"{named}: not a directory")
-    from runtime.ranks.model.errors import ConfigError as ModelConfigError
-    from runtime.ranks.model.errors import LoadError
+    from runtime.ranks.model.errors import LoadError, ModelConfigError
     from runtime.ranks.model.loader import check_model_dir
 
     try:

@@ -156,7 +156,7 @@ def _checked_draft(
 ) -> SpeculationConfig:
     from dataclasses import replace
 
-    from runtime.ranks.model.errors import ConfigError, LoadError
+    from runtime.ranks.model.errors import LoadError, ModelConfigError
     from runtime.ranks.model.loader import check_model_dir
 
     path = config.draft_model
@@ -169,7 +169,7 @@ def _checked_draft(
         parser.error(f"--draft-model {path}: no such directory")
     try:
         draft = check_model_dir(path)
-    except (ConfigError, LoadError) as exc:
+    except (ModelConfigError, LoadError) as exc:
         parser.error(f"--draft-model {path}: {exc}")
     if draft.vocab_size != model.vocab_size:
         parser.error(

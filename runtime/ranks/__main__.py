@@ -40,9 +40,9 @@ from runtime.ranks import memory
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY, CapacityConfig, CapacityError
 from runtime.ranks.memory import DeviceMemory, KVCacheSizeError, KVPool
 from runtime.ranks.model import (
-    ConfigError,
     LlamaForCausalLM,
     LoadError,
+    ModelConfigError,
     TPGroup,
     default_model_dir,
     load_model,
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model or str(default_model_dir())
         try:
             model = load_model(model_dir, group, dtype=dtype, device=device)
-        except (ConfigError, LoadError) as exc:  # one line, not a traceback per rank
+        except (ModelConfigError, LoadError) as exc:  # one line, not a traceback per rank
             print(f"rank {rank}: model {model_dir}: {exc}", file=sys.stderr)
             return 1
         args.draft = None
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             path = draft_dir(args.draft_model)
             try:  # tensor-parallel over the same group, like the target
                 args.draft = load_model(path, group, dtype=dtype, device=device)
-            except (ConfigError, LoadError) as exc:
+            except (ModelConfigError, LoadError) as exc:
                 print(f"rank {rank}: draft model {path}: {exc}", file=sys.stderr)
                 return 1
         try:  # what the start-up agreement compares (runtime/identity.py)

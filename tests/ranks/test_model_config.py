@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from runtime.ranks.model.config import ConfigError, ModelConfig, RopeScaling
+from runtime.ranks.model.config import ModelConfig, RopeScaling
+from runtime.ranks.model.errors import ModelConfigError
 from runtime.ranks.model.loader import load_model
 
 
@@ -107,14 +108,14 @@ def test_round_trips_through_hf_dict() -> None:
     ],
 )
 def test_rejects_unsupported_rope_scaling(rope: dict[str, Any], field: str) -> None:
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ModelConfigError, match=field):
         ModelConfig.from_hf(_llama(**rope))
 
 
 def test_load_model_rejects_unsupported_rope_scaling(tmp_path: Path) -> None:
     raw = _llama(rope_scaling={"rope_type": "longrope", "factor": 4.0})
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match=r"rope_scaling type 'longrope'.*supported: none"):
+    with pytest.raises(ModelConfigError, match=r"rope_scaling type 'longrope'.*supported: none"):
         load_model(tmp_path)
 
 
@@ -124,7 +125,7 @@ def test_load_model_rejects_unsupported_rope_scaling(tmp_path: Path) -> None:
 def test_missing_field_is_named(field: str) -> None:
     raw = _llama()
     del raw[field]
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ModelConfigError, match=field):
         ModelConfig.from_hf(raw)
 
 
@@ -145,7 +146,7 @@ def test_missing_field_is_named(field: str) -> None:
     ],
 )
 def test_rejects_bad_fields(overrides: dict[str, Any], field: str) -> None:
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ModelConfigError, match=field):
         ModelConfig.from_hf(_llama(**overrides))
 
 
@@ -160,19 +161,19 @@ def test_tensor_parallel_split_checks() -> None:
         cfg.check_tensor_parallel(ws)
     assert cfg.padded_vocab_size(2) == 102 and cfg.padded_vocab_size(4) == 104
     assert cfg.local_kv_heads(2) == 1 and cfg.local_kv_heads(4) == 1  # replicated at 4
-    with pytest.raises(ConfigError, match="num_attention_heads"):
+    with pytest.raises(ModelConfigError, match="num_attention_heads"):
         cfg.check_tensor_parallel(3)
     ModelConfig.from_hf(_llama(num_attention_heads=8, num_key_value_heads=2)).check_tensor_parallel(
         8
     )
     cfg6 = ModelConfig.from_hf(_llama(num_attention_heads=6, num_key_value_heads=3, hidden_size=96))
-    with pytest.raises(ConfigError, match="num_key_value_heads"):
+    with pytest.raises(ModelConfigError, match="num_key_value_heads"):
         cfg6.check_tensor_parallel(2)  # 3 kv heads do not split over 2
     cfg12 = ModelConfig.from_hf(
         _llama(num_attention_heads=12, num_key_value_heads=3, hidden_size=96, intermediate_size=192)
     )
     cfg12.check_tensor_parallel(6)  # each kv head on two ranks
-    with pytest.raises(ConfigError, match="cannot be replicated"):
+    with pytest.raises(ModelConfigError, match="cannot be replicated"):
         cfg12.check_tensor_parallel(4)
-    with pytest.raises(ConfigError, match="intermediate_size"):
+    with pytest.raises(ModelConfigError, match="intermediate_size"):
         ModelConfig.from_hf(_llama(intermediate_size=130)).check_tensor_parallel(4)

@@ -21,7 +21,7 @@ from runtime.ranks.model.default import (
     default_draft_dir,
     default_model_dir,
 )
-from runtime.ranks.model.errors import ConfigError, LoadError
+from runtime.ranks.model.errors import LoadError, ModelConfigError
 from runtime.ranks.model.kv_cache import PagedKVCache
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.model.loader import load_model, load_tokenizer
@@ -33,10 +33,10 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "DRAFT_CONFIG",
     "AttentionMetadata",
-    "ConfigError",
     "LlamaForCausalLM",
     "LoadError",
     "ModelConfig",
+    "ModelConfigError",
     "PagedKVCache",
     "RopeScaling",
     "TPGroup",

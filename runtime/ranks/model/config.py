@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.ranks.model.errors import ConfigError
+from runtime.ranks.model.errors import ModelConfigError
 
-__all__ = ["ARCHITECTURES", "ConfigError", "ModelConfig", "RopeScaling"]
+__all__ = ["ARCHITECTURES", "ModelConfig", "RopeScaling"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"rope_scaling.rope_type {self.rope_type!r} is not supported; "
                 f"supported: none, {', '.join(ROPE_TYPES)}"
             )
@@ -64,7 +64,7 @@ class RopeScaling:
                 self.original_max_position_embeddings,
             )
             if self.high_freq_factor <= self.low_freq_factor:
-                raise ConfigError(
+                raise ModelConfigError(
                     "rope_scaling.high_freq_factor must exceed low_freq_factor, got "
                     f"{self.high_freq_factor!r} <= {self.low_freq_factor!r}"
                 )
@@ -105,7 +105,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"architectures: {self.architecture!r} is not supported; "
                 f"supported: {sorted(ARCHITECTURES)}"
             )
@@ -124,11 +124,11 @@ class ModelConfig:
         _check_positive("rms_norm_eps", self.rms_norm_eps)
         for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ModelConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise ModelConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
@@ -161,27 +161,27 @@ class ModelConfig:
         return max(1, self.num_key_value_heads // world_size)
 
     def check_tensor_parallel(self, world_size: int) -> None:
-        """Raise ConfigError naming the field that does not split over ``world_size``."""
+        """Raise ModelConfigError naming the field that does not split over ``world_size``."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"tensor-parallel world size must be >= 1, got {world_size!r}")
+            raise ModelConfigError(f"tensor-parallel world size must be >= 1, got {world_size!r}")
         if self.num_attention_heads % world_size:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by the "
                 f"tensor-parallel size ({world_size})"
             )
         kv = self.num_key_value_heads
         if kv >= world_size and kv % world_size:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"num_key_value_heads ({kv}) must be divisible by the tensor-parallel "
                 f"size ({world_size})"
             )
         if kv < world_size and world_size % kv:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"num_key_value_heads ({kv}) is below the tensor-parallel size "
                 f"({world_size}) and does not divide it, so heads cannot be replicated"
             )
         if self.intermediate_size % world_size:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"intermediate_size ({self.intermediate_size}) must be divisible by the "
                 f"tensor-parallel size ({world_size})"
             )
@@ -192,7 +192,7 @@ class ModelConfig:
         for world_size in range(1, limit + 1):
             try:
                 self.check_tensor_parallel(world_size)
-            except ConfigError:
+            except ModelConfigError:
                 continue
             sizes.append(world_size)
         return sizes
@@ -209,11 +209,11 @@ class ModelConfig:
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise ConfigError(f"config.json not found at {path}") from None
+            raise ModelConfigError(f"config.json not found at {path}") from None
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+            raise ModelConfigError(f"{path} is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path} must hold a JSON object")
+            raise ModelConfigError(f"{path} must hold a JSON object")
         return cls.from_hf(raw)
 
     @classmethod
@@ -223,14 +223,16 @@ class ModelConfig:
         defaults = ARCHITECTURES[architecture]
         act = raw.get("hidden_act", "silu")
         if act != "silu":
-            raise ConfigError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
+            raise ModelConfigError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU)")
         if raw.get("mlp_bias", False):
-            raise ConfigError("mlp_bias true is not supported")
+            raise ModelConfigError("mlp_bias true is not supported")
         if raw.get("use_sliding_window", False):
-            raise ConfigError("use_sliding_window true is not supported")
+            raise ModelConfigError("use_sliding_window true is not supported")
         layer_types = raw.get("layer_types")
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ConfigError(f"layer_types: only 'full_attention' is supported, got {layer_types}")
+            raise ModelConfigError(
+                f"layer_types: only 'full_attention' is supported, got {layer_types}"
+            )
 
         heads = _required(raw, "num_attention_heads")
         hidden = _required(raw, "hidden_size")
@@ -238,7 +240,7 @@ class ModelConfig:
         if head_dim is None:
             _check_positive_int("num_attention_heads", heads)
             if hidden % heads:
-                raise ConfigError(
+                raise ModelConfigError(
                     f"head_dim is absent and hidden_size ({hidden}) is not divisible by "
                     f"num_attention_heads ({heads})"
                 )
@@ -310,16 +312,16 @@ def _architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures")
     if archs:
         if not isinstance(archs, list) or len(archs) != 1:
-            raise ConfigError(f"architectures must list exactly one entry, got {archs!r}")
+            raise ModelConfigError(f"architectures must list exactly one entry, got {archs!r}")
         if archs[0] not in ARCHITECTURES:
-            raise ConfigError(
+            raise ModelConfigError(
                 f"architectures: {archs[0]!r} is not supported; supported: {sorted(ARCHITECTURES)}"
             )
         return str(archs[0])
     model_type = raw.get("model_type")
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
-    raise ConfigError(
+    raise ModelConfigError(
         f"architectures is missing and model_type {model_type!r} is not one of "
         f"{sorted(_BY_MODEL_TYPE)}"
     )
@@ -327,7 +329,7 @@ def _architecture(raw: dict[str, Any]) -> str:
 
 def _required(raw: dict[str, Any], name: str) -> Any:
     if raw.get(name) is None:
-        raise ConfigError(f"{name} is missing from config.json")
+        raise ModelConfigError(f"{name} is missing from config.json")
     return raw[name]
 
 
@@ -341,21 +343,21 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if params is None:
         params = {}
     if not isinstance(params, dict):
-        raise ConfigError(f"{field} must be an object, got {params!r}")
+        raise ModelConfigError(f"{field} must be an object, got {params!r}")
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise ConfigError(f"partial_rotary_factor {partial!r} is not supported; only 1.0")
+        raise ModelConfigError(f"partial_rotary_factor {partial!r} is not supported; only 1.0")
     rope_type = params.get("rope_type", params.get("type"))
     if rope_type in (None, "default"):
         return theta, None
     if rope_type not in ROPE_TYPES:
-        raise ConfigError(
+        raise ModelConfigError(
             f"rope_scaling type {rope_type!r} ({field}) is not supported; "
             f"supported: none, {', '.join(ROPE_TYPES)}"
         )
     if params.get("factor") is None:
-        raise ConfigError(f"rope_scaling.factor is missing ({field}, type {rope_type!r})")
+        raise ModelConfigError(f"rope_scaling.factor is missing ({field}, type {rope_type!r})")
     if rope_type == "linear":
         return theta, RopeScaling("linear", params["factor"])
     missing = [
@@ -364,7 +366,7 @@ def _rope(raw: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         if params.get(k) is None
     ]
     if missing:
-        raise ConfigError(f"rope_scaling.{missing[0]} is missing ({field}, type 'llama3')")
+        raise ModelConfigError(f"rope_scaling.{missing[0]} is missing ({field}, type 'llama3')")
     return theta, RopeScaling(
         "llama3",
         params["factor"],
@@ -383,21 +385,21 @@ def _token_ids(value: Any) -> tuple[int, ...]:
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
         return tuple(value)
-    raise ConfigError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    raise ModelConfigError(f"eos_token_id must be an int or a list of ints, got {value!r}")
 
 
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        raise ModelConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _check_positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
+        raise ModelConfigError(f"{name} must be a number, got {value!r}")
     if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{name} must be finite and > 0, got {value!r}")
+        raise ModelConfigError(f"{name} must be finite and > 0, got {value!r}")
 
 
 def _check_token_id(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+        raise ModelConfigError(f"{name} must be a non-negative integer, got {value!r}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-class ConfigError(ValueError):
+class ModelConfigError(ValueError):
     """A model config is missing a field, holds a bad value, or asks for something
     unsupported (architecture, RoPE scaling type, tensor-parallel split)."""
 

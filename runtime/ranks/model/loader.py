@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from runtime.ranks.model.config import ModelConfig
-from runtime.ranks.model.errors import ConfigError, LoadError
+from runtime.ranks.model.errors import LoadError, ModelConfigError
 from runtime.ranks.model.llama import PACKED_MODULES, LlamaForCausalLM
 from runtime.ranks.model.parallel import TPGroup, default_weight_loader
 
@@ -65,7 +65,7 @@ def check_model_dir(model_dir: str | Path, tensor_parallel_size: int = 1) -> Mod
     Reads ``config.json`` through :class:`ModelConfig` (architecture, shapes, the
     tensor-parallel split over ``tensor_parallel_size`` ranks), and checks that
     ``tokenizer.json`` and the safetensors files (or those the index names) exist.
-    Raises ConfigError or LoadError with a one-line message naming the file.
+    Raises ModelConfigError or LoadError with a one-line message naming the file.
     """
     model_dir = Path(model_dir)
     if not model_dir.exists():
@@ -79,8 +79,8 @@ def check_model_dir(model_dir: str | Path, tensor_parallel_size: int = 1) -> Mod
         )
     try:
         config = ModelConfig.from_dir(model_dir)
-    except ConfigError as exc:
-        raise ConfigError(f"{model_dir / 'config.json'}: {exc}") from None
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"{model_dir / 'config.json'}: {exc}") from None
     except OSError as exc:
         raise LoadError(f"{model_dir / 'config.json'}: {exc.strerror or exc}") from None
     if not (model_dir / "tokenizer.json").is_file():
@@ -94,9 +94,9 @@ def check_model_dir(model_dir: str | Path, tensor_parallel_size: int = 1) -> Mod
         raise LoadError(f"{model_dir / _INDEX_FILE} cannot be read: {exc}") from None
     try:
         config.check_tensor_parallel(tensor_parallel_size)
-    except ConfigError as exc:
+    except ModelConfigError as exc:
         allowed = ", ".join(map(str, config.tensor_parallel_sizes()))
-        raise ConfigError(
+        raise ModelConfigError(
             f"{model_dir / 'config.json'}: {exc}; tensor-parallel sizes this model "
             f"allows: {allowed}"
         ) from None
