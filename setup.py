@@ -28,7 +28,7 @@ setup(
         "tqdm>=4.60",
         "tomli>=2.0; python_version < '3.11'",
         # Triton ships for Linux x86-64/aarch64 only; the CPU path never imports
-        # it (its kernels' torch references are kernels/reference.py).
+        # it (its kernels' torch references are kernels/reference/).
         "triton>=3.0; platform_system == 'Linux'",
         # The HTTP frontend and the load generator.
         "fastapi>=0.110",

@@ -251,8 +251,8 @@ def check_penalties(eager: RankWorker, graphs: RankWorker, prompts: list[list[in
 def check_speculative_kernels() -> bool:
     """The speculative kernels (issue 13) compiled on the device against their
     torch references: rejection-sampling verification and prefix allocation."""
-    from kernels.allocation import prefix_allocation_reference
-    from kernels.speculative import verify_reference
+    from kernels.reference.prefix_allocation import prefix_allocation_reference
+    from kernels.reference.speculative_verify import verify_reference
     from kernels.triton.prefix_allocation import prefix_allocation
     from kernels.triton.speculative_verify import speculative_verify
 
@@ -299,11 +299,9 @@ def check_verify_attention() -> bool:
     on the device against its torch reference: W 2..16, GQA 4 and 8, fp16/bf16,
     default and single splits; and its event time beside the prefill kernel's on
     the same step (recorded, not checked)."""
+    from kernels.reference.paged_verify_attention import paged_verify_attention_reference
     from kernels.triton.paged_prefill_attention import paged_prefill_attention as prefill
-    from kernels.triton.paged_verify_attention import (
-        paged_verify_attention,
-        paged_verify_attention_reference,
-    )
+    from kernels.triton.paged_verify_attention import paged_verify_attention
 
     gen = torch.Generator(device="cuda").manual_seed(11)
     d = 128

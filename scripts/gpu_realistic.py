@@ -149,14 +149,12 @@ def make_worker(path, dtype, device, max_len, lanes, pages, capture, prefill=(25
 
 def check_kernels(check: Check, results: dict) -> bool:
     """The three Triton kernels against their references at the realistic head shape."""
-    from kernels.reference import paged_prefill_attention_reference
+    from kernels.reference.kv_write import kv_write_reference
+    from kernels.reference.paged_decode_attention import paged_decode_attention_reference
+    from kernels.reference.paged_prefill_attention import paged_prefill_attention_reference
     from kernels.triton.kv_write import kv_write
-    from kernels.triton.paged_decode_attention import (
-        paged_decode_attention,
-        paged_decode_attention_reference,
-    )
+    from kernels.triton.paged_decode_attention import paged_decode_attention
     from kernels.triton.paged_prefill_attention import paged_prefill_attention
-    from runtime.ranks.model.kv_cache import write_kv
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     heads, kv_heads, d = 16, 4, 128
@@ -199,7 +197,7 @@ def check_kernels(check: Check, results: dict) -> bool:
         mapping = torch.randperm(4096, device="cuda", generator=gen)[:512]
         mapping[::7] = -1
         kv_write(slots_k, slots_v, new_k, new_v, mapping)
-        write_kv(ref_k, ref_v, new_k, new_v, mapping)
+        kv_write_reference(ref_k, ref_v, new_k, new_v, mapping)
         same = torch.equal(slots_k[:4096], ref_k[:4096]) and torch.equal(
             slots_v[:4096], ref_v[:4096]
         )

@@ -4,7 +4,8 @@ k, v (N, kv_heads, d) are the new tokens' keys and values; k_slots, v_slots
 (slots + 1, kv_heads, d) are one layer's K and V storage as in
 runtime/ranks/model/kv_cache.py, whose last row is the scratch slot. Token t goes
 to row ``slot_mapping[t]`` (a slot is ``page * page_size + offset``); -1 writes
-nothing. The reference is ``write_kv`` in that module, which routes -1 to the
+nothing. The reference is ``kv_write_reference`` (kernels/reference/kv_write.py),
+which routes -1 to the
 scratch row so that its index_copy_ has a fixed shape; this kernel skips such
 tokens instead (and any slot past the last visible row), so the scratch row is
 left as it was. Values are cast to the cache's dtype on store.
@@ -105,7 +106,7 @@ def _check(k_slots: Tensor, v_slots: Tensor, k: Tensor, v: Tensor, slot_mapping:
 def kv_write(k_slots: Tensor, v_slots: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Store k, v (N, kv_heads, d) at rows slot_mapping (N,) of k_slots, v_slots
     (slots + 1, kv_heads, d), cast to their dtype; -1 (or the scratch row's index)
-    writes nothing. Same arguments as ``runtime.ranks.model.kv_cache.write_kv``.
+    writes nothing. Same arguments as ``kernels.reference.kv_write.kv_write_reference``.
     """
     _check(k_slots, v_slots, k, v, slot_mapping)
     tokens, kv_heads, head_dim = k.shape

@@ -14,8 +14,9 @@ once when its chunk starts past the lane's last page, so the work follows the ac
 lengths. Programs write partial (max, sum, acc) in fp32; a few torch ops then merge
 the splits by log-sum-exp.
 
-The torch reference (:func:`~kernels.reference.paged_decode_attention_reference`,
-re-exported here) is the CPU path of the rank programs.
+The torch reference (``paged_decode_attention_reference`` in
+kernels/reference/paged_decode_attention.py)
+is the CPU path of the rank programs.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference import paged_decode_attention_reference
 from kernels.triton.checks import check_device, check_index, check_query_and_pages
 
 
@@ -217,5 +217,4 @@ __all__ = [
     "default_num_splits",
     "merge_splits",
     "paged_decode_attention",
-    "paged_decode_attention_reference",
 ]

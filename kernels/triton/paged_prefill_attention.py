@@ -19,8 +19,9 @@ key loop stops at the block's last visible position, so the work follows the
 actual lengths. A mixed step (one prompt row of up to C tokens plus 1-token decode
 rows) is one call with max_query_len = C: the decode rows' later blocks exit.
 
-The torch reference (:func:`~kernels.reference.paged_prefill_attention_reference`,
-re-exported here) is the CPU path of the rank programs.
+The torch reference (``paged_prefill_attention_reference`` in
+kernels/reference/paged_prefill_attention.py)
+is the CPU path of the rank programs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference import paged_prefill_attention_reference
 from kernels.triton.checks import check_device, check_packed_lanes, interpreted
 
 # tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
@@ -268,4 +268,4 @@ def paged_prefill_attention(
     return out
 
 
-__all__ = ["default_prefill_blocks", "paged_prefill_attention", "paged_prefill_attention_reference"]
+__all__ = ["default_prefill_blocks", "paged_prefill_attention"]

@@ -26,8 +26,9 @@ normalises and writes the output itself; with several, programs write partial
 (max, sum, acc) in fp32 and a second kernel, one program per (lane, KV head,
 query), merges the lane's non-empty splits by log-sum-exp.
 
-The torch reference (:func:`~kernels.reference.paged_verify_attention_reference`,
-re-exported here) is the prefill reference, which computes exactly this.
+The torch reference (``paged_verify_attention_reference`` in
+kernels/reference/paged_verify_attention.py)
+is the prefill reference, which computes exactly this.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.reference import paged_verify_attention_reference
 from kernels.triton.checks import check_device, check_packed_lanes, interpreted
 
 MAX_QUERY_LEN = 16  # new tokens per lane: the pending token plus up to 15 proposals
@@ -424,5 +424,4 @@ __all__ = [
     "default_verify_blocks",
     "default_verify_splits",
     "paged_verify_attention",
-    "paged_verify_attention_reference",
 ]

@@ -10,7 +10,7 @@ shorter prefix, then the lower slot, then the earlier lane; a lane never exceeds
 min(ceiling, D + 1), and a zero-probability prefix (a certain rejection) is never
 admitted.  It stops when P rows are used or no lane can grow.  The
 output (R,) int64 holds the query lengths.  The reference is
-``prefix_allocation_reference`` in kernels/allocation.py, and this must equal
+``prefix_allocation_reference`` in kernels/reference/prefix_allocation.py, and this must equal
 ``runtime.coordinator.rounds.device_allocation``, which the coordinator uses to
 recompute the allocation from the confidence sidecar.
 
@@ -110,7 +110,7 @@ def prefix_allocation(joint: Tensor, ceilings: Tensor, slots: Tensor, rows: int)
     ceilings (R,) and request slots (R,) int32/int64 within ``rows`` target rows
     (a pending row for every lane with a ceiling, even when rows < R; a lane
     whose ceiling is 0 is absent: 0 rows).  Same contract as
-    ``kernels.allocation.prefix_allocation_reference``.
+    ``kernels.reference.prefix_allocation.prefix_allocation_reference``.
     """
     _check(joint, ceilings, slots, rows)
     lanes, depth = joint.shape

@@ -1,6 +1,6 @@
 """Speculative verification (rejection sampling) as one Triton kernel.
 
-Same contract as ``kernels.speculative.verify_reference`` (read its module
+Same contract as ``kernels.reference.speculative_verify.verify_reference`` (read its module
 docstring for the rules): the target's probabilities p (R, K + 1, V) and the
 draft's q (R, K, V), float32 with the vocabulary contiguous; the drafted tokens
 (R, K) and their count per lane (R,); uniforms for the accept tests (R, K),
@@ -217,7 +217,7 @@ def speculative_verify(
     greedy: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Verify each lane's drafts; the arguments and outputs of
-    ``kernels.speculative.verify_reference``: returns accepted (R,) int64,
+    ``kernels.reference.speculative_verify.verify_reference``: returns accepted (R,) int64,
     output_tokens (R, K + 1) int64 and survival (R, K) float32.  In greedy
     mode draft_probs and the uniforms are not read (they may be None)."""
     _check(

@@ -22,7 +22,7 @@ the position the slot's last program left on the device
    probability, the running product.  ``confidence_width`` = D.
 3. **Allocation**: an exact program reads each lane's query length from the
    frame; a prefix-limit (device-allocated) program reads each lane's ceiling
-   and allocates its P rows from plane 1 (kernels/allocation.py on CPU,
+   and allocates its P rows from plane 1 (kernels/reference/prefix_allocation.py on CPU,
    kernels/triton/prefix_allocation.py on CUDA), the coordinator's own rule,
    so every rank computes the same lengths from the same (all-reduced)
    logits: no broadcast is needed, and ``--check-ranks`` compares them.
@@ -30,7 +30,7 @@ the position the slot's last program left on the device
    its first ``q - 1`` proposals, packed into the P rows; p at each position
    is the target's final sampling distribution with the penalty counts and
    step of the tokens before it; rejection sampling
-   (kernels/speculative.py, kernels/triton/speculative_verify.py) accepts a
+   (kernels/reference/speculative_verify.py, kernels/triton/speculative_verify.py) accepts a
    prefix and draws the correction or bonus token.  Uniforms are the hash
    stream of (seed, step + j), so a seeded request's output depends on the
    widths its rounds had (docs/speculation.md).
@@ -51,8 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.allocation import prefix_allocation_reference
-from kernels.speculative import sample_inverse_cdf, verify_reference
+from kernels.reference.prefix_allocation import prefix_allocation_reference
+from kernels.reference.speculative_verify import sample_inverse_cdf, verify_reference
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.draft import DraftContext, pack_lanes
 from runtime.ranks.model.attention import AttentionMetadata

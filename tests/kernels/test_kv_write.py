@@ -1,4 +1,4 @@
-"""KV write kernel against write_kv, the runtime's reference store.
+"""KV write kernel against kv_write_reference, the runtime's reference store.
 
 The kernel runs under the Triton interpreter on CPU: conftest.py imports it with
 TRITON_INTERPRET=1 before this module does.
@@ -7,10 +7,10 @@ TRITON_INTERPRET=1 before this module does.
 import pytest
 import torch
 
+from kernels.reference.kv_write import kv_write_reference
 from kernels.triton.kv_write import kv_write
 from kernels.triton.paged_prefill_attention import paged_prefill_attention
 from runtime.ranks.model.attention import AttentionMetadata, paged_attention_reference
-from runtime.ranks.model.kv_cache import write_kv
 
 
 def _inputs(seed, tokens, kv_heads, head_dim, num_slots, skip, dtype=torch.float32):
@@ -39,13 +39,13 @@ def _caches(seed, num_slots, kv_heads, head_dim, dtype):
         (2, 3, 24, torch.int64, [0, 1, 2, 3, 4, 5]),  # nothing written
     ],
 )
-def test_kernel_matches_write_kv(seed, kv_heads, head_dim, slot_dtype, skip):
+def test_kernel_matches_kv_write_reference(seed, kv_heads, head_dim, slot_dtype, skip):
     k, v, slots = _inputs(seed, 6, kv_heads, head_dim, 20, skip)
     k_slots, v_slots = _caches(seed, 20, kv_heads, head_dim, torch.float32)
     k_ref, v_ref = k_slots.clone(), v_slots.clone()
     scratch = k_slots[-1].clone(), v_slots[-1].clone()
     kv_write(k_slots, v_slots, k, v, slots.to(slot_dtype))
-    write_kv(k_ref, v_ref, k, v, slots)
+    kv_write_reference(k_ref, v_ref, k, v, slots)
     assert torch.equal(k_slots[:-1], k_ref[:-1]) and torch.equal(v_slots[:-1], v_ref[:-1])
     # -1 writes nothing at all: the scratch row is left as it was.
     assert torch.equal(k_slots[-1], scratch[0]) and torch.equal(v_slots[-1], scratch[1])
@@ -65,7 +65,7 @@ def test_cast_to_the_cache_dtype(src, cache, exact):
     k_slots, v_slots = _caches(3, 12, 2, 16, cache)
     k_ref, v_ref = k_slots.clone(), v_slots.clone()
     kv_write(k_slots, v_slots, k, v, slots)
-    write_kv(k_ref, v_ref, k, v, slots)
+    kv_write_reference(k_ref, v_ref, k, v, slots)
     tol = {"atol": 0, "rtol": 0} if exact else {"atol": 1e-6, "rtol": 2**-7}
     torch.testing.assert_close(k_slots[:-1], k_ref[:-1], **tol)
     torch.testing.assert_close(v_slots[:-1], v_ref[:-1], **tol)
@@ -83,14 +83,14 @@ def test_strided_inputs_and_caches():
     ref = storage.clone()
     slots = torch.tensor([3, -1, 29, 0, 17, 30, 8])
     kv_write(storage[1, 0], storage[1, 1], k, v, slots)
-    write_kv(ref[1, 0], ref[1, 1], k, v, slots)
+    kv_write_reference(ref[1, 0], ref[1, 1], k, v, slots)
     assert torch.equal(storage[:, :, :-1], ref[:, :, :-1])
     assert torch.all(storage[:, :, -1] == 0)
 
 
 def test_a_step_writes_then_attends():
     """kv_write at the metadata's slot_mapping, then paged_prefill_attention over the
-    pages, equals write_kv then the runtime's paged_attention_reference."""
+    pages, equals kv_write_reference then the runtime's paged_attention_reference."""
     gen = torch.Generator().manual_seed(5)
     page_size, kv_heads, heads, head_dim, num_pages = 4, 2, 4, 16, 12
     metadata, positions = AttentionMetadata.build(
@@ -124,7 +124,7 @@ def test_a_step_writes_then_attends():
         0.25,
         metadata.max_query_len,
     )
-    write_kv(k_ref, v_ref, k, v, metadata.slot_mapping)
+    kv_write_reference(k_ref, v_ref, k, v, metadata.slot_mapping)
     expected = paged_attention_reference(
         q, k_ref[:-1].view(shape), v_ref[:-1].view(shape), positions, metadata, 0.25
     )

@@ -7,10 +7,8 @@ TRITON_INTERPRET=1 before this module does.
 import pytest
 import torch
 
-from kernels.triton.paged_decode_attention import (
-    paged_decode_attention,
-    paged_decode_attention_reference,
-)
+from kernels.reference.paged_decode_attention import paged_decode_attention_reference
+from kernels.triton.paged_decode_attention import paged_decode_attention
 from runtime.ranks.model.attention import AttentionMetadata, paged_attention_reference
 
 PAGE_SIZE = 16

@@ -9,10 +9,10 @@ import pytest
 import torch
 import triton
 
+from kernels.reference.paged_prefill_attention import paged_prefill_attention_reference
 from kernels.triton.paged_prefill_attention import (
     default_prefill_blocks,
     paged_prefill_attention,
-    paged_prefill_attention_reference,
 )
 from runtime.ranks.model.attention import (
     AttentionMetadata,

@@ -9,14 +9,14 @@ import pytest
 import torch
 import triton
 
-from kernels.reference import paged_prefill_attention_reference
+from kernels.reference.paged_prefill_attention import paged_prefill_attention_reference
+from kernels.reference.paged_verify_attention import paged_verify_attention_reference
 from kernels.triton import checks
 from kernels.triton.paged_verify_attention import (
     MAX_QUERY_LEN,
     default_verify_blocks,
     default_verify_splits,
     paged_verify_attention,
-    paged_verify_attention_reference,
 )
 from runtime.ranks.model.attention import (
     VERIFY_MAX_QUERY_LEN,

@@ -9,7 +9,7 @@ TRITON_INTERPRET=1 before this module does.
 import pytest
 import torch
 
-from kernels.allocation import prefix_allocation_reference
+from kernels.reference.prefix_allocation import prefix_allocation_reference
 from kernels.triton.prefix_allocation import prefix_allocation
 from runtime.coordinator.rounds import device_allocation
 

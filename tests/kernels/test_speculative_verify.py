@@ -8,7 +8,7 @@ TRITON_INTERPRET=1 before this module does.
 import pytest
 import torch
 
-from kernels.speculative import sample_inverse_cdf, verify_reference
+from kernels.reference.speculative_verify import sample_inverse_cdf, verify_reference
 from kernels.triton.speculative_verify import speculative_verify
 
 # Chi-square critical value at significance 1e-3 for 7 degrees of freedom (8

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.reference import paged_decode_attention_reference, paged_prefill_attention_reference
+from kernels.reference.paged_decode_attention import paged_decode_attention_reference
+from kernels.reference.paged_prefill_attention import paged_prefill_attention_reference
 from runtime.ranks.model.kv_cache import PagedKVCache
 
 __all__ = [
@@ -358,7 +359,7 @@ class PagedAttention(nn.Module):
         over W queries per lane) for an unmixed step of 1 < max_query_len <=
         16 (speculative verification, short chunks); else varlen prefill
         attention (prefill and mixed steps).  CPU: their torch references
-        (kernels/reference.py), whose work follows each lane's actual context;
+        (kernels/reference/), whose work follows each lane's actual context;
         the verify and prefill references are one.  ``positions`` are implied
         by the lengths.
         """

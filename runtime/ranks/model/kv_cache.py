@@ -15,7 +15,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["PagedKVCache", "write_kv"]
+from kernels.reference.kv_write import kv_write_reference
+
+__all__ = ["PagedKVCache"]
 
 
 class PagedKVCache:
@@ -77,7 +79,8 @@ class PagedKVCache:
     def write(self, layer: int, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
         """Store k, v (N, kv_heads, d) at slot_mapping (N,); -1 writes nothing.
 
-        CUDA: the Triton kernel (kernels/triton/kv_write.py); CPU: :func:`write_kv`.
+        CUDA: the Triton kernel (kernels/triton/kv_write.py); CPU: its torch reference
+        (kernels/reference/kv_write.py).
         """
         k_slots, v_slots = self._storage[layer, 0], self._storage[layer, 1]
         if k_slots.is_cuda:
@@ -85,7 +88,7 @@ class PagedKVCache:
 
             kv_write(k_slots, v_slots, k, v, slot_mapping)
         else:
-            write_kv(k_slots, v_slots, k, v, slot_mapping)
+            kv_write_reference(k_slots, v_slots, k, v, slot_mapping)
 
     def pages(self) -> Tensor:
         """(layers, 2, num_pages, page_size, kv_heads, head_dim) view of every page."""
@@ -105,12 +108,3 @@ class PagedKVCache:
 
     def zero_(self) -> None:
         self._storage.zero_()
-
-
-def write_kv(k_slots: Tensor, v_slots: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Reference store: k_slots/v_slots (slots + 1, kv_heads, d) whose last row is
-    scratch; k, v (N, kv_heads, d); slot_mapping (N,) int, -1 = skip."""
-    scratch = k_slots.shape[0] - 1
-    slots = torch.where(slot_mapping < 0, scratch, slot_mapping).long()  # (N,)
-    k_slots.index_copy_(0, slots, k.to(k_slots.dtype))
-    v_slots.index_copy_(0, slots, v.to(v_slots.dtype))
