@@ -15,11 +15,12 @@ import signal
 import sys
 from dataclasses import replace
 
-from runtime.coordinator.bridge import ApiEndpoints, FrontendBridge, ServingInfo
-from runtime.coordinator.debug import DebugService
+from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
+from runtime.coordinator.engine.debug import DebugService
 from runtime.local import LocalDeployment
 from runtime.logs import basic_config
 from runtime.trace.cli import trace_options
+from runtime.transport.links import ApiEndpoints
 
 log = logging.getLogger("runtime.coordinator")
 

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from runtime.coordinator.bridge import ApiEndpoints
 from runtime.transport.api import (
     Cancel,
     Heartbeat,
@@ -57,6 +56,7 @@ from runtime.transport.api import (
 )
 from runtime.transport.channels import make_run_dir, make_socket
 from runtime.transport.codec import decode_or_log, encode
+from runtime.transport.links import ApiEndpoints
 from runtime.transport.schema import SamplingParams
 
 log = logging.getLogger("runtime.frontend")

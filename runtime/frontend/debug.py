@@ -34,10 +34,10 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from runtime.coordinator.debug import LINK_VERSION
 from runtime.frontend.client import CoordinatorGone
 from runtime.frontend.protocol import RequestError
 from runtime.transport.channels import make_socket
+from runtime.transport.links import LINK_VERSION
 
 DEBUG_SOCKET = "debug"  # in the frontend's run directory
 QUERY_TIMEOUT_S = 5.0

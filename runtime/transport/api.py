@@ -308,7 +308,7 @@ class Status:
     """The coordinator's state, answering a :class:`StatusQuery` with its ``nonce``.
 
     ``serving``: the engine runs and accepts requests.  ``values``: metric
-    values by name (counters and gauges, see ``runtime.coordinator.bridge``);
+    values by name (counters and gauges, see ``runtime.coordinator.engine.bridge``);
     ``graph_estimates_ns``: each program's current duration estimate.
     """
 

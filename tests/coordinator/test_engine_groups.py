@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from runtime.coordinator.bridge import FrontendBridge, ServingInfo
+from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
 from runtime.coordinator.engine import Engine, EngineConfig
 from runtime.frontend.client import CoordinatorClient
 from runtime.transport.schema import SamplingParams

@@ -398,7 +398,7 @@ def test_https_flags_reach_uvicorn_with_client_certificates_required(tmp_path):
 
 
 def test_the_bridge_heartbeat_reaches_the_client_and_says_when_the_engine_stops():
-    from runtime.coordinator.bridge import FrontendBridge, ServingInfo
+    from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
     from runtime.coordinator.engine import Engine, EngineConfig
     from runtime.frontend.client import CoordinatorClient
     from tests.coordinator import fake_rank

@@ -31,13 +31,14 @@ import threading
 
 import zmq
 
-from runtime.coordinator.engine import Engine, EngineError
+from runtime.coordinator.engine.config import EngineError
+from runtime.coordinator.engine.core import Engine
 from runtime.ranks.profiling import profile_path
 from runtime.transport.channels import make_socket
+from runtime.transport.links import LINK_VERSION
 
 log = logging.getLogger("runtime.coordinator.debug")
 
-LINK_VERSION = 1
 POLL_MS = 100
 MAX_QUERY_BYTES = 4096
 QUERIES = ("trace", "ranks", "profile")

@@ -45,8 +45,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from runtime.coordinator.engine import Engine, EngineError, RequestStream
-from runtime.coordinator.engine.stream import ABORTED, ERROR, TokenEvent
+from runtime.coordinator.engine.config import EngineError
+from runtime.coordinator.engine.core import Engine
+from runtime.coordinator.engine.stream import ABORTED, ERROR, RequestStream, TokenEvent
 from runtime.transport.api import (
     MAX_ERROR_CHARS,
     Cancel,
@@ -59,26 +60,13 @@ from runtime.transport.api import (
 )
 from runtime.transport.channels import make_socket
 from runtime.transport.codec import decode_or_log, encode
+from runtime.transport.links import ApiEndpoints
 
 log = logging.getLogger("runtime.coordinator.bridge")
 
 POLL_MS = 100  # the loop looks at the engine's health at least this often
 ERROR_GRACE_S = 0.5  # after a failure: the error outputs leave, queued messages are answered
 REFUSED = "refused"
-
-
-@dataclass(frozen=True)
-class ApiEndpoints:
-    """Where the frontend listens: ``requests`` (it pushes), ``outputs`` (it pulls)."""
-
-    requests: str
-    outputs: str
-
-    def __post_init__(self) -> None:
-        for name in ("requests", "outputs"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.startswith(("ipc://", "tcp://")):
-                raise ValueError(f"{name} endpoint must be ipc:// or tcp://, got {value!r}")
 
 
 @dataclass(frozen=True)
