@@ -96,3 +96,14 @@ def check_packed_lanes(
         if t.shape != (lanes,):
             raise ValueError(f"{name}: expected ({lanes},), got shape {tuple(t.shape)}")
         check_index(name, t, q.device)
+
+
+def check_blocks(name: str, block: int, block_n: int, group_p: int, min_dot: int) -> None:
+    """A query block (``name``: rows of queries) and a key block: powers of two,
+    block_n >= ``min_dot`` and ``block`` x ``group_p`` >= ``min_dot`` rows (the
+    smallest tl.dot on the GPU)."""
+    for label, value, least in ((name, block, 1), ("block_n", block_n, min_dot)):
+        if not isinstance(value, int) or value < least or value & (value - 1):
+            raise ValueError(f"{label}: expected a power of two >= {least}, got {value!r}")
+    if block * group_p < min_dot:
+        raise ValueError(f"{name}: {block} x group {group_p} is under {min_dot} rows")

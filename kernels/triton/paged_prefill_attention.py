@@ -33,23 +33,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.checks import check_device, check_packed_lanes, interpreted
+from kernels.triton.checks import check_blocks, check_device, check_packed_lanes, interpreted
+from kernels.triton.paged_softmax import attend_pages, load_query_block, store_normalised
 
 # tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
 # interpreter does not check): rows (BLOCK_Q * GROUP_P), keys and head_dim blocks.
 _MIN_DOT = 16
 _TARGET_ROWS = 64  # rows of queries x heads per program
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """a @ b (+ acc), accumulated in fp32. WIDEN multiplies fp32 copies of the
-    operands: the interpreter's bf16 dot multiplies the raw bits (set for bf16 under
-    TRITON_INTERPRET only; the GPU multiplies bf16 directly)."""
-    if WIDEN:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc=acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -99,55 +89,20 @@ def _paged_prefill_kernel(
     ctx = tl.load(ctx_ptr + lane).to(tl.int32)
     prefix = ctx - q_len  # position of the lane's first new token
 
-    # Row r of the block: query q_begin + r // GROUP_P, head kv_head * GROUP + r % GROUP_P.
-    r = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    qi = q_begin + r // GROUP_P  # (BLOCK_M,) index of the query in the lane's chunk
-    hi = r % GROUP_P  # (BLOCK_M,) head within the group
-    row_ok = (qi < q_len) & (hi < GROUP)  # (BLOCK_M,)
-    head = kv_head * GROUP + hi  # (BLOCK_M,)
-    q_pos = prefix + qi  # (BLOCK_M,)
-    token = q_start + qi  # (BLOCK_M,) int64
-    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    d_ok = d < HEAD_DIM
-    q_off = token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :]
-    q_mask = row_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
-    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    q, q_pos, token, head, q_mask = load_query_block(
+        q_ptr, stride_qn, stride_qh, q_start, q_begin, q_len, prefix, kv_head,
+        GROUP, GROUP_P, BLOCK_M, HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
 
     # Keys up to the block's last valid query; pad rows (row_ok false) are computed
     # over the same keys and dropped at the store.
     kv_end = prefix + tl.minimum(q_len, q_begin + BLOCK_Q)
-    n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(0, kv_end, BLOCK_N):
-        key_pos = start + n  # (BLOCK_N,)
-        key_ok = key_pos < kv_end
-        col = key_pos // PAGE_SIZE
-        page = tl.load(pt_ptr + lane * stride_ptl + col * stride_ptp, mask=key_ok, other=0)
-        page = page.to(tl.int64)  # (BLOCK_N,)
-        slot = key_pos % PAGE_SIZE  # (BLOCK_N,)
-        kv_mask = key_ok[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
-        k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + k_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        s = _dot(q, tl.trans(k), None, DOT_PRECISION, WIDEN) * scale_log2  # (BLOCK_M, BLOCK_N)
-        visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        s = tl.where(visible, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
-        # Finite once key 0 was seen; the guard only keeps a row with no key at 0.
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,)
-        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N) zero on hidden keys
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptr + v_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None]
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN)
-        m_i = m_new
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D)
-    o_off = token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    _, l_i, acc = attend_pages(
+        q, q_pos, 0, kv_end, lane, kv_head, k_ptr, v_ptr, pt_ptr, scale_log2,
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptl, stride_ptp,
+        BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION, WIDEN,
+    )  # fmt: skip
+    store_normalised(out_ptr, stride_on, stride_oh, token, head, acc, l_i, q_mask, BLOCK_D)
 
 
 def _check(
@@ -221,11 +176,7 @@ def paged_prefill_attention(
     default_q, default_n = default_prefill_blocks(group, max_query_len, head_dim, q.dtype)
     block_q = default_q if block_q is None else block_q
     block_n = default_n if block_n is None else block_n
-    for name, value, least in (("block_q", block_q, 1), ("block_n", block_n, _MIN_DOT)):
-        if not isinstance(value, int) or value < least or value & (value - 1):
-            raise ValueError(f"{name}: expected a power of two >= {least}, got {value!r}")
-    if block_q * group_p < _MIN_DOT:
-        raise ValueError(f"block_q: {block_q} x group {group_p} is under {_MIN_DOT} rows")
+    check_blocks("block_q", block_q, block_n, group_p, _MIN_DOT)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # (N, H, d) rows of no lane stay 0
     if out.numel() == 0 or lanes == 0 or page_tables.shape[1] == 0 or max_query_len == 0:
         return out
@@ -242,18 +193,11 @@ def paged_prefill_attention(
         query_lens,
         context_lens,
         float(scale) * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_pages.stride(0),
-        k_pages.stride(1),
-        k_pages.stride(2),
-        v_pages.stride(0),
-        v_pages.stride(1),
-        v_pages.stride(2),
-        page_tables.stride(0),
-        page_tables.stride(1),
+        *q.stride()[:2],
+        *out.stride()[:2],
+        *k_pages.stride()[:3],
+        *v_pages.stride()[:3],
+        *page_tables.stride()[:2],
         GROUP=group,
         GROUP_P=group_p,
         BLOCK_Q=block_q,

@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.triton.checks import check_device, check_packed_lanes, interpreted
+from kernels.triton.checks import check_blocks, check_device, check_packed_lanes, interpreted
+from kernels.triton.paged_softmax import attend_pages, load_query_block, store_normalised
 
 MAX_QUERY_LEN = 16  # new tokens per lane: the pending token plus up to 15 proposals
 # tl.dot needs every dimension of its operands to be at least 16 on the GPU (the
@@ -51,14 +52,26 @@ _TARGET_PROGRAMS = 1024  # splits stop growing once lanes x kv_heads x splits re
 
 
 @triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """a @ b (+ acc), accumulated in fp32. WIDEN multiplies fp32 copies of the
-    operands: the interpreter's bf16 dot multiplies the raw bits (set for bf16 under
-    TRITON_INTERPRET only; the GPU multiplies bf16 directly)."""
-    if WIDEN:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, acc=acc, input_precision=PRECISION)
+def _store_partials(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    first,
+    m_i,
+    l_i,
+    acc,
+    BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """A block's partial (max, sum, acc) rows at flat rows ``first ..`` of (L, KV, S, ROWS)."""
+    part = first + tl.arange(0, BLOCK_M)  # (BLOCK_M,) flat row of (L, KV, S, ROWS)
+    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
+    d_ok = d < HEAD_DIM
+    tl.store(m_ptr + part, m_i)
+    tl.store(l_ptr + part, l_i)
+    acc_off = part[:, None] * HEAD_DIM + d[None, :]
+    tl.store(acc_ptr + acc_off, acc, mask=d_ok[None, :])
 
 
 @triton.jit
@@ -121,63 +134,25 @@ def _paged_verify_split_kernel(
     q_start = tl.load(qs_ptr + lane).to(tl.int64)
     prefix = ctx - q_len  # position of the lane's first new token
 
-    # Row r of the block: query q_begin + r // GROUP_P, head kv_head * GROUP + r % GROUP_P.
-    r = tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    qi = q_begin + r // GROUP_P  # (BLOCK_M,) index of the query in the lane's tokens
-    hi = r % GROUP_P  # (BLOCK_M,) head within the group
-    row_ok = (qi < q_len) & (hi < GROUP)  # (BLOCK_M,)
-    head = kv_head * GROUP + hi  # (BLOCK_M,)
-    q_pos = prefix + qi  # (BLOCK_M,)
-    token = q_start + qi  # (BLOCK_M,) int64
-    d = tl.arange(0, BLOCK_D)  # (BLOCK_D,)
-    d_ok = d < HEAD_DIM
-    q_off = token[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :]
-    q_mask = row_ok[:, None] & d_ok[None, :]  # (BLOCK_M, BLOCK_D)
-    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    q, q_pos, token, head, q_mask = load_query_block(
+        q_ptr, stride_qn, stride_qh, q_start, q_begin, q_len, prefix, kv_head,
+        GROUP, GROUP_P, BLOCK_M, HEAD_DIM, BLOCK_D,
+    )  # fmt: skip
 
     # The split's keys up to the block's last valid query (a split that starts past
     # it runs no iteration and stores the empty partial: m = -inf, l = 0, acc = 0).
     end = tl.minimum(begin + keys_per_split, prefix + tl.minimum(q_len, q_begin + BLOCK_W))
-    n = tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(begin, end, BLOCK_N):
-        key_pos = start + n  # (BLOCK_N,)
-        key_ok = key_pos < end
-        col = key_pos // PAGE_SIZE
-        page = tl.load(pt_ptr + lane * stride_ptl + col * stride_ptp, mask=key_ok, other=0)
-        page = page.to(tl.int64)  # (BLOCK_N,)
-        slot = key_pos % PAGE_SIZE  # (BLOCK_N,)
-        kv_mask = key_ok[:, None] & d_ok[None, :]  # (BLOCK_N, BLOCK_D)
-        k_off = page[:, None] * stride_kp + slot[:, None] * stride_ks + kv_head * stride_kh
-        k = tl.load(k_ptr + k_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        s = _dot(q, tl.trans(k), None, DOT_PRECISION, WIDEN) * scale_log2  # (BLOCK_M, BLOCK_N)
-        visible = (key_pos[None, :] <= q_pos[:, None]) & key_ok[None, :]
-        s = tl.where(visible, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # (BLOCK_M,)
-        # A row may see no key of a tile (or of the whole split): keep it at -inf.
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)  # (BLOCK_M,)
-        p = tl.exp2(s - m_safe[:, None])  # (BLOCK_M, BLOCK_N) zero on hidden keys
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_off = page[:, None] * stride_vp + slot[:, None] * stride_vs + kv_head * stride_vh
-        v = tl.load(v_ptr + v_off + d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None]
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, WIDEN)
-        m_i = m_new
+    m_i, l_i, acc = attend_pages(
+        q, q_pos, begin, end, lane, kv_head, k_ptr, v_ptr, pt_ptr, scale_log2,
+        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_ptl, stride_ptp,
+        BLOCK_M, BLOCK_N, PAGE_SIZE, HEAD_DIM, BLOCK_D, DOT_PRECISION, WIDEN,
+    )  # fmt: skip
     if SINGLE:  # the split is the whole context: normalise and write the output
-        l_safe = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / l_safe[:, None]  # (BLOCK_M, BLOCK_D)
-        o_off = token[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
-        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        store_normalised(out_ptr, stride_on, stride_oh, token, head, acc, l_i, q_mask, BLOCK_D)
     else:  # partials of every row of the block (pad rows too: the merge skips them)
         part = ((lane * kv_heads + kv_head) * num_splits + split).to(tl.int64) * ROWS
-        part = part + q_block * BLOCK_M + r  # (BLOCK_M,) flat row of (L, KV, S, ROWS)
-        tl.store(m_ptr + part, m_i)
-        tl.store(l_ptr + part, l_i)
-        acc_off = part[:, None] * HEAD_DIM + d[None, :]
-        tl.store(acc_ptr + acc_off, acc, mask=d_ok[None, :])
+        part = part + q_block * BLOCK_M  # the block's first row of (L, KV, S, ROWS)
+        _store_partials(m_ptr, l_ptr, acc_ptr, part, m_i, l_i, acc, BLOCK_M, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -296,6 +271,70 @@ def default_verify_splits(lanes: int, kv_heads: int, max_pages: int, page_size: 
     return max(1, min(splits, math.ceil(_TARGET_PROGRAMS / max(1, lanes * kv_heads))))
 
 
+def _blocks(
+    block_w: int | None,
+    block_n: int | None,
+    group: int,
+    max_query_len: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> tuple[int, int]:
+    """``block_w`` and ``block_n``, or :func:`default_verify_blocks` where None; checked."""
+    default_w, default_n = default_verify_blocks(group, max_query_len, head_dim, dtype)
+    block_w = default_w if block_w is None else block_w
+    block_n = default_n if block_n is None else block_n
+    check_blocks("block_w", block_w, block_n, triton.next_power_of_2(group), _MIN_DOT)
+    return block_w, block_n
+
+
+def _splits(
+    num_splits: int | None, lanes: int, kv_heads: int, max_pages: int, page_size: int
+) -> int:
+    """``num_splits``, or :func:`default_verify_splits` when None; checked."""
+    if num_splits is None:
+        num_splits = default_verify_splits(lanes, kv_heads, max_pages, page_size)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    return num_splits
+
+
+def _merge(
+    grid: tuple[int, int, int],
+    out: Tensor,
+    partials: tuple[Tensor, Tensor, Tensor],
+    lengths: tuple[Tensor, Tensor, Tensor],
+    num_splits: int,
+    keys_per_split: int,
+    rows: int,
+    shared: dict,
+) -> None:
+    """The merge kernel over the split partials (m, l, acc) into ``out``, one
+    program per (lane, KV head, query); ``lengths`` are (query_start, query_lens,
+    context_lens), ``rows`` the partial rows per (lane, KV head, split)."""
+    _paged_verify_merge_kernel[grid](
+        out,
+        *partials,
+        *lengths,
+        *out.stride()[:2],
+        num_splits,
+        keys_per_split,
+        ROWS=rows,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        **shared,
+    )
+
+
+def _partials(out: Tensor, shape: tuple[int, ...], single: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The split kernel's fp32 partials (m, l (L, KV, S, R), acc (L, KV, S, R, d)); with
+    one split the kernel writes ``out`` directly and never touches them (out stands in)."""
+    if single:
+        return out, out, out
+    m = torch.empty(shape, dtype=torch.float32, device=out.device)  # (L, KV, S, R)
+    l_sum = torch.empty(shape, dtype=torch.float32, device=out.device)  # (L, KV, S, R)
+    acc = torch.empty((*shape, out.shape[-1]), dtype=torch.float32, device=out.device)
+    return m, l_sum, acc
+
+
 def paged_verify_attention(
     q: Tensor,
     k_pages: Tensor,
@@ -328,18 +367,8 @@ def paged_verify_attention(
     lanes, max_pages = page_tables.shape
     group = heads // kv_heads
     group_p = triton.next_power_of_2(group)
-    default_w, default_n = default_verify_blocks(group, max_query_len, head_dim, q.dtype)
-    block_w = default_w if block_w is None else block_w
-    block_n = default_n if block_n is None else block_n
-    for name, value, least in (("block_w", block_w, 1), ("block_n", block_n, _MIN_DOT)):
-        if not isinstance(value, int) or value < least or value & (value - 1):
-            raise ValueError(f"{name}: expected a power of two >= {least}, got {value!r}")
-    if block_w * group_p < _MIN_DOT:
-        raise ValueError(f"block_w: {block_w} x group {group_p} is under {_MIN_DOT} rows")
-    if num_splits is None:
-        num_splits = default_verify_splits(lanes, kv_heads, max_pages, page_size)
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
-        raise ValueError(f"num_splits: expected a positive int, got {num_splits!r}")
+    block_w, block_n = _blocks(block_w, block_n, group, max_query_len, head_dim, q.dtype)
+    num_splits = _splits(num_splits, lanes, kv_heads, max_pages, page_size)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)  # (N, H, d) rows of no lane stay 0
     if out.numel() == 0 or lanes == 0 or max_pages == 0 or max_query_len == 0:
         return out
@@ -349,13 +378,8 @@ def paged_verify_attention(
     keys_per_split = triton.cdiv(triton.cdiv(max_pages * page_size, num_splits), block_n) * block_n
     block_d = max(_MIN_DOT, triton.next_power_of_2(head_dim))
     single = num_splits == 1
-    if single:  # the split kernel writes out directly; the partials are never touched
-        m = l_sum = acc = out
-    else:
-        shape = (lanes, kv_heads, num_splits, q_blocks * rows)
-        m = torch.empty(shape, dtype=torch.float32, device=q.device)  # (L, KV, S, R)
-        l_sum = torch.empty(shape, dtype=torch.float32, device=q.device)  # (L, KV, S, R)
-        acc = torch.empty((*shape, head_dim), dtype=torch.float32, device=q.device)
+    m, l_sum, acc = _partials(out, (lanes, kv_heads, num_splits, q_blocks * rows), single)
+    shared = dict(GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=block_d)
     _paged_verify_split_kernel[(lanes, kv_heads, num_splits * q_blocks)](
         q,
         k_pages,
@@ -369,53 +393,27 @@ def paged_verify_attention(
         query_lens,
         context_lens,
         float(scale) * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_pages.stride(0),
-        k_pages.stride(1),
-        k_pages.stride(2),
-        v_pages.stride(0),
-        v_pages.stride(1),
-        v_pages.stride(2),
-        page_tables.stride(0),
-        page_tables.stride(1),
+        *q.stride()[:2],
+        *out.stride()[:2],
+        *k_pages.stride()[:3],
+        *v_pages.stride()[:3],
+        *page_tables.stride()[:2],
         num_splits,
         keys_per_split,
-        GROUP=group,
-        GROUP_P=group_p,
         BLOCK_W=block_w,
         Q_BLOCKS=q_blocks,
         BLOCK_N=block_n,
         PAGE_SIZE=page_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
         SINGLE=single,
+        **shared,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         WIDEN=q.dtype == torch.bfloat16 and interpreted(_paged_verify_split_kernel),
         num_warps=8 if q.dtype == torch.float32 or rows * block_d > 64 * 128 else 4,
     )
     if not single:
-        _paged_verify_merge_kernel[(lanes, kv_heads, max_query_len)](
-            out,
-            m,
-            l_sum,
-            acc,
-            query_start,
-            query_lens,
-            context_lens,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            keys_per_split,
-            ROWS=q_blocks * rows,
-            GROUP=group,
-            GROUP_P=group_p,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits),
-        )
+        grid, lengths = (lanes, kv_heads, max_query_len), (query_start, query_lens, context_lens)
+        partials = (m, l_sum, acc)
+        _merge(grid, out, partials, lengths, num_splits, keys_per_split, q_blocks * rows, shared)
     return out
 
 

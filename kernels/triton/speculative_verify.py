@@ -30,6 +30,90 @@ from kernels.triton.checks import INTS, check_device
 
 
 @triton.jit
+def _greedy_tests(
+    tp_lane, stride_tpk, j, in_k, valid, t, V, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """Greedy accept tests of all K positions: t_j is argmax p_j (ties to the lowest
+    id), over V in (BLOCK_K, BLOCK_V) tiles; (ok, survival factor) (BLOCK_K,)."""
+    best = tl.full((BLOCK_K,), float("-inf"), tl.float32)
+    best_i = tl.zeros((BLOCK_K,), tl.int64)
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
+        tile = in_k[:, None] & (v < V)[None, :]  # (BLOCK_K, BLOCK_V)
+        p = tl.load(tp_lane + j[:, None] * stride_tpk + v[None, :], mask=tile, other=float("-inf"))
+        top = tl.max(p, axis=1)  # (BLOCK_K,)
+        top_i = tl.min(tl.where(p == top[:, None], v[None, :], V), axis=1).to(tl.int64)
+        better = top > best  # strict: ties keep the earlier block's lower id
+        best_i = tl.where(better, top_i, best_i)
+        best = tl.where(better, top, best)
+    ok = valid & (t == best_i)
+    return ok, ok.to(tl.float32)
+
+
+@triton.jit
+def _sampled_tests(tp_lane, dp_lane, u_lane, stride_tpk, stride_dpk, stride_uk, j, in_k, valid, t):
+    """The accept tests of all K positions (``u * q < p``) and their survival
+    factors min(1, p / q) (0 where q = 0): (ok, factor) (BLOCK_K,)."""
+    p_t = tl.load(tp_lane + j * stride_tpk + t, mask=valid, other=0.0)
+    q_t = tl.load(dp_lane + j * stride_dpk + t, mask=valid, other=0.0)
+    u = tl.load(u_lane + j * stride_uk, mask=in_k, other=1.0)
+    ok = (q_t > 0) & (u * q_t < p_t)
+    factor = tl.where(q_t > 0, tl.minimum(p_t / tl.where(q_t > 0, q_t, 1.0), 1.0), 0.0)
+    return ok, factor
+
+
+@triton.jit
+def _greedy_token(p_row, V, BLOCK_V: tl.constexpr):
+    """argmax of the row p_row (V,), ties to the lowest id, in BLOCK_V blocks."""
+    best_s = float("-inf")
+    token = 0
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        p = tl.load(p_row + v, mask=v < V, other=float("-inf"))
+        top_s = tl.max(p, axis=0)
+        top_si = tl.min(tl.where(p == top_s, v, V), axis=0)
+        if top_s > best_s:
+            token = top_si
+            best_s = top_s
+    return token
+
+
+@triton.jit
+def _sampled_token(p_row, q_row, rejected, threshold_u, V, BLOCK_V: tl.constexpr):
+    """The correction token (``rejected``: from normalize(max(0, p - q)), from p when
+    that has no mass) or the bonus token (from p), by the float64 inverse CDF at
+    ``threshold_u`` (a uniform) over p_row, q_row (V,) in BLOCK_V blocks."""
+    q_limit = tl.where(rejected, V, 0)  # q is read only after a rejection
+    res_total = tl.zeros((), tl.float64)
+    p_total = tl.zeros((), tl.float64)
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        p = tl.load(p_row + v, mask=v < V, other=0.0)
+        q = tl.load(q_row + v, mask=v < q_limit, other=0.0)
+        res_total += tl.sum(tl.maximum(p - q, 0.0).to(tl.float64), axis=0)
+        p_total += tl.sum(p.to(tl.float64), axis=0)
+    use_res = rejected & (res_total > 0)
+    total = tl.where(use_res, res_total, p_total)
+    q_limit = tl.where(use_res, V, 0)
+    threshold = threshold_u.to(tl.float64) * total
+    carry = tl.zeros((), tl.float64)
+    first = V
+    last_positive = 0
+    for v0 in range(0, V, BLOCK_V):
+        v = v0 + tl.arange(0, BLOCK_V)
+        in_v = v < V
+        p = tl.load(p_row + v, mask=in_v, other=0.0)
+        q = tl.load(q_row + v, mask=v < q_limit, other=0.0)
+        w = tl.where(use_res, tl.maximum(p - q, 0.0), p)
+        w64 = w.to(tl.float64)
+        cum = carry + tl.cumsum(w64, axis=0)
+        first = tl.minimum(first, tl.min(tl.where(in_v & (cum > threshold), v, V), axis=0))
+        last_positive = tl.maximum(last_positive, tl.max(tl.where(in_v & (w > 0), v, 0), axis=0))
+        carry += tl.sum(w64, axis=0)
+    return tl.where(first < V, first, last_positive)
+
+
+@triton.jit
 def _verify_kernel(
     tp_ptr,
     dp_ptr,
@@ -73,27 +157,12 @@ def _verify_kernel(
 
     # The accept tests and survival factors of all K positions at once.
     if GREEDY:
-        best = tl.full((BLOCK_K,), float("-inf"), tl.float32)
-        best_i = tl.zeros((BLOCK_K,), tl.int64)
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + tl.arange(0, BLOCK_V)  # (BLOCK_V,)
-            tile = in_k[:, None] & (v < V)[None, :]  # (BLOCK_K, BLOCK_V)
-            p = tl.load(
-                tp_lane + j[:, None] * stride_tpk + v[None, :], mask=tile, other=float("-inf")
-            )
-            top = tl.max(p, axis=1)  # (BLOCK_K,)
-            top_i = tl.min(tl.where(p == top[:, None], v[None, :], V), axis=1).to(tl.int64)
-            better = top > best  # strict: ties keep the earlier block's lower id
-            best_i = tl.where(better, top_i, best_i)
-            best = tl.where(better, top, best)
-        ok = valid & (t == best_i)
-        factor = ok.to(tl.float32)
+        ok, factor = _greedy_tests(tp_lane, stride_tpk, j, in_k, valid, t, V, BLOCK_K, BLOCK_V)
     else:
-        p_t = tl.load(tp_lane + j * stride_tpk + t, mask=valid, other=0.0)
-        q_t = tl.load(dp_lane + j * stride_dpk + t, mask=valid, other=0.0)
-        u = tl.load(u_ptr + lane * stride_ur + j * stride_uk, mask=in_k, other=1.0)
-        ok = (q_t > 0) & (u * q_t < p_t)
-        factor = tl.where(q_t > 0, tl.minimum(p_t / tl.where(q_t > 0, q_t, 1.0), 1.0), 0.0)
+        u_lane = u_ptr + lane * stride_ur
+        ok, factor = _sampled_tests(
+            tp_lane, dp_lane, u_lane, stride_tpk, stride_dpk, stride_uk, j, in_k, valid, t
+        )
     survival = tl.cumprod(tl.where(offered, factor, 1.0), axis=0)
     survival = tl.where(offered, survival, 0.0)
     tl.store(surv_ptr + lane * K + j, survival, mask=in_k)
@@ -102,52 +171,15 @@ def _verify_kernel(
     # The correction token (after a rejection) or the bonus token.
     p_row = tp_lane + accepted.to(tl.int64) * stride_tpk
     if GREEDY:
-        best_s = float("-inf")
-        token = 0
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + tl.arange(0, BLOCK_V)
-            p = tl.load(p_row + v, mask=v < V, other=float("-inf"))
-            top_s = tl.max(p, axis=0)
-            top_si = tl.min(tl.where(p == top_s, v, V), axis=0)
-            if top_s > best_s:
-                token = top_si
-                best_s = top_s
+        token = _greedy_token(p_row, V, BLOCK_V)
     else:
         rejected = accepted < n
         at = tl.minimum(accepted, tl.maximum(K - 1, 0)).to(tl.int64)
         q_row = dp_lane + at * stride_dpk
-        q_limit = tl.where(rejected, V, 0)  # q is read only after a rejection
-        res_total = tl.zeros((), tl.float64)
-        p_total = tl.zeros((), tl.float64)
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + tl.arange(0, BLOCK_V)
-            p = tl.load(p_row + v, mask=v < V, other=0.0)
-            q = tl.load(q_row + v, mask=v < q_limit, other=0.0)
-            res_total += tl.sum(tl.maximum(p - q, 0.0).to(tl.float64), axis=0)
-            p_total += tl.sum(p.to(tl.float64), axis=0)
-        use_res = rejected & (res_total > 0)
-        total = tl.where(use_res, res_total, p_total)
-        q_limit = tl.where(use_res, V, 0)
         u_res = tl.load(ru_ptr + lane * stride_rur + at * stride_ruk, mask=rejected, other=0.0)
         u_bonus = tl.load(bu_ptr + lane * stride_bu)
-        threshold = tl.where(rejected, u_res, u_bonus).to(tl.float64) * total
-        carry = tl.zeros((), tl.float64)
-        first = V
-        last_positive = 0
-        for v0 in range(0, V, BLOCK_V):
-            v = v0 + tl.arange(0, BLOCK_V)
-            in_v = v < V
-            p = tl.load(p_row + v, mask=in_v, other=0.0)
-            q = tl.load(q_row + v, mask=v < q_limit, other=0.0)
-            w = tl.where(use_res, tl.maximum(p - q, 0.0), p)
-            w64 = w.to(tl.float64)
-            cum = carry + tl.cumsum(w64, axis=0)
-            first = tl.minimum(first, tl.min(tl.where(in_v & (cum > threshold), v, V), axis=0))
-            last_positive = tl.maximum(
-                last_positive, tl.max(tl.where(in_v & (w > 0), v, 0), axis=0)
-            )
-            carry += tl.sum(w64, axis=0)
-        token = tl.where(first < V, first, last_positive)
+        u = tl.where(rejected, u_res, u_bonus)
+        token = _sampled_token(p_row, q_row, rejected, u, V, BLOCK_V)
 
     tl.store(acc_ptr + lane, accepted.to(tl.int64))
     jj = tl.arange(0, BLOCK_K1)  # (BLOCK_K1,) output positions
@@ -253,17 +285,12 @@ def speculative_verify(
         survival,
         k,
         vocab,
-        target_probs.stride(0),
-        target_probs.stride(1),
-        draft_probs.stride(0),
-        draft_probs.stride(1),
-        draft_tokens.stride(0),
-        draft_tokens.stride(1),
+        *target_probs.stride()[:2],
+        *draft_probs.stride()[:2],
+        *draft_tokens.stride()[:2],
         num_draft.stride(0),
-        uniforms.stride(0),
-        uniforms.stride(1),
-        residual_uniforms.stride(0),
-        residual_uniforms.stride(1),
+        *uniforms.stride()[:2],
+        *residual_uniforms.stride()[:2],
         bonus_uniforms.stride(0),
         GREEDY=greedy,
         BLOCK_K=triton.next_power_of_2(max(k, 1)),
