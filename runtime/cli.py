@@ -63,7 +63,7 @@ from runtime.trace.cli import (
     trace_options,
 )
 from runtime.transport.fields import ProtocolError
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.ranks.model.config import ModelConfig

@@ -8,17 +8,16 @@ import argparse
 import logging
 import os
 
-from runtime.transport.security import (
+from runtime.transport.key_files import (
     CLIENT_SECRET,
     COORDINATOR_DIR,
     RANKS_DIR_PREFIX,
     SERVER_SECRET,
-    ClientKeys,
-    TransportKeyError,
     generate_keys,
     load_client_keys,
     load_server_keys,
 )
+from runtime.transport.security import ClientKeys, TransportKeyError
 
 log = logging.getLogger("runtime.transport")
 

@@ -3,7 +3,7 @@
 Every rank computes a :class:`ModelIdentity` of the model directory it loaded
 (and of its draft model, if any) and the :func:`code_version` of the code it
 runs, and reports them in its catalog
-(:class:`~runtime.transport.schema.CatalogReport`); the coordinator computes
+(:class:`~runtime.transport.catalog_report.CatalogReport`); the coordinator computes
 the same of its own model directory (the frontend tokenizes with the
 coordinator's copy) and :func:`~runtime.coordinator.engine.startup.agree`
 fails start-up naming the field and the parties that differ.

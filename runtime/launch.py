@@ -20,7 +20,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from runtime.transport.channels import ChannelEndpoints, make_run_dir
+from runtime.transport.channels import ChannelEndpoints
+from runtime.transport.run_dirs import make_run_dir
 
 DIST_INIT_ENV = "FLARE_DIST_INIT_METHOD"  # how local ranks rendezvous (a file:// store)
 DIST_RUN_PREFIX = "flare-dist-"

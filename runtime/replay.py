@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.launch import spawn_ranks, stop_ranks
-from runtime.transport.channels import CoordinatorChannel
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.completion import Completion
+from runtime.transport.coordinator_channel import CoordinatorChannel
 from runtime.transport.recording import model_digest, read_recording
-from runtime.transport.schema import CatalogReport, Completion
 
 
 class ReplayError(RuntimeError):

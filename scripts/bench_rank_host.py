@@ -54,7 +54,8 @@ from runtime.ranks.model import load_model
 from runtime.ranks.model.default import DEFAULT_CONFIG, write_random_checkpoint
 from runtime.ranks.worker import RankWorker
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import Frame, SamplingParams
+from runtime.transport.frame import Frame
+from runtime.transport.sampling import SamplingParams
 
 _GENERATIONS = itertools.count(1)  # distinct across drivers sharing a worker
 _FENCES = itertools.count(1)

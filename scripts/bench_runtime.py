@@ -161,7 +161,8 @@ def socket_round_trips(curve: bool, count: int, size: int = 256) -> list[int]:
     the transport's own cost, without the ranks' and the engine's noise."""
     import zmq
 
-    from runtime.transport.security import Gatekeeper, per_run_keys, secure_client, secure_server
+    from runtime.transport.gatekeeper import Gatekeeper
+    from runtime.transport.security import per_run_keys, secure_client, secure_server
 
     context = zmq.Context()
     keys = per_run_keys()

@@ -50,7 +50,9 @@ from runtime.coordinator.plan import (
 )
 from runtime.coordinator.requests import RequestHandle
 from runtime.transport.codec import decode, encode, unpack
-from runtime.transport.schema import Completion, Frame, SamplingParams
+from runtime.transport.completion import Completion
+from runtime.transport.frame import Frame
+from runtime.transport.sampling import SamplingParams
 
 PROMPT_LEN = 300
 PAGES_PER_REQUEST = 24

@@ -41,7 +41,8 @@ from runtime.ranks.model import load_model
 from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.default import DEFAULT_CONFIG, write_random_checkpoint
 from runtime.ranks.worker import RankWorker
-from runtime.transport.schema import Frame, SamplingParams
+from runtime.transport.frame import Frame
+from runtime.transport.sampling import SamplingParams
 
 PAGE = 16
 REALISTIC = dataclasses.replace(

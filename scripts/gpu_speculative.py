@@ -25,7 +25,9 @@ from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import default_draft_dir, default_model_dir, load_model
 from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.worker import RankWorker
-from runtime.transport.schema import Frame, FrameLane, SamplingParams
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
 
 PAGE = 16
 PAGES_PER_SLOT = 16

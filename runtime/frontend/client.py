@@ -54,10 +54,11 @@ from runtime.transport.api import (
     StatusQuery,
     Submit,
 )
-from runtime.transport.channels import make_run_dir, make_socket
+from runtime.transport.channels import make_socket
 from runtime.transport.codec import decode_or_log, encode
 from runtime.transport.links import ApiEndpoints
-from runtime.transport.schema import SamplingParams
+from runtime.transport.run_dirs import make_run_dir
+from runtime.transport.sampling import SamplingParams
 
 log = logging.getLogger("runtime.frontend")
 

@@ -99,7 +99,7 @@ from runtime.frontend.chat import (
 )
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.transport.api import MAX_SALT_CHARS
-from runtime.transport.schema import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
+from runtime.transport.sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
 
 __all__ = [
     "MAX_LOGPROBS",

@@ -86,7 +86,7 @@ from runtime.frontend.protocol import (
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.transport.api import Output, TokenLogprobs
 from runtime.transport.fields import ProtocolError
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
 
 log = logging.getLogger("runtime.frontend")
 

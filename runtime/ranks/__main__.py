@@ -49,8 +49,9 @@ from runtime.ranks.model import (
 )
 from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.worker import RankWorker
-from runtime.transport.channels import ChannelEndpoints, RankChannel
+from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.liveness import LivenessConfig, RankHeartbeat
+from runtime.transport.rank_channel import RankChannel
 
 log = logging.getLogger("runtime.ranks")
 

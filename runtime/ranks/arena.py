@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from runtime.ranks.sampling import bias_table
-from runtime.transport.schema import MAX_LOGIT_BIAS, SamplingParams
+from runtime.transport.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 LANE_FIELDS = ("state_row", "query_lens", "start_pos", "step", "count_row", "from_pending")
 SCALARS = ("prefill_row", "reset_row", "prompt_lane")

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 
 from runtime.private_files import FILE_MODE, make_private_dirs
-from runtime.transport.schema import Control
+from runtime.transport.control import Control
 
 log = logging.getLogger("runtime.ranks.profiling")
 

@@ -65,7 +65,8 @@ from runtime.ranks.sampling import (
 )
 from runtime.ranks.slots import CheckedFrame
 from runtime.ranks.speculative import ProposerConfig, RoundOutputs, SpeculativeStages
-from runtime.transport.schema import MAX_LOGPROBS, MAX_SLOTS
+from runtime.transport.frame_lane import MAX_SLOTS
+from runtime.transport.sampling import MAX_LOGPROBS
 
 VARIANTS = ("argmax", "sample", "logprobs")
 

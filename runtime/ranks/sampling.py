@@ -46,7 +46,7 @@ from functools import lru_cache
 
 import torch
 
-from runtime.transport.schema import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from runtime.transport.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 

@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.catalog import GraphKind
-from runtime.transport.schema import Frame, Restore, SamplingParams
+from runtime.transport.frame import Frame
+from runtime.transport.restore import Restore
+from runtime.transport.sampling import SamplingParams
 
 
 class FrameError(ValueError):

@@ -63,7 +63,7 @@ from runtime.ranks.sampling import (
     sampling_distribution,
     uniform_noise,
 )
-from runtime.transport.schema import MAX_LOGPROBS
+from runtime.transport.sampling import MAX_LOGPROBS
 
 PROPOSERS = ("draft", "copy")
 

@@ -30,7 +30,7 @@ import traceback
 import zmq
 
 from runtime.transport.codec import encode
-from runtime.transport.schema import Completion
+from runtime.transport.completion import Completion
 from runtime.transport.security import ClientKeys, secure_client
 
 log = logging.getLogger("runtime.ranks")

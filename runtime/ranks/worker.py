@@ -25,7 +25,7 @@ run synchronously; a watchdog thread with its own socket does the same.
 
 When a lane of the frame asks for log probabilities, rank 0 adds the
 ``logprobs`` and ``logprob_token_ids`` sidecars (see
-:class:`~runtime.transport.schema.Completion`); otherwise only the sampled
+:class:`~runtime.transport.completion.Completion`); otherwise only the sampled
 tokens are read back.  Logit bias and penalties are applied inside the
 programs; a lane whose ``logit_bias`` names a token outside the vocabulary is
 refused.
@@ -72,20 +72,15 @@ from runtime.ranks.programs import (
 from runtime.ranks.slots import CheckedFrame, FrameError, SlotTable
 from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.watchdog import HANG_EXIT_CODE, Watchdog, frame_deadline_ns, hang_message
-from runtime.transport.schema import (
-    MAX_SLOTS,
-    PROTOCOL_VERSION,
-    STAGE_NAMES,
-    STATE_KINDS,
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    RankStatus,
-    Restore,
-    Tensor,
-    tensor_from_torch,
-)
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.completion import STAGE_NAMES, Completion
+from runtime.transport.control import Control
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import MAX_SLOTS, STATE_KINDS
+from runtime.transport.inspection import RankStatus
+from runtime.transport.restore import Restore
+from runtime.transport.schema import PROTOCOL_VERSION
+from runtime.transport.tensor import Tensor, tensor_from_torch
 
 log = logging.getLogger("runtime.ranks")
 

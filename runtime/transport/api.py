@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
+from runtime.transport.completion import MAX_LANE_TOKENS
 from runtime.transport.fields import (
     INT32_MAX,
     MAX_SEQUENCE,
@@ -42,7 +43,7 @@ from runtime.transport.fields import (
     parse_nested,
     set_field,
 )
-from runtime.transport.schema import MAX_LANE_TOKENS, SamplingParams
+from runtime.transport.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
 OUTPUT_FINISH_REASONS = ("stop", "length", "cancelled", "aborted", "error", "refused")

@@ -24,7 +24,8 @@ completion and its heartbeats report it.  The bound (rather than 0, unlimited)
 keeps a stuck peer from making the other end buffer without limit;
 (2) the slow-joiner loss (a PUB
 drops what it sends before a SUB's subscription arrives) is closed by
-:meth:`CoordinatorChannel.handshake`: the coordinator publishes
+:meth:`~runtime.transport.coordinator_channel.CoordinatorChannel.handshake`:
+the coordinator publishes
 ``Control("ping", nonce)`` again and again until every rank has answered
 ``Control("ready", rank, nonce)`` on the PULL socket, so every SUB has provably
 received a publication before the first frame.  What remains is a rank that
@@ -52,7 +53,8 @@ completions are encrypted and authenticated, and a peer without the keys gets
 nothing through (counted in ``CoordinatorChannel.auth_denied``).
 
 Endpoints default to ``ipc://`` sockets in a private run directory (mode 0700,
-removed on close, holding a ``pid`` file; :func:`make_run_dir` first removes
+removed on close, holding a ``pid`` file;
+:func:`~runtime.transport.run_dirs.make_run_dir` first removes
 the directories a killed process left behind); TCP binds only loopback
 addresses unless ``allow_remote``.
 A channel is not thread-safe: use it from one thread.
@@ -60,51 +62,22 @@ A channel is not thread-safe: use it from one thread.
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import logging
 import math
 import os
-import secrets
-import socket
-import stat
-import tempfile
 import time
-import weakref
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import zmq
 
-from runtime.transport.codec import MAX_MESSAGE_BYTES, decode, encode
-from runtime.transport.recording import FrameRecorder
-from runtime.transport.schema import (
-    COORDINATOR_RANK,
-    MAX_ERROR_CHARS,
-    MAX_WORLD_SIZE,
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    Message,
-    ProtocolError,
-    RankStatus,
-)
-from runtime.transport.security import (
-    ClientKeys,
-    Gatekeeper,
-    ServerKeys,
-    secure_client,
-    secure_server,
-)
+from runtime.transport.codec import MAX_MESSAGE_BYTES, decode
+from runtime.transport.fields import ProtocolError
+from runtime.transport.schema import Message
 
 logger = logging.getLogger("runtime.transport")
 
-PING_INTERVAL_S = (0.005, 0.1)  # the handshake's first and longest ping interval
-HANDSHAKE_PROGRESS_S = 30.0  # how often a long handshake logs who it still waits for
-MAX_IPC_PATH = 100  # sockaddr_un holds 108 bytes on Linux, fewer elsewhere
 # Messages queued per peer and direction; the protocol queues a handful (two
 # frames in flight, their completions, a few controls), so only a peer that has
 # stopped reading ever reaches it (see the module docstring).
@@ -148,7 +121,8 @@ class ChannelEndpoints:
                 raise EndpointError(f"{name} endpoint must be ipc:// or tcp://, got {value!r}")
 
 
-def _deadline(timeout_ms: int | None) -> float | None:
+def deadline_in(timeout_ms: int | None) -> float | None:
+    """The monotonic time ``timeout_ms`` from now (None: no deadline)."""
     if timeout_ms is None:
         return None
     if timeout_ms < 0:
@@ -174,11 +148,13 @@ def make_socket(context: zmq.Context, kind: int, endpoint: str = "") -> zmq.Sock
     return sock
 
 
-_C = TypeVar("_C", bound="_Channel")
+_C = TypeVar("_C", bound="Channel")
 
 
-class _Channel:
-    """Receive loop, pending messages, rejection logging and teardown."""
+class Channel:
+    """Either end's base: receive loop, pending messages, rejection logging and teardown
+    (:class:`~runtime.transport.coordinator_channel.CoordinatorChannel`,
+    :class:`~runtime.transport.rank_channel.RankChannel`)."""
 
     inbound: tuple[type, ...] = ()
 
@@ -281,496 +257,3 @@ class _Channel:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-# ------------------------------------------------------------------ coordinator
-
-
-def _loopback_host(host: str, allow_remote: bool) -> str:
-    """``host`` as a ZeroMQ bind address; refuse non-loopback unless allowed."""
-    text = "0.0.0.0" if host in ("*", "") else "127.0.0.1" if host == "localhost" else host
-    try:
-        ip = ipaddress.ip_address(text.strip("[]"))
-    except ValueError:
-        raise EndpointError(f"host must be an IP address or 'localhost', got {host!r}") from None
-    if not ip.is_loopback and not allow_remote:
-        raise EndpointError(
-            f"refusing to bind {host!r}: not a loopback address; "
-            "pass allow_remote=True to accept connections from other hosts"
-        )
-    return f"[{ip}]" if ip.version == 6 else str(ip)
-
-
-PID_FILE = "pid"
-TRANSPORT_RUN_PREFIX = "flare-transport-"
-TRANSPORT_RUN_FILES = ("frames", "completions", "heartbeat")
-
-
-def make_run_dir(prefix: str, files: tuple[str, ...], parent: str | None = None) -> str:
-    """A fresh 0700 directory ``parent/prefix*`` (the system temp dir by default)
-    holding a ``pid`` file with this process's id, for sockets named ``files``.
-
-    Directories with the same prefix that a dead process left behind (SIGKILL skips
-    every clean-up) are removed first, see :func:`remove_stale_run_dirs`.
-    """
-    remove_stale_run_dirs(prefix, files, parent)
-    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    fd = os.open(os.path.join(path, PID_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(f"{os.getpid()}\n")
-    return path
-
-
-def remove_stale_run_dirs(
-    prefix: str, files: tuple[str, ...], parent: str | None = None
-) -> list[str]:
-    """Remove the run directories ``parent/prefix*`` provably left by a dead process;
-    the paths removed.
-
-    A directory goes only when all of this holds: it is a real directory (not a
-    link) owned by this user; its ``pid`` file names a process that no longer
-    exists (a process of another user counts as alive); no socket in it accepts a
-    connection (a live owner in another pid namespace would); and it holds
-    nothing but that file and the sockets ``files``.  Anything else is left as it
-    is: a directory without a ``pid`` file, say, cannot be proved stale.
-    """
-    parent = parent or tempfile.gettempdir()
-    removed = []
-    try:
-        entries = [e for e in os.scandir(parent) if e.name.startswith(prefix)]
-    except OSError:
-        return removed
-    allowed = {PID_FILE, *files}
-    for entry in entries:
-        try:
-            info = entry.stat(follow_symlinks=False)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-                continue
-            names = set(os.listdir(entry.path))
-            if PID_FILE not in names or not names <= allowed:
-                continue
-            pid = _read_pid(os.path.join(entry.path, PID_FILE))
-            if pid is None or _alive(pid):
-                continue
-            if any(_listening(os.path.join(entry.path, name)) for name in names - {PID_FILE}):
-                continue
-            for name in names:
-                os.unlink(os.path.join(entry.path, name))
-            os.rmdir(entry.path)
-        except OSError:  # raced with its owner or another clean-up: leave it
-            continue
-        removed.append(entry.path)
-        logger.info("removed %s, left behind by process %d", entry.path, pid)
-    return removed
-
-
-def _read_pid(path: str) -> int | None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd) as f:
-            text = f.read(32)
-    except OSError:
-        return None
-    text = text.strip()
-    return int(text) if text.isascii() and text.isdigit() and 0 < int(text) < 2**31 else None
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _listening(path: str) -> bool:
-    """Whether the Unix socket at ``path`` accepts a connection (a live owner)."""
-    try:
-        if not stat.S_ISSOCK(os.stat(path, follow_symlinks=False).st_mode):
-            return False
-    except OSError:
-        return False
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(0.5)
-        try:
-            sock.connect(path)
-        except OSError:
-            return False
-    return True
-
-
-def _remove_run_dir(path: str, files: tuple[str, ...]) -> None:
-    for file in files:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(file)
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        logger.warning("could not remove transport run directory %s: %s", path, exc)
-
-
-class CoordinatorChannel(_Channel):
-    """The coordinator's end: binds PUB (frames, control) and PULL (from ranks).
-
-    ``transport``: "ipc" (default: sockets in a fresh 0700 directory under
-    ``run_dir`` or the system temp dir) or "tcp" on ``host`` (loopback unless
-    ``allow_remote``) with ``frame_port``/``completion_port``/``heartbeat_port``
-    (0: any free port).  Ranks connect to :attr:`endpoints`.  With
-    ``heartbeat`` (the engine's channel), a heartbeat ROUTER socket is bound
-    too (here, so every socket option applies) and handed to the liveness
-    thread by :meth:`take_heartbeat_socket`; without it ``endpoints.heartbeat``
-    is "" and the ranks run no heartbeat (tools and tests driving a bare
-    channel, which sends none).
-
-    ``keys``: make every socket a CURVE server behind a ZAP handler in this
-    channel's context that admits only ``keys.clients``; refusals are counted
-    in :attr:`auth_denied`.  None: no authentication (ipc in its 0700
-    directory).
-    """
-
-    inbound = (Completion, CatalogReport, Control, RankStatus)
-
-    def __init__(
-        self,
-        world_size: int,
-        *,
-        transport: str = "ipc",
-        host: str = "127.0.0.1",
-        frame_port: int = 0,
-        completion_port: int = 0,
-        heartbeat_port: int = 0,
-        heartbeat: bool = False,
-        allow_remote: bool = False,
-        run_dir: str | None = None,
-        context: zmq.Context | None = None,
-        record_dir: str | None = None,
-        keys: ServerKeys | None = None,
-    ) -> None:
-        if keys is not None and not isinstance(keys, ServerKeys):
-            raise TypeError(f"keys must be ServerKeys or None, got {type(keys).__name__}")
-        if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
-            raise ValueError(f"world_size must lie in [1, {MAX_WORLD_SIZE}], got {world_size!r}")
-        if transport not in ("ipc", "tcp"):
-            raise EndpointError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
-        for name, port in (
-            ("frame_port", frame_port),
-            ("completion_port", completion_port),
-            ("heartbeat_port", heartbeat_port),
-        ):
-            if type(port) is not int or not 0 <= port <= 65535:
-                raise EndpointError(f"{name} must lie in [0, 65535], got {port!r}")
-        # Refuse a non-loopback host before creating anything.
-        address = _loopback_host(host, allow_remote) if transport == "tcp" else ""
-        super().__init__("coordinator channel", context)
-        self.world_size = world_size
-        self.run_dir: str | None = None
-        self._finalizer: weakref.finalize | None = None
-        self.keys = keys
-        self._gatekeeper: Gatekeeper | None = None
-        try:
-            if keys is not None:
-                self._gatekeeper = Gatekeeper(self._context, keys, "coordinator transport")
-            if transport == "ipc":
-                self.run_dir = make_run_dir(TRANSPORT_RUN_PREFIX, TRANSPORT_RUN_FILES, run_dir)
-                paths = tuple(os.path.join(self.run_dir, n) for n in TRANSPORT_RUN_FILES)
-                owned = (*paths, os.path.join(self.run_dir, PID_FILE))
-                self._finalizer = weakref.finalize(self, _remove_run_dir, self.run_dir, owned)
-                if len(paths[1]) > MAX_IPC_PATH:
-                    raise EndpointError(f"ipc path too long ({len(paths[1])} bytes): {paths[1]}")
-                wanted = tuple(f"ipc://{p}" for p in paths)
-            else:
-                ports = (frame_port or "*", completion_port or "*", heartbeat_port or "*")
-                wanted = tuple(f"tcp://{address}:{p}" for p in ports)
-            self._pub = self._open(zmq.PUB, wanted[0], bind=True)
-            self._inbox = self._open(zmq.PULL, wanted[1], bind=True)
-            self._heartbeat: zmq.Socket | None = (
-                self._open(zmq.ROUTER, wanted[2], bind=True) if heartbeat else None
-            )
-            self.endpoints = ChannelEndpoints(
-                frames=self._pub.getsockopt_string(zmq.LAST_ENDPOINT),
-                completions=self._inbox.getsockopt_string(zmq.LAST_ENDPOINT),
-                heartbeat=""
-                if self._heartbeat is None
-                else self._heartbeat.getsockopt_string(zmq.LAST_ENDPOINT),
-            )
-        except BaseException:
-            self.close()
-            raise
-        self.name = f"coordinator channel ({self.endpoints.completions})"
-        # Frame recording (``flare run --record-frames``): published frames, rank
-        # 0's catalog and completions, in channel order.
-        self.recorder = FrameRecorder(record_dir) if record_dir else None
-
-    def take_heartbeat_socket(self) -> zmq.Socket:
-        """The bound heartbeat ROUTER socket, once: the caller's thread now owns it
-        and must close it before this channel closes (the context waits for it)."""
-        sock = self._heartbeat
-        if sock is None or self._closed:
-            raise TransportError(f"{self.name}: the heartbeat socket was taken or closed")
-        self._heartbeat = None
-        self._sockets.remove(sock)
-        return sock
-
-    def publish(self, message: Frame | Control) -> None:
-        """Send a frame or a control message to every rank."""
-        if not isinstance(message, (Frame, Control)):
-            raise TypeError(f"the coordinator publishes Frame or Control, not {type(message)}")
-        if isinstance(message, Control) and message.rank != COORDINATOR_RANK:
-            raise ValueError(f"coordinator control messages carry rank {COORDINATOR_RANK}")
-        if self._closed:
-            raise TransportError(f"{self.name} is closed")
-        data = encode(message)
-        self._pub.send(data)
-        if self.recorder is not None and isinstance(message, Frame):
-            self.recorder.write("frame", data)
-
-    def shutdown_ranks(self) -> None:
-        self.publish(Control("shutdown"))
-
-    def handshake(
-        self, timeout_s: float = 30.0, abort: Callable[[], str | None] | None = None
-    ) -> None:
-        """Ping until every rank 0..world_size-1 has answered; HandshakeTimeout otherwise.
-
-        Messages other than this handshake's replies that arrive meanwhile (a
-        catalog report sent straight after answering) are kept for ``recv``.
-        ``abort``: looked at between pings (at least every 0.1 s); a reason (a
-        rank the heartbeats found gone) ends the wait with TransportError.
-        """
-        nonce = secrets.randbits(63)
-        waiting = set(range(self.world_size))
-        started = time.monotonic()
-        deadline = started + timeout_s
-        interval, next_ping = PING_INTERVAL_S[0], 0.0
-        next_progress = started + HANDSHAKE_PROGRESS_S
-        while waiting:
-            now = time.monotonic()
-            if now >= next_progress:  # ranks may take many minutes to load and prepare
-                next_progress = now + HANDSHAKE_PROGRESS_S
-                logger.info(
-                    "waiting for rank(s) %s of %d at %s: %d answered, %.0f s waited, "
-                    "%.0f s left",
-                    sorted(waiting), self.world_size, self.endpoints.frames,
-                    self.world_size - len(waiting), now - started, deadline - now,
-                )  # fmt: skip
-            why = abort() if abort is not None else None
-            if why:
-                raise TransportError(
-                    f"{why} during the transport handshake (still waiting for rank(s) "
-                    f"{sorted(waiting)})"
-                )
-            if now >= deadline:
-                missing = tuple(sorted(waiting))
-                raise HandshakeTimeout(
-                    f"transport handshake timed out after {timeout_s:g} s: "
-                    f"no ready from rank(s) {list(missing)} of {self.world_size} "
-                    f"(ranks connect to {self.endpoints.frames})",
-                    missing,
-                )
-            if now >= next_ping:
-                self.publish(Control("ping", COORDINATOR_RANK, nonce))
-                next_ping = now + interval
-                interval = min(2 * interval, PING_INTERVAL_S[1])
-            message = self._next(min(next_ping, deadline))
-            if message is None:
-                continue
-            if isinstance(message, Control) and message.command == "ready":
-                if message.nonce == nonce:
-                    waiting.discard(message.rank)
-                continue
-            self._pending.append(message)
-
-    def recv(
-        self, timeout_ms: int | None = None, spin_us: int = 0
-    ) -> Completion | CatalogReport | Control | None:
-        """The next valid message from any rank, or None after ``timeout_ms``.
-
-        ``spin_us``: busy-poll that long before blocking (see ``_ready``).
-        """
-        if self._pending:
-            return self._pending.popleft()  # type: ignore[return-value]
-        deadline = _deadline(timeout_ms)
-        while True:
-            message = self._next(deadline, spin_us)
-            if isinstance(message, Control) and message.command == "ready":
-                logger.debug("%s: late ready from rank %d", self.name, message.rank)
-                continue
-            return message  # type: ignore[return-value]
-
-    def _admit(self, message: Message) -> Message | None:
-        if (
-            self.recorder is not None
-            and isinstance(message, (Completion, CatalogReport))
-            and message.rank == 0
-        ):
-            self.recorder.write("report" if isinstance(message, CatalogReport) else "completion",
-                                encode(message))  # fmt: skip
-        if isinstance(message, Control) and not 0 <= message.rank < self.world_size:
-            self._reject(f"Control from rank {message.rank} of world size {self.world_size}")
-            return None
-        if isinstance(message, (Completion, CatalogReport, RankStatus)) and (
-            message.world_size != self.world_size
-        ):
-            self._reject(
-                f"{type(message).__name__} from rank {message.rank} says world size "
-                f"{message.world_size}, expected {self.world_size}"
-            )
-            return None
-        return message
-
-    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
-        if self._gatekeeper is not None and self.keys is not None:
-            secure_server(sock, self.keys)
-            self._gatekeeper.watch(sock, endpoint)
-
-    @property
-    def auth_denied(self) -> int:
-        """Peers refused by CURVE authentication (0 without keys)."""
-        return 0 if self._gatekeeper is None else self._gatekeeper.denied
-
-    def close(self) -> None:
-        """Close the sockets and remove the ipc run directory."""
-        if getattr(self, "recorder", None) is not None:
-            self.recorder.close()
-        if getattr(self, "_gatekeeper", None) is not None:
-            self._gatekeeper.close()  # its sockets go before the context terminates
-        super().close()
-        if self._finalizer is not None:
-            self._finalizer()
-
-
-# ------------------------------------------------------------------ ranks
-
-
-class RankChannel(_Channel):
-    """A rank's end: SUB to the coordinator's frames, PUSH to its completions.
-
-    Pings are answered as they arrive (in ``handshake`` and in ``recv``), so a
-    rank only ever sees frames and shutdown/other control from ``recv``.
-
-    ``keys``: connect as a CURVE client (every socket opened through
-    ``_open``; other sockets of the rank that connect to the coordinator apply
-    :func:`~runtime.transport.security.secure_client` with :attr:`keys`).
-    """
-
-    inbound = (Frame, Control)
-
-    def __init__(
-        self,
-        endpoints: ChannelEndpoints,
-        rank: int,
-        *,
-        context: zmq.Context | None = None,
-        keys: ClientKeys | None = None,
-    ) -> None:
-        if not isinstance(endpoints, ChannelEndpoints):
-            raise TypeError("endpoints must be a ChannelEndpoints")
-        if keys is not None and not isinstance(keys, ClientKeys):
-            raise TypeError(f"keys must be ClientKeys or None, got {type(keys).__name__}")
-        self.keys = keys
-        if type(rank) is not int or not 0 <= rank < MAX_WORLD_SIZE:
-            raise ValueError(f"rank must lie in [0, {MAX_WORLD_SIZE}), got {rank!r}")
-        super().__init__(f"rank {rank} channel", context)
-        self.rank = rank
-        self.endpoints = endpoints
-        try:
-            self._push = self._open(zmq.PUSH, endpoints.completions, bind=False)
-            self._inbox = self._open(zmq.SUB, endpoints.frames, bind=False)
-            self._inbox.setsockopt(zmq.SUBSCRIBE, b"")
-        except BaseException:
-            self.close()
-            raise
-
-    def open_heartbeat_socket(self) -> zmq.Socket | None:
-        """A DEALER socket connected to the heartbeat endpoint (None: the endpoints
-        name none), for the rank's heartbeat thread, which owns and closes it
-        (before this channel closes: the context waits for it)."""
-        if not self.endpoints.heartbeat:
-            return None
-        sock = self._open(zmq.DEALER, self.endpoints.heartbeat, bind=False)
-        self._sockets.remove(sock)
-        return sock
-
-    def _reject(self, reason: str) -> None:
-        """Never silence: a message from the coordinator this rank cannot decode
-        may have been a frame, so the coordinator hears of it at once
-        (``Control("error")``) and fails the frames in flight instead of
-        waiting for their completions."""
-        super()._reject(reason)
-        if self._closed:
-            return
-        try:
-            self.send(Control("error", self.rank, reason=reason[:MAX_ERROR_CHARS]))
-        except (TransportError, zmq.ZMQError) as exc:
-            logger.warning("%s: could not report the rejection: %s", self.name, exc)
-
-    def send(self, message: Completion | CatalogReport | Control | RankStatus) -> None:
-        """Queue a message for the coordinator (blocks only behind HIGH_WATER_MARK unsent)."""
-        if not isinstance(message, (Completion, CatalogReport, Control, RankStatus)):
-            raise TypeError(
-                f"a rank sends Completion, CatalogReport, Control or RankStatus, not {message!r}"
-            )
-        if message.rank != self.rank:
-            raise ValueError(f"{self.name} cannot send a message for rank {message.rank}")
-        if self._closed:
-            raise TransportError(f"{self.name} is closed")
-        self._push.send(encode(message))
-
-    def handshake(self, timeout_ms: int = 30_000) -> None:
-        """Wait for the coordinator's first ping and answer it; HandshakeTimeout otherwise."""
-        deadline = _deadline(timeout_ms)
-        while True:
-            message = self._next(deadline)
-            if message is None:
-                hint = (
-                    " (with CURVE keys: a coordinator that refuses them logs why, naming "
-                    "the reason; see docs/security.md)"
-                    if self.keys is not None
-                    else ""
-                )
-                raise HandshakeTimeout(
-                    f"{self.name}: no ping from the coordinator at {self.endpoints.frames} "
-                    f"within {timeout_ms} ms{hint}"
-                )
-            if isinstance(message, Control) and message.command == "ping":
-                return
-            self._pending.append(message)
-
-    def recv(self, timeout_ms: int | None = None, spin_us: int = 0) -> Frame | Control | None:
-        """The next frame or coordinator control message, or None after ``timeout_ms``.
-
-        ``spin_us``: busy-poll that long before blocking (see ``_ready``).
-        """
-        if self._pending:
-            return self._pending.popleft()  # type: ignore[return-value]
-        deadline = _deadline(timeout_ms)
-        while True:
-            message = self._next(deadline, spin_us)
-            if isinstance(message, Control) and message.command == "ping":
-                continue
-            return message  # type: ignore[return-value]
-
-    def _admit(self, message: Message) -> Message | None:
-        if isinstance(message, Control):
-            if message.rank != COORDINATOR_RANK or message.command == "ready":
-                self._reject(f"Control {message.command!r} from rank {message.rank}")
-                return None
-            if message.command == "ping":
-                self.send(Control("ready", self.rank, message.nonce))
-        return message
-
-    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
-        if self.keys is not None:
-            secure_client(sock, self.keys)
-
-    def close(self, linger_ms: int = 0) -> None:
-        """Close at once; ``linger_ms`` > 0 first gives queued sends that long to leave."""
-        if not self._closed and linger_ms > 0:
-            self._push.setsockopt(zmq.LINGER, linger_ms)
-            self._push.close()
-        super().close()

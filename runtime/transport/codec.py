@@ -18,8 +18,9 @@ from typing import Any
 import msgpack
 
 from runtime.transport.api import API_MESSAGE_TYPES
+from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import MESSAGE_TYPES as RANK_MESSAGE_TYPES
-from runtime.transport.schema import PROTOCOL_VERSION, Message, ProtocolError
+from runtime.transport.schema import PROTOCOL_VERSION, Message
 
 # Rank messages (schema) and frontend messages (api) share the envelope.
 MESSAGE_TYPES: dict[str, type] = {**RANK_MESSAGE_TYPES, **API_MESSAGE_TYPES}

@@ -10,6 +10,8 @@ INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1  # token ids, positions, page ids: int32 on the device
 MAX_SEQUENCE = 1 << 20  # entries in one token list or page table
 MAX_NAME_CHARS = 256
+MAX_WORLD_SIZE = 4096  # ranks in one deployment
+MAX_ERROR_CHARS = 4096  # the reason an error completion or control carries
 
 
 class ProtocolError(ValueError):

@@ -30,25 +30,18 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any
 
-from runtime.catalog import MAX_BATCH_CAPACITY, CatalogError, GraphDescriptor, GraphKind
+from runtime.catalog import CatalogError, GraphDescriptor, GraphKind
 from runtime.transport.columns import (
-    LaneRanges,
-    all_equal,
     as_column,
     check_distinct,
-    check_range,
     column,
     column_from_wire,
     column_to_wire,
-    first_not,
     offsets,
 )
 from runtime.transport.fields import (
-    INT32_MAX,
-    INT64_MAX,
     MAX_SEQUENCE,
     ProtocolError,
-    check_choice,
     check_fields,
     check_int,
     check_ints,
@@ -56,6 +49,8 @@ from runtime.transport.fields import (
     parse_nested,
     set_field,
 )
+from runtime.transport.frame_checks import check_flat, check_lanes, check_roles, check_sampling
+from runtime.transport.frame_lane import MAX_SLOTS, PHASE_NAMES, STATE_KINDS, FrameLane
 from runtime.transport.restore import (
     Restore,
     check_copies,
@@ -64,16 +59,6 @@ from runtime.transport.restore import (
     restores_from_wire,
 )
 from runtime.transport.sampling import SamplingParams
-
-MAX_SLOTS = MAX_BATCH_CAPACITY  # slots are 0..63
-
-PHASE_DECODE = 0
-PHASE_PREFILL = 1
-PHASE_STATE = 2
-PHASE_NAMES = ("decode", "prefill", "state")  # PHASE_NAMES[code]
-# The state programs (protocol version 7): their frames hold only state lanes,
-# which feed and commit nothing, and state lanes appear in no other program.
-STATE_KINDS = frozenset({GraphKind.RESTORE, GraphKind.SNAPSHOT})
 
 # The per-lane columns, in field order; each has one entry per lane.
 LANE_COLUMNS = (
@@ -88,75 +73,6 @@ LANE_COLUMNS = (
 )
 # Every int64 column of a frame, in field order (the flat ones too).
 FRAME_COLUMNS = (*LANE_COLUMNS[:7], "prompt_tokens", "page_count", "pages")
-
-
-@dataclass(frozen=True)
-class FrameLane:
-    """One lane of a frame, as a view (tests, debugging, scripts; not the hot path).
-
-    ``phase``: "prefill", "decode" or "state" (a state program's row: it feeds
-    and commits nothing; with a ``restore`` and its ``sampling`` it starts a
-    new generation, else it drops a known one).  ``prompt_tokens``: a prefill lane's
-    chunk, written from ``position`` (``prompt_start`` is where it starts in the
-    prompt); a decode lane carries none (the ranks keep each slot's pending
-    token) and feeds 1 token.  ``pages``: the pages this lane appends to its
-    slot's rank-side table (see the module docstring).  ``commits``: tokens the
-    lane commits, 0 or 1 (always 1 for decode; in a speculative round, up to its
-    query length, which is then also what it feeds).  ``sampling``: a prefill lane's
-    settings, which the ranks keep for the slot; decode lanes carry None.
-    ``restore``: a prefill lane's :class:`~runtime.transport.restore.Restore`
-    record (a new generation resuming a known sequence), or None.
-    """
-
-    slot: int
-    generation: int
-    phase: str
-    prompt_start: int
-    prompt_tokens: tuple[int, ...]
-    position: int
-    pages: tuple[int, ...]
-    commits: int
-    sampling: SamplingParams | None = None
-    restore: Restore | None = None
-
-    def __post_init__(self) -> None:
-        phase = check_choice("phase", self.phase, PHASE_NAMES)
-        tokens = check_ints("prompt_tokens", self.prompt_tokens, 0, INT32_MAX)
-        pages = check_ints("pages", self.pages, 0, INT32_MAX)
-        if phase == "decode" and tokens:
-            raise ProtocolError("prompt_tokens", f"a decode lane carries none, got {len(tokens)}")
-        if phase == "prefill" and not isinstance(self.sampling, SamplingParams):
-            raise ProtocolError("sampling", "a prefill lane needs its SamplingParams")
-        if phase == "decode" and self.sampling is not None:
-            raise ProtocolError("sampling", "a decode lane carries none (the slot keeps its own)")
-        if phase == "state":
-            if tokens:
-                raise ProtocolError(
-                    "prompt_tokens", f"a state lane carries none, got {len(tokens)}"
-                )
-            if self.commits != 0:
-                raise ProtocolError("commits", f"a state lane commits nothing, got {self.commits}")
-            if (self.sampling is None) != (self.restore is None):
-                raise ProtocolError(
-                    "sampling", "a state lane carries SamplingParams exactly with a restore"
-                )
-            if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
-                raise ProtocolError("sampling", "must be a SamplingParams")
-        if self.restore is not None and (
-            phase == "decode" or not isinstance(self.restore, Restore)
-        ):
-            raise ProtocolError("restore", "only a prefill or state lane carries one, a Restore")
-        set_field(self, "phase", phase)
-        set_field(self, "prompt_tokens", tokens)
-        set_field(self, "pages", pages)
-
-    @property
-    def query_len(self) -> int:
-        """Tokens the lane feeds: its chunk for prefill, 1 for decode (a
-        speculative round's lane: its query length, ``commits``), 0 for state."""
-        if self.phase == "state":
-            return 0
-        return len(self.prompt_tokens) if self.phase == "prefill" else max(1, self.commits)
 
 
 _PROGRAMS: dict[tuple, GraphDescriptor] = {}  # wire form -> descriptor (a catalog is small)
@@ -190,22 +106,6 @@ def _empty() -> array:
     return column()
 
 
-# Every lane's range rules, checked in one pass; the phase rules when a lane prefills.
-_LANE_RANGES = LaneRanges(
-    ("slot", 0, MAX_SLOTS - 1),
-    ("generation", 1, INT64_MAX),
-    ("position", 0, INT32_MAX),
-    ("prompt_start", 0, INT32_MAX),
-    ("page_count", 0, MAX_SEQUENCE - 1),
-)
-_PREFILL_RANGES = LaneRanges(
-    ("phase", PHASE_DECODE, PHASE_PREFILL), ("query_len", 1, INT32_MAX), ("commits", 0, 1)
-)
-_ranged_columns = attrgetter(*(name for name, _, _ in _LANE_RANGES.bounds))
-_STATE_RANGES = LaneRanges(
-    ("phase", PHASE_STATE, PHASE_STATE), ("query_len", 0, 0), ("commits", 0, 0)
-)
-_prefill_columns = attrgetter(*(name for name, _, _ in _PREFILL_RANGES.bounds))
 _frame_columns = attrgetter(*FRAME_COLUMNS)
 _lane_columns = attrgetter(*LANE_COLUMNS[1:])
 _typecode = attrgetter("typecode")
@@ -308,16 +208,16 @@ class Frame:
                     raise ProtocolError(
                         name, f"has {len(getattr(self, name))} entries for {lanes} lanes"
                     )
-        prefill = self._check_lanes() if lanes else ()
-        self._check_flat(prefill)
+        prefill = check_lanes(self) if lanes else ()
+        check_flat(self, prefill)
         state = program.kind in STATE_KINDS
         if state:  # the records first: the settings name exactly their lanes
             eligible = tuple(range(lanes)) if program.kind is GraphKind.RESTORE else ()
             set_field(self, "restores", check_restores(self.restores, eligible, "state"))
-            self._check_sampling(tuple(sorted(lane for lane, _ in self.restores)), "restored")
+            check_sampling(self, tuple(sorted(lane for lane, _ in self.restores)), "restored")
         else:
-            self._check_sampling(prefill)
-        self._check_roles(prefill)
+            check_sampling(self, prefill)
+        check_roles(self, prefill)
         released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
         check_distinct("release_slots", released)
         if released and lanes:
@@ -330,141 +230,6 @@ class Frame:
             set_field(self, "copies", check_copies(self.copies))
         if not state and (self.restores or type(self.restores) is not tuple):
             set_field(self, "restores", check_restores(self.restores, prefill))
-
-    def _check_lanes(self) -> tuple[int, ...]:
-        """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
-        _LANE_RANGES.check(_ranged_columns(self))
-        check_distinct("slot", self.slot)
-        phase = self.phase
-        prefill: tuple[int, ...] = ()
-        program = self.program
-        if program.kind in STATE_KINDS:
-            _STATE_RANGES.check(_prefill_columns(self))
-            return prefill
-        rounds = program.kind is GraphKind.SPECULATIVE or (
-            program.kind is GraphKind.MIXED and program.token_capacity > 1
-        )
-        if not all_equal(phase, PHASE_DECODE):
-            if rounds:  # decode rows commit up to their query length: ranges per role
-                check_range("phase", phase, PHASE_DECODE, PHASE_PREFILL)
-            else:
-                _PREFILL_RANGES.check(_prefill_columns(self))
-            if phase.count(PHASE_PREFILL) == 1:  # a mixed frame's prompt row, a prefill frame
-                prefill = (phase.index(PHASE_PREFILL),)
-            else:
-                prefill = tuple(i for i, p in enumerate(phase) if p)
-        if rounds:
-            for i in prefill:
-                if self.query_len[i] < 1 or not 0 <= self.commits[i] <= 1:
-                    raise ProtocolError(
-                        f"commits[{i}]", "a prompt row feeds >= 1 token and commits 0 or 1"
-                    )
-            self._check_rounds(prefill)
-            return prefill
-        # Decode lanes feed and commit 1 token: one comparison per run between prefill lanes.
-        start = 0
-        for end in (*prefill, len(phase)):
-            for name, lane_rule in (("query_len", "feeds"), ("commits", "commits")):
-                i = first_not(getattr(self, name)[start:end], 1)
-                if i >= 0:
-                    reason = f"a decode lane {lane_rule} exactly 1 token"
-                    raise ProtocolError(f"{name}[{start + i}]", reason)
-            start = end + 1
-        for i in prefill:
-            if self.position[i] == 0 and self.page_count[i] == 0:
-                reason = "a prefill lane at position 0 needs at least one page"
-                raise ProtocolError(f"page_count[{i}]", reason)
-        return prefill
-
-    def _check_rounds(self, prefill: tuple[int, ...]) -> None:
-        """A speculative round (or a wide mixed program's decode rows): each decode
-        lane with its query length (or, device-allocated, its ceiling) in
-        [1, min(W, D + 1)], committing at most that many; host-allocated lengths
-        fit the program's P target rows.  A speculative round has no prompt row."""
-        program = self.program
-        if prefill and program.kind is GraphKind.SPECULATIVE:
-            raise ProtocolError("phase", "a speculative round has decode lanes only")
-        rows = 0
-        for i, (q, c) in enumerate(zip(self.query_len, self.commits)):
-            if i in prefill:
-                continue
-            rows += q
-            if not 1 <= q <= min(program.token_capacity, program.proposal_depth + 1):
-                raise ProtocolError(f"query_len[{i}]", f"{q} outside [1, min(W, D + 1)]")
-            if c != q:
-                raise ProtocolError(f"commits[{i}]", "a round lane commits up to its query length")
-        if not program.device_allocated and rows > program.target_capacity:
-            raise ProtocolError(
-                "query_len", f"decode rows sum to {rows}, above P = {program.target_capacity}"
-            )
-
-    def _check_flat(self, prefill: tuple[int, ...]) -> None:
-        """The flat columns against the counts that cut them."""
-        tokens = self.prompt_tokens
-        expected = sum(self.query_len[i] for i in prefill)
-        if len(tokens) != expected:
-            raise ProtocolError(
-                "prompt_tokens",
-                f"has {len(tokens)} tokens, the prefill lanes' query_len sum to {expected}",
-            )
-        capacity = self.program.prompt_capacity
-        if len(tokens) > capacity:
-            raise ProtocolError(
-                "prompt_tokens",
-                f"{len(tokens)} prompt tokens exceed the program's prompt_capacity {capacity}",
-            )
-        check_range("prompt_tokens", tokens, 0, INT32_MAX)
-        pages = self.pages
-        total = 0 if all_equal(self.page_count, 0) else sum(self.page_count)
-        if len(pages) != total:
-            raise ProtocolError("pages", f"has {len(pages)} pages, page_count sums to {total}")
-        check_range("pages", pages, 0, INT32_MAX)
-        if len(set(pages)) != len(pages):  # distinct overall is enough; else lane by lane
-            bounds = offsets(self.page_count)
-            for i in range(len(self.page_count)):
-                run = pages[bounds[i] : bounds[i + 1]]
-                if len(set(run)) != len(run):
-                    dup = next(p for k, p in enumerate(run) if p in run[:k])
-                    raise ProtocolError("pages", f"lane {i} appends page {dup} twice")
-
-    def _check_sampling(self, prefill: tuple[int, ...], role: str = "prefill") -> None:
-        """``sampling`` names exactly the lanes ``prefill`` (the prefill lanes; in a
-        state frame the restored ones), in lane order."""
-        sampling = self.sampling
-        if type(sampling) is not tuple:
-            sampling = check_seq("sampling", sampling, MAX_SLOTS)
-        if not sampling and not prefill:
-            return
-        lanes = []
-        for k, entry in enumerate(sampling):
-            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-                raise ProtocolError(f"sampling[{k}]", "must be a (lane index, SamplingParams) pair")
-            lane, params = entry
-            check_int(f"sampling[{k}][0]", lane, 0, MAX_SLOTS - 1)
-            if not isinstance(params, SamplingParams):
-                raise ProtocolError(f"sampling[{k}][1]", "must be a SamplingParams")
-            lanes.append(lane)
-        if tuple(lanes) != prefill:
-            raise ProtocolError(
-                "sampling", f"must name exactly the {role} lanes {list(prefill)}, got {lanes}"
-            )
-        set_field(self, "sampling", tuple((lane, params) for lane, params in sampling))
-
-    def _check_roles(self, prefill: tuple[int, ...]) -> None:
-        row = check_int("prompt_row", self.prompt_row, -1, len(self.slot) - 1)
-        if row >= 0 and self.phase[row] != PHASE_PREFILL:
-            raise ProtocolError("prompt_row", f"lane {row} is not a prefill lane")
-        kind = self.program.kind
-        if kind is GraphKind.MIXED:
-            if len(prefill) > 1:
-                lanes = list(prefill)
-                raise ProtocolError("phase", f"a mixed frame has one prefill lane at most: {lanes}")
-            named = prefill[0] if prefill else -1
-            if row != named:
-                reason = f"must name the prefill lane ({named}), got {row}"
-                raise ProtocolError("prompt_row", reason)
-        elif row != -1:
-            raise ProtocolError("prompt_row", f"only mixed programs have one, not {kind.value}")
 
     # ------------------------------------------------------------------ views
 
@@ -593,18 +358,3 @@ class Frame:
         fields["copies"] = copies_from_wire(fields["copies"])
         fields["restores"] = restores_from_wire(fields["restores"])
         return cls(**fields)
-
-
-__all__ = [
-    "FRAME_COLUMNS",
-    "LANE_COLUMNS",
-    "MAX_SLOTS",
-    "PHASE_DECODE",
-    "PHASE_NAMES",
-    "PHASE_PREFILL",
-    "PHASE_STATE",
-    "STATE_KINDS",
-    "Frame",
-    "FrameLane",
-    "Restore",
-]

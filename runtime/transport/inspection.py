@@ -17,6 +17,7 @@ from typing import Any
 from runtime.transport.columns import as_column, column, column_from_wire, column_to_wire
 from runtime.transport.fields import (
     INT32_MAX,
+    MAX_WORLD_SIZE,
     ProtocolError,
     check_fields,
     check_int,
@@ -27,7 +28,6 @@ from runtime.transport.fields import (
 
 SLOT_COLUMNS = ("slot", "generation", "next_position", "page_count", "pending", "step")
 MAX_PROGRAMS = 1 << 12
-MAX_WORLD = 4096
 
 
 def _empty() -> array:
@@ -56,7 +56,7 @@ class RankStatus:
     step: array = field(default_factory=_empty)
 
     def __post_init__(self) -> None:
-        world = check_int("world_size", self.world_size, 1, MAX_WORLD)
+        world = check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
         check_int("rank", self.rank, 0, world - 1)
         check_int("nonce", self.nonce)
         check_str("device", self.device, 64)

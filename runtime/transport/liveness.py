@@ -6,7 +6,7 @@ indistinguishable from a long frame.  So each side runs a dedicated thread with
 a socket of its own on a third endpoint, ``heartbeat`` (ChannelEndpoints):
 
 * the coordinator's :class:`CoordinatorLiveness` owns a ROUTER socket bound
-  there (by :class:`~runtime.transport.channels.CoordinatorChannel`, so the
+  there (by :class:`~runtime.transport.coordinator_channel.CoordinatorChannel`, so the
   channel's security and size limits apply), sends ``Control("heartbeat")`` to
   every rank it has heard from every ``interval_s`` and records each rank's
   last heartbeat;
@@ -44,7 +44,8 @@ from dataclasses import dataclass
 import zmq
 
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import COORDINATOR_RANK, Control, ProtocolError
+from runtime.transport.control import COORDINATOR_RANK, Control
+from runtime.transport.fields import ProtocolError
 
 log = logging.getLogger("runtime.transport.liveness")
 

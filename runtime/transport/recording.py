@@ -28,8 +28,10 @@ from typing import Any
 import msgpack
 
 from runtime.private_files import make_private_dirs, open_private
+from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.codec import MAX_MESSAGE_BYTES, decode
-from runtime.transport.schema import CatalogReport, Completion, Frame
+from runtime.transport.completion import Completion
+from runtime.transport.frame import Frame
 
 LOG = "log.msgpack"
 META = "meta.json"

@@ -27,17 +27,16 @@ from typing import Any
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.rounds import device_allocation
-from runtime.transport.channels import ChannelEndpoints, RankChannel
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.columns import column
-from runtime.transport.schema import (
-    PROTOCOL_VERSION,
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    Tensor,
-)
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.frame import Frame
+from runtime.transport.rank_channel import RankChannel
+from runtime.transport.schema import PROTOCOL_VERSION
 from runtime.transport.security import ClientKeys
+from runtime.transport.tensor import Tensor
 
 EXIT_OK = 0
 EXIT_NO_PING = 3

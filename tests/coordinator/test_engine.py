@@ -19,7 +19,8 @@ import zmq
 from runtime.coordinator.engine import CANCELLED, Engine, EngineConfig, EngineStartError
 from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.codec import encode
-from runtime.transport.schema import Completion, Control
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
 from runtime.transport.security import secure_client
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks

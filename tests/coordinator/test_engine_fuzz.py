@@ -42,8 +42,11 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.engine import ERROR, Engine, EngineConfig, EngineError
 from runtime.transport.codec import decode, encode
 from runtime.transport.columns import column
-from runtime.transport.fields import INT64_MAX
-from runtime.transport.schema import Completion, Control, ProtocolError, SamplingParams, Tensor
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.fields import INT64_MAX, ProtocolError
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.tensor import Tensor
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec, LocalRanks, reference
 from tests.transport.fuzz_strategies import junk_values, mutate_bytes

@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
 from runtime.coordinator.engine import Engine, EngineConfig
+from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
 from runtime.frontend.client import CoordinatorClient
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec, join_ranks, spawn_ranks
 

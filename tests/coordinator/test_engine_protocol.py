@@ -32,7 +32,8 @@ from runtime.coordinator.engine import (
 from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.codec import encode
 from runtime.transport.columns import column
-from runtime.transport.schema import Completion, SamplingParams
+from runtime.transport.completion import Completion
+from runtime.transport.sampling import SamplingParams
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec, LocalRanks, reference
 

@@ -13,7 +13,8 @@ import torch
 from runtime.coordinator.engine.config import EngineError
 from runtime.coordinator.engine.frames import lane_logprobs
 from runtime.ranks.sampling import token_logprobs
-from runtime.transport.schema import Completion, tensor_from_torch
+from runtime.transport.completion import Completion
+from runtime.transport.tensor import tensor_from_torch
 
 
 def completion(lanes: int, width: int, vocab: int, seed: int = 0):

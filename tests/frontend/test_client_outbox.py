@@ -15,7 +15,7 @@ from runtime.frontend.client import CoordinatorClient, CoordinatorGone, LocalEnd
 from runtime.transport.api import Cancel, Heartbeat, Publish, Status, Submit
 from runtime.transport.channels import HIGH_WATER_MARK, make_socket
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
 
 READY = Status(0, True, "m", 100, 4096, 1, 4)
 

@@ -19,14 +19,14 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from runtime.launch import free_port, rank_command, spawn_ranks, stop_ranks
+from tests.server.harness import Server
 
 from runtime.coordinator.engine import ERROR, Engine, EngineConfig, EngineError
-from runtime.launch import free_port, rank_command, spawn_ranks, stop_ranks
 from runtime.local import DeploymentConfig, LocalDeployment
 from runtime.transport.channels import ChannelEndpoints
+from runtime.transport.frame import Frame
 from runtime.transport.liveness import COORDINATOR_GONE_EXIT_CODE
-from runtime.transport.schema import Frame
-from tests.server.harness import Server
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 2.0}

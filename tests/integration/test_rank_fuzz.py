@@ -31,25 +31,21 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from runtime.launch import spawn_ranks, stop_ranks
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.launch import spawn_ranks, stop_ranks
-from runtime.transport.channels import CoordinatorChannel
+from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.codec import decode, encode
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.fields import MAX_ERROR_CHARS, ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import MAX_SLOTS, FrameLane
 from runtime.transport.inspection import RankStatus
 from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig
 from runtime.transport.restore import Restore
-from runtime.transport.schema import (
-    MAX_ERROR_CHARS,
-    MAX_SLOTS,
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    FrameLane,
-    ProtocolError,
-    SamplingParams,
-)
+from runtime.transport.sampling import SamplingParams
 from tests.transport.fuzz_strategies import VALID, envelope, field_mutations, mutate_bytes, pack
 
 WAIT_S = 60.0  # per answer; the machine is shared and slow

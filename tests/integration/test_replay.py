@@ -11,13 +11,13 @@ from array import array
 
 import msgpack
 import pytest
+from tests.checkpoints import write_tiny
 
 from runtime.local import DeploymentConfig, LocalDeployment
 from runtime.replay import replay
 from runtime.transport.codec import decode, encode
+from runtime.transport.frame import Frame
 from runtime.transport.recording import LOG, read_recording
-from runtime.transport.schema import Frame
-from tests.checkpoints import write_tiny
 
 PROMPTS = [[5, 17, 33, 3, 60], [9, 9, 41, 77, 12, 3, 50], [88, 7]]
 

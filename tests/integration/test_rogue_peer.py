@@ -46,7 +46,9 @@ def rogue(frames: str, completions: str, seconds: float, blind: bool, base: int 
     import zmq
 
     from runtime.transport.codec import decode, encode
-    from runtime.transport.schema import Completion, Frame, LaneResult, ProtocolError
+    from runtime.transport.completion import Completion, LaneResult
+    from runtime.transport.fields import ProtocolError
+    from runtime.transport.frame import Frame
 
     context = zmq.Context()
     sub = context.socket(zmq.SUB)
@@ -106,10 +108,10 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
+from tests.checkpoints import write_tiny  # noqa: E402
 
 from runtime.local import DeploymentConfig, LocalDeployment  # noqa: E402
 from runtime.transport.security import ENV_CLIENT_SECRET  # noqa: E402
-from tests.checkpoints import write_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")

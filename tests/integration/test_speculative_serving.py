@@ -10,11 +10,11 @@ import random
 import threading
 
 import pytest
+from tests.checkpoints import greedy, write_tiny
 
 from runtime.local import DeploymentConfig, LocalDeployment
 from runtime.speculation import SpeculationConfig
-from runtime.transport.schema import SamplingParams
-from tests.checkpoints import greedy, write_tiny
+from runtime.transport.sampling import SamplingParams
 
 NEW = 16
 

@@ -6,7 +6,7 @@ from collections import Counter
 
 import torch
 
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
 
 
 def reference(logits: torch.Tensor, p: SamplingParams, prompt, output) -> torch.Tensor:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.arena import LANE_FIELDS, SCALARS, FrameInputs, int_size
@@ -34,14 +35,11 @@ from runtime.ranks.model.parallel import TPGroup
 from runtime.ranks.programs import PreparedProgram, ProgramError, ProgramShape
 from runtime.ranks.slots import FrameError
 from runtime.ranks.worker import RankWorker
-from runtime.transport.schema import (
-    Frame,
-    FrameLane,
-    ProtocolError,
-    SamplingParams,
-    tensor_to_torch,
-)
-from tests.checkpoints import greedy, write_tiny
+from runtime.transport.fields import ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.tensor import tensor_to_torch
 from tests.ranks.rank_state import changed, record_forwards, slot_row, snapshot
 
 PAGE = 16
@@ -552,8 +550,10 @@ def test_report_lists_mixed_programs_and_decode_lanes_keep_their_state(checkpoin
 def test_rank_process_with_mixed_prefill_runs_a_mixed_frame(checkpoint, tmp_path):
     """``python -m runtime.ranks --mixed-prefill`` reports and runs mixed programs."""
     from runtime.launch import spawn_ranks, stop_ranks
-    from runtime.transport.channels import CoordinatorChannel
-    from runtime.transport.schema import CatalogReport, Completion
+
+    from runtime.transport.catalog_report import CatalogReport
+    from runtime.transport.completion import Completion
+    from runtime.transport.coordinator_channel import CoordinatorChannel
 
     path, reference = checkpoint
     channel = CoordinatorChannel(1)

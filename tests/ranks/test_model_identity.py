@@ -25,9 +25,10 @@ from runtime.identity import (
     package_version,
 )
 from runtime.ranks.model.default import default_model_dir
+from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.codec import decode, encode
 from runtime.transport.fields import ProtocolError
-from runtime.transport.schema import PROTOCOL_VERSION, CatalogReport
+from runtime.transport.schema import PROTOCOL_VERSION
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from runtime.ranks.sampling import (
     sample,
     suppress_eos,
 )
-from runtime.transport.schema import MAX_LOGIT_BIAS, SamplingParams
+from runtime.transport.sampling import MAX_LOGIT_BIAS, SamplingParams
 from tests.ranks.penalty_reference import reference
 
 VOCAB = 97

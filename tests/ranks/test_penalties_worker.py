@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import pytest
 import torch
+from tests.checkpoints import write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.engine.startup import ModelFacts
@@ -23,8 +24,10 @@ from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import load_model
 from runtime.ranks.slots import FrameError
 from runtime.ranks.worker import RankWorker
-from runtime.transport.schema import Frame, FrameLane, SamplingParams, tensor_to_torch
-from tests.checkpoints import write_tiny
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.tensor import tensor_to_torch
 from tests.ranks.penalty_reference import reference
 from tests.ranks.rank_state import changed, snapshot
 

@@ -7,12 +7,12 @@ import time
 
 import pytest
 import zmq
+from tests.checkpoints import write_tiny
 
 from runtime.local import DeploymentConfig, LocalDeployment
 from runtime.ranks.watchdog import Watchdog, frame_deadline_ns
 from runtime.transport.codec import decode
-from runtime.transport.schema import Completion
-from tests.checkpoints import write_tiny
+from runtime.transport.completion import Completion
 
 
 def test_deadline_is_a_multiple_of_the_expected_time_plus_the_margin():

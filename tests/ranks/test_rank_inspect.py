@@ -6,20 +6,18 @@ from __future__ import annotations
 import os
 
 import pytest
+from runtime.launch import spawn_ranks, stop_ranks
+from tests.checkpoints import write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.launch import spawn_ranks, stop_ranks
-from runtime.transport.channels import CoordinatorChannel
-from runtime.transport.schema import (
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    FrameLane,
-    RankStatus,
-    SamplingParams,
-)
-from tests.checkpoints import write_tiny
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.inspection import RankStatus
+from runtime.transport.sampling import SamplingParams
 
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 

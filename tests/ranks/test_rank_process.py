@@ -6,12 +6,16 @@ import os
 
 import msgpack
 import pytest
+from runtime.launch import spawn_ranks, stop_ranks
+from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.launch import spawn_ranks, stop_ranks
-from runtime.transport.channels import CoordinatorChannel
-from runtime.transport.schema import CatalogReport, Completion, Frame, FrameLane, SamplingParams
-from tests.checkpoints import greedy, write_tiny
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.completion import Completion
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
 
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 NEW = 5

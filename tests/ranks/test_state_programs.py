@@ -15,24 +15,22 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from runtime.launch import spawn_ranks, stop_ranks
+from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.launch import spawn_ranks, stop_ranks
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import load_model
 from runtime.ranks.slots import FrameError
 from runtime.ranks.speculative import ProposerConfig
 from runtime.ranks.worker import RankWorker
-from runtime.transport.channels import CoordinatorChannel
-from runtime.transport.schema import (
-    CatalogReport,
-    Completion,
-    Frame,
-    FrameLane,
-    Restore,
-    SamplingParams,
-)
-from tests.checkpoints import greedy, write_tiny
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.completion import Completion
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.restore import Restore
+from runtime.transport.sampling import SamplingParams
 from tests.ranks.rank_state import changed, snapshot
 from tests.ranks.test_rank_process import collect
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig
@@ -17,14 +18,11 @@ from runtime.ranks.programs import VARIANTS, Launch, ProgramError
 from runtime.ranks.slots import FrameError
 from runtime.ranks.worker import STAGES, RankWorker
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import (
-    Completion,
-    Frame,
-    FrameLane,
-    SamplingParams,
-    tensor_to_torch,
-)
-from tests.checkpoints import greedy, write_tiny
+from runtime.transport.completion import Completion
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.tensor import tensor_to_torch
 from tests.ranks.rank_state import changed, record_forwards, slot_row, snapshot
 
 PAGE = 16

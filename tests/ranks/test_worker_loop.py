@@ -7,14 +7,17 @@ finish inside the launch)."""
 from __future__ import annotations
 
 import pytest
+from tests.checkpoints import write_tiny
 
 from runtime.catalog import GraphKind
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import load_model
 from runtime.ranks.programs import Launch
 from runtime.ranks.worker import RankHang, RankWorker
-from runtime.transport.schema import Completion, Control, Frame, SamplingParams
-from tests.checkpoints import write_tiny
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.frame import Frame
+from runtime.transport.sampling import SamplingParams
 
 PAGE = 16
 

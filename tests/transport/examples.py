@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.columns import column
+from runtime.transport.completion import Completion, LaneResult
+from runtime.transport.control import Control
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
 from runtime.transport.inspection import RankStatus
-from runtime.transport.schema import (
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    FrameLane,
-    LaneResult,
-    SamplingParams,
-    Tensor,
-)
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.tensor import Tensor
 
 MIXED = GraphDescriptor(GraphKind.MIXED, batch_capacity=4, token_capacity=1, prompt_capacity=64)
 DECODE = GraphDescriptor(GraphKind.DECODE, batch_capacity=4)

@@ -33,17 +33,14 @@ from runtime.transport.api import (
 )
 from runtime.transport.codec import MESSAGE_TYPES, encode
 from runtime.transport.columns import column
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
 from runtime.transport.restore import Restore
-from runtime.transport.schema import (
-    PROTOCOL_VERSION,
-    Completion,
-    Control,
-    Frame,
-    FrameLane,
-    Message,
-    SamplingParams,
-    Tensor,
-)
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.schema import PROTOCOL_VERSION, Message
+from runtime.transport.tensor import Tensor
 from tests.transport import examples
 
 # --------------------------------------------------------------- valid messages

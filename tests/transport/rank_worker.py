@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from runtime.transport.channels import ChannelEndpoints, RankChannel
-from runtime.transport.schema import Completion, Control, Frame, LaneResult
+from runtime.transport.channels import ChannelEndpoints
+from runtime.transport.completion import Completion, LaneResult
+from runtime.transport.control import Control
+from runtime.transport.frame import Frame
+from runtime.transport.rank_channel import RankChannel
 from tests.transport import examples
 
 EXIT_OK = 0

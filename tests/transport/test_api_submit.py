@@ -7,9 +7,10 @@ import msgpack
 import pytest
 
 from runtime.transport.api import Submit
-from runtime.transport.codec import PROTOCOL_VERSION, decode, encode
+from runtime.transport.codec import decode, encode
 from runtime.transport.fields import ProtocolError
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.schema import PROTOCOL_VERSION
 
 
 def raw(body: dict) -> bytes:

@@ -22,14 +22,11 @@ from runtime.transport.columns import (
     first_not,
     offsets,
 )
-from runtime.transport.schema import (
-    Completion,
-    Frame,
-    FrameLane,
-    LaneResult,
-    ProtocolError,
-    SamplingParams,
-)
+from runtime.transport.completion import Completion, LaneResult
+from runtime.transport.fields import ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
 from tests.transport import examples
 
 INT64_MAX = 2**63 - 1

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import STAGE_NAMES, Completion, ProtocolError
+from runtime.transport.completion import STAGE_NAMES, Completion
+from runtime.transport.fields import ProtocolError
 
 
 def completion(**changes) -> Completion:

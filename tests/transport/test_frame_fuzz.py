@@ -36,22 +36,20 @@ from hypothesis import strategies as st
 
 from runtime.transport import codec
 from runtime.transport.api import TokenLogprobs
-from runtime.transport.channels import MAX_SOCKET_MESSAGE_BYTES, CoordinatorChannel, RankChannel
+from runtime.transport.channels import MAX_SOCKET_MESSAGE_BYTES
 from runtime.transport.codec import MESSAGE_TYPES, decode, encode
 from runtime.transport.columns import column
-from runtime.transport.fields import MAX_SEQUENCE
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.fields import MAX_SEQUENCE, ProtocolError
 from runtime.transport.liveness import MAX_REJECT_LOGS, CoordinatorLiveness, LivenessConfig
+from runtime.transport.rank_channel import RankChannel
 from runtime.transport.schema import (
     MESSAGE_TYPES as RANK_MESSAGE_TYPES,
 )
-from runtime.transport.schema import (
-    PROTOCOL_VERSION,
-    Completion,
-    Control,
-    Message,
-    ProtocolError,
-    Tensor,
-)
+from runtime.transport.schema import PROTOCOL_VERSION, Message
+from runtime.transport.tensor import Tensor
 from tests.transport import examples
 from tests.transport.fuzz_strategies import (
     ENCODED,

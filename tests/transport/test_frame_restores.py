@@ -12,7 +12,11 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.transport import PROTOCOL_VERSION
 from runtime.transport import Restore as ExportedRestore
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import Frame, FrameLane, ProtocolError, Restore, SamplingParams
+from runtime.transport.fields import ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.restore import Restore
+from runtime.transport.sampling import SamplingParams
 from tests.transport import examples
 
 PREFILL = GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)

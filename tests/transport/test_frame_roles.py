@@ -17,7 +17,10 @@ from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan, Selecti
 from runtime.coordinator.requests import RequestHandle
 from runtime.transport.codec import decode, encode
 from runtime.transport.columns import column
-from runtime.transport.schema import Frame, FrameLane, ProtocolError, SamplingParams
+from runtime.transport.fields import ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
 
 MIXED = GraphDescriptor(GraphKind.MIXED, 4, prompt_capacity=64)
 DECODE = GraphDescriptor(GraphKind.DECODE, 4)

@@ -14,16 +14,11 @@ import pytest
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.transport import PROTOCOL_VERSION
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import (
-    PHASE_NAMES,
-    PHASE_STATE,
-    STATE_KINDS,
-    Frame,
-    FrameLane,
-    ProtocolError,
-    Restore,
-    SamplingParams,
-)
+from runtime.transport.fields import ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import PHASE_NAMES, PHASE_STATE, STATE_KINDS, FrameLane
+from runtime.transport.restore import Restore
+from runtime.transport.sampling import SamplingParams
 
 RESTORE = GraphDescriptor(GraphKind.RESTORE, 4)
 SNAPSHOT = GraphDescriptor(GraphKind.SNAPSHOT, 2)

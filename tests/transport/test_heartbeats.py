@@ -20,10 +20,13 @@ from runtime.coordinator.engine.config import (
     frame_watchdog_ns,
 )
 from runtime.ranks.watchdog import frame_deadline_ns
-from runtime.transport.channels import ChannelEndpoints, CoordinatorChannel, RankChannel
+from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.codec import decode, encode
+from runtime.transport.control import Control
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.fields import MAX_ERROR_CHARS, ProtocolError
 from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig, RankHeartbeat
-from runtime.transport.schema import MAX_ERROR_CHARS, Control, ProtocolError
+from runtime.transport.rank_channel import RankChannel
 from tests.coordinator.fake_rank import FakeSpec, LocalRanks
 
 FAST = LivenessConfig(interval_s=0.05, timeout_s=0.4)
@@ -366,7 +369,8 @@ def test_a_replayed_frame_is_refused_naming_its_fence() -> None:
     from runtime.ranks.capacity import CapacityConfig
     from runtime.ranks.model import default_model_dir, load_model
     from runtime.ranks.worker import RankWorker
-    from runtime.transport.schema import Frame, SamplingParams
+    from runtime.transport.frame import Frame
+    from runtime.transport.sampling import SamplingParams
 
     capacity = CapacityConfig(max_concurrency=2, min_prefill_tokens=64, max_prefill_tokens=64)
     worker = RankWorker(load_model(default_model_dir()), capacity, num_pages=16, page_size=16)

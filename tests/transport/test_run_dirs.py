@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from runtime.frontend.client import CoordinatorClient
-from runtime.transport.channels import (
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.run_dirs import (
     TRANSPORT_RUN_FILES,
     TRANSPORT_RUN_PREFIX,
-    CoordinatorChannel,
     make_run_dir,
     remove_stale_run_dirs,
 )
@@ -101,7 +101,7 @@ def test_a_killed_frontend_and_coordinators_dirs_go_at_the_next_start(tmp_path):
         f"""
         import sys, time
         from runtime.frontend.client import CoordinatorClient
-        from runtime.transport.channels import CoordinatorChannel
+        from runtime.transport.coordinator_channel import CoordinatorChannel
         client = CoordinatorClient({str(tmp_path)!r})
         channel = CoordinatorChannel(1, run_dir={str(tmp_path)!r})
         print("ready", flush=True)

@@ -6,7 +6,7 @@ import pytest
 
 from runtime.transport.codec import decode, encode
 from runtime.transport.fields import ProtocolError
-from runtime.transport.schema import MAX_LOGIT_BIAS, SamplingParams
+from runtime.transport.sampling import MAX_LOGIT_BIAS, SamplingParams
 
 
 def test_defaults_adjust_nothing():

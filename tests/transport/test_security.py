@@ -15,20 +15,19 @@ from typing import Any
 
 import pytest
 import zmq
+from runtime.cli_keys import rank_keys, transport_config
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.cli import main as flare_main
-from runtime.cli_keys import rank_keys, transport_config
 from runtime.ranks.watchdog import Watchdog
-from runtime.transport.channels import (
-    MAX_SOCKET_MESSAGE_BYTES,
-    ChannelEndpoints,
-    CoordinatorChannel,
-    HandshakeTimeout,
-    RankChannel,
-)
+from runtime.transport.channels import MAX_SOCKET_MESSAGE_BYTES, ChannelEndpoints, HandshakeTimeout
 from runtime.transport.codec import MAX_MESSAGE_BYTES, encode
-from runtime.transport.schema import Completion, Frame, FrameLane
+from runtime.transport.completion import Completion
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.key_files import generate_keys, load_client_keys, load_server_keys
+from runtime.transport.rank_channel import RankChannel
 from runtime.transport.security import (
     ENV_CLIENT_PUBLIC,
     ENV_CLIENT_SECRET,
@@ -37,9 +36,6 @@ from runtime.transport.security import (
     DeploymentKeys,
     ServerKeys,
     TransportKeyError,
-    generate_keys,
-    load_client_keys,
-    load_server_keys,
     per_run_keys,
     secure_client,
 )

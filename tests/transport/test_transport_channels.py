@@ -17,22 +17,16 @@ import pytest
 import zmq
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.transport.channels import (
-    ChannelEndpoints,
-    CoordinatorChannel,
-    EndpointError,
-    HandshakeTimeout,
-    RankChannel,
-)
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.channels import ChannelEndpoints, EndpointError, HandshakeTimeout
 from runtime.transport.codec import encode
-from runtime.transport.schema import (
-    PROTOCOL_VERSION,
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    FrameLane,
-)
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.rank_channel import RankChannel
+from runtime.transport.schema import PROTOCOL_VERSION
 from tests.transport import examples, rank_worker
 
 WAIT_MS = 9_000

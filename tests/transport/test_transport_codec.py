@@ -11,7 +11,9 @@ import pytest
 
 from runtime.transport import codec
 from runtime.transport.codec import decode, decode_or_log, encode
-from runtime.transport.schema import PROTOCOL_VERSION, Control, ProtocolError
+from runtime.transport.control import Control
+from runtime.transport.fields import ProtocolError
+from runtime.transport.schema import PROTOCOL_VERSION
 from tests.transport import examples
 
 

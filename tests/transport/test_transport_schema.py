@@ -15,17 +15,14 @@ import msgpack
 import pytest
 
 from runtime.transport.codec import decode, encode
-from runtime.transport.schema import (
-    MESSAGE_TYPES,
-    PROTOCOL_VERSION,
-    Completion,
-    Control,
-    Frame,
-    FrameLane,
-    ProtocolError,
-    SamplingParams,
-    Tensor,
-)
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.fields import ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import FrameLane
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.schema import MESSAGE_TYPES, PROTOCOL_VERSION
+from runtime.transport.tensor import Tensor
 from tests.transport import examples
 
 
@@ -174,7 +171,7 @@ def test_empty_and_scalar_tensors() -> None:
 
 def test_tensor_torch_helpers_round_trip() -> None:
     torch = pytest.importorskip("torch")
-    from runtime.transport.schema import tensor_from_torch, tensor_to_torch
+    from runtime.transport.tensor import tensor_from_torch, tensor_to_torch
 
     for dtype in (torch.float32, torch.int32, torch.int64, torch.float16, torch.bfloat16):
         value = (torch.arange(24) - 5).to(dtype).reshape(2, 3, 4)[:, 1:]  # a non-contiguous view

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from runtime.coordinator.config import ConfigError, PolicyConfig
 from runtime.identity import ExpectedIdentity
 from runtime.transport.channels import ChannelEndpoints
+from runtime.transport.fields import MAX_WORLD_SIZE
+from runtime.transport.frame_lane import MAX_SLOTS
 from runtime.transport.liveness import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S
-from runtime.transport.schema import MAX_SLOTS, MAX_WORLD_SIZE
 from runtime.transport.security import ServerKeys
 
 # The coordinator's per-frame watchdog (EngineConfig.frame_watchdog_*): looser

@@ -65,22 +65,16 @@ from runtime.coordinator.plan import ScheduledPlan
 from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.scheduler import Scheduler
 from runtime.trace.writer import TraceOptions
-from runtime.transport.channels import (
-    ChannelEndpoints,
-    CoordinatorChannel,
-    HandshakeTimeout,
-    TransportError,
-)
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.channels import ChannelEndpoints, HandshakeTimeout, TransportError
+from runtime.transport.completion import Completion
+from runtime.transport.control import Control
+from runtime.transport.coordinator_channel import CoordinatorChannel
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import MAX_SLOTS
 from runtime.transport.inspection import RankStatus
 from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig
-from runtime.transport.schema import (
-    MAX_SLOTS,
-    CatalogReport,
-    Completion,
-    Control,
-    Frame,
-    SamplingParams,
-)
+from runtime.transport.sampling import SamplingParams
 from runtime.transport.security import ClientKeys, DeploymentKeys, per_run_keys
 
 log = logging.getLogger("runtime.coordinator.engine")

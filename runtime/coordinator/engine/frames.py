@@ -13,17 +13,13 @@ from runtime.coordinator.plan import LanePhase, ScheduledPlan
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import GenerationStart, RequestHandle
 from runtime.transport.api import TokenLogprobs
+from runtime.transport.completion import Completion
+from runtime.transport.fields import ProtocolError
+from runtime.transport.frame import Frame
+from runtime.transport.frame_lane import PHASE_DECODE, PHASE_PREFILL, PHASE_STATE
 from runtime.transport.restore import Restore
-from runtime.transport.schema import (
-    PHASE_DECODE,
-    PHASE_PREFILL,
-    PHASE_STATE,
-    Completion,
-    Frame,
-    ProtocolError,
-    SamplingParams,
-    Tensor,
-)
+from runtime.transport.sampling import SamplingParams
+from runtime.transport.tensor import Tensor
 
 RUNNABLE_KINDS = (
     GraphKind.PREFILL,

@@ -20,8 +20,9 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from runtime.transport.completion import STAGE_NAMES, Completion
+from runtime.transport.control import Control
 from runtime.transport.inspection import RankStatus
-from runtime.transport.schema import STAGE_NAMES, Completion, Control
 
 # The skew histogram's upper bounds, seconds (the last bucket is +Inf).
 SKEW_BUCKETS_S = (

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.engine.config import EngineStartError
 from runtime.identity import ExpectedIdentity, is_digest
-from runtime.transport.channels import CoordinatorChannel
-from runtime.transport.schema import CatalogReport
+from runtime.transport.catalog_report import CatalogReport
+from runtime.transport.coordinator_channel import CoordinatorChannel
 
 log = logging.getLogger("runtime.coordinator.engine")
 

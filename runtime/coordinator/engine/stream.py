@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.coordinator.engine.core import Engine

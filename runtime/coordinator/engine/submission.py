@@ -7,7 +7,7 @@ import secrets
 from collections.abc import Sequence
 
 from runtime.coordinator.engine.startup import ModelFacts
-from runtime.transport.schema import SamplingParams
+from runtime.transport.sampling import SamplingParams
 
 
 def check_prompt(prompt_token_ids: Sequence[int], facts: ModelFacts) -> tuple[int, ...]:
