@@ -21,7 +21,7 @@ requests, and a coordinator silent past ``--heartbeat-timeout`` gets no new ones
 
 Every message from the coordinator (a :class:`Heartbeat` at least every
 ``--heartbeat-interval`` seconds) sets :attr:`CoordinatorClient.last_heard`;
-the frontend's :class:`runtime.frontend.server.Gate` judges from it whether the
+the frontend's :class:`runtime.frontend.server.admission.Gate` judges from it whether the
 coordinator still answers.  :attr:`CoordinatorClient.serving` is the latest
 heartbeat's or status's word; a status carrying an error (the engine failed, or
 is failing) sets :attr:`CoordinatorClient.failure` for good.  The frontend can

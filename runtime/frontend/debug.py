@@ -35,7 +35,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from runtime.frontend.client import CoordinatorGone
-from runtime.frontend.protocol import RequestError
+from runtime.frontend.protocol.errors import RequestError
 from runtime.transport.channels import make_socket
 from runtime.transport.links import LINK_VERSION
 

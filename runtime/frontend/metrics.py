@@ -48,80 +48,8 @@ class _StatusCollector(Collector):
         if status is None:
             return
         v = status.values
-        executions = CounterMetricFamily(
-            f"{PREFIX}_scheduler_executions",
-            "Executed programs by selection class.",
-            labels=["class"],
-        )
-        execution_ns = CounterMetricFamily(
-            f"{PREFIX}_scheduler_execution_nanoseconds",
-            "Charged execution time by selection class.",
-            labels=["class"],
-        )
-        for name in SELECTION_CLASSES:
-            executions.add_metric([name], v.get(f"executions_total:{name}", 0.0))
-            execution_ns.add_metric([name], v.get(f"execution_nanoseconds_total:{name}", 0.0))
-        yield executions
-        yield execution_ns
-        yield CounterMetricFamily(
-            f"{PREFIX}_speculative_executions",
-            "Complete speculative programs executed.",
-            value=v.get(f"frames_total:{SPECULATIVE_KIND}", 0.0),
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_speculative_device_nanoseconds",
-            "Device time of complete speculative programs.",
-            value=v.get(f"device_nanoseconds_total:{SPECULATIVE_KIND}", 0.0),
-        )
-        frames = CounterMetricFamily(
-            f"{PREFIX}_frames", "Completed frames by program kind.", labels=["kind"]
-        )
-        for key, value in sorted(v.items()):
-            if key.startswith("frames_total:"):
-                frames.add_metric([key.split(":", 1)[1]], value)
-        yield frames
-        for outcome, doc in (
-            ("submitted", "Requests the coordinator accepted."),
-            ("finished", "Requests the coordinator finished (stop or length)."),
-            ("cancelled", "Requests cancelled in the coordinator (client gone, frontend stop)."),
-        ):
-            yield CounterMetricFamily(
-                f"{PREFIX}_engine_requests_{outcome}", doc, value=v.get(f"requests_{outcome}", 0.0)
-            )
-        yield CounterMetricFamily(
-            f"{PREFIX}_transport_auth_denied",
-            "Peers the coordinator's CURVE gate refused (no key, an unknown key, a wrong "
-            "server key); each is logged with its reason.",
-            value=v.get("transport_auth_denied_total", 0.0),
-        )
-        if "trace_lines" in v:  # the coordinator traces (--trace, --debug-endpoints)
-            yield CounterMetricFamily(
-                f"{PREFIX}_trace_lines", "Frames written to the live plan trace.",
-                value=v["trace_lines"],
-            )  # fmt: skip
-            yield CounterMetricFamily(
-                f"{PREFIX}_trace_dropped",
-                "Trace lines dropped because the trace writer fell behind.",
-                value=v.get("trace_dropped", 0.0),
-            )
-        gauges = (
-            ("num_requests_running", "Requests resident on the ranks.", "running"),
-            ("num_requests_waiting", "Requests admitted but not yet resident.", "waiting"),
-            ("frames_in_flight", "Frames dispatched and not yet completed.", "in_flight"),
-            ("kv_pages_total", "KV cache pages.", "num_pages"),
-        )
-        # kv_pages_used: pages requests hold (cached pages nobody holds are free
-        # to take: they count as free here and under kv_pages_cached_idle).
-        for name, doc, key in gauges:
-            yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=v.get(key, 0.0))
-        total = v.get("num_pages", 0.0)
-        used = total - v.get("free_pages", total)
-        yield GaugeMetricFamily(f"{PREFIX}_kv_pages_used", "KV cache pages in use.", value=used)
-        yield GaugeMetricFamily(
-            f"{PREFIX}_kv_cache_usage_perc",
-            "Fraction of KV cache pages in use (0..1).",
-            value=used / total if total else 0.0,
-        )
+        yield from scheduler_families(v)
+        yield from engine_families(v)
         yield from prefix_cache_families(v)
         yield GaugeMetricFamily(
             f"{PREFIX}_engine_serving", "1 while the engine accepts requests.", value=status.serving
@@ -135,6 +63,88 @@ class _StatusCollector(Collector):
             estimates.add_metric([graph], ns / 1e9)
         yield estimates
         yield from rank_families(v)
+
+
+def scheduler_families(v: dict[str, float]) -> Iterator:
+    """The scheduler's executions by selection class, speculative programs, frames."""
+    executions = CounterMetricFamily(
+        f"{PREFIX}_scheduler_executions",
+        "Executed programs by selection class.",
+        labels=["class"],
+    )
+    execution_ns = CounterMetricFamily(
+        f"{PREFIX}_scheduler_execution_nanoseconds",
+        "Charged execution time by selection class.",
+        labels=["class"],
+    )
+    for name in SELECTION_CLASSES:
+        executions.add_metric([name], v.get(f"executions_total:{name}", 0.0))
+        execution_ns.add_metric([name], v.get(f"execution_nanoseconds_total:{name}", 0.0))
+    yield executions
+    yield execution_ns
+    yield CounterMetricFamily(
+        f"{PREFIX}_speculative_executions",
+        "Complete speculative programs executed.",
+        value=v.get(f"frames_total:{SPECULATIVE_KIND}", 0.0),
+    )
+    yield CounterMetricFamily(
+        f"{PREFIX}_speculative_device_nanoseconds",
+        "Device time of complete speculative programs.",
+        value=v.get(f"device_nanoseconds_total:{SPECULATIVE_KIND}", 0.0),
+    )
+    frames = CounterMetricFamily(
+        f"{PREFIX}_frames", "Completed frames by program kind.", labels=["kind"]
+    )
+    for key, value in sorted(v.items()):
+        if key.startswith("frames_total:"):
+            frames.add_metric([key.split(":", 1)[1]], value)
+    yield frames
+
+
+def engine_families(v: dict[str, float]) -> Iterator:
+    """The coordinator's request counts, auth refusals, trace lines, queue and KV gauges."""
+    for outcome, doc in (
+        ("submitted", "Requests the coordinator accepted."),
+        ("finished", "Requests the coordinator finished (stop or length)."),
+        ("cancelled", "Requests cancelled in the coordinator (client gone, frontend stop)."),
+    ):
+        yield CounterMetricFamily(
+            f"{PREFIX}_engine_requests_{outcome}", doc, value=v.get(f"requests_{outcome}", 0.0)
+        )
+    yield CounterMetricFamily(
+        f"{PREFIX}_transport_auth_denied",
+        "Peers the coordinator's CURVE gate refused (no key, an unknown key, a wrong "
+        "server key); each is logged with its reason.",
+        value=v.get("transport_auth_denied_total", 0.0),
+    )
+    if "trace_lines" in v:  # the coordinator traces (--trace, --debug-endpoints)
+        yield CounterMetricFamily(
+            f"{PREFIX}_trace_lines", "Frames written to the live plan trace.",
+            value=v["trace_lines"],
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{PREFIX}_trace_dropped",
+            "Trace lines dropped because the trace writer fell behind.",
+            value=v.get("trace_dropped", 0.0),
+        )
+    gauges = (
+        ("num_requests_running", "Requests resident on the ranks.", "running"),
+        ("num_requests_waiting", "Requests admitted but not yet resident.", "waiting"),
+        ("frames_in_flight", "Frames dispatched and not yet completed.", "in_flight"),
+        ("kv_pages_total", "KV cache pages.", "num_pages"),
+    )
+    # kv_pages_used: pages requests hold (cached pages nobody holds are free
+    # to take: they count as free here and under kv_pages_cached_idle).
+    for name, doc, key in gauges:
+        yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=v.get(key, 0.0))
+    total = v.get("num_pages", 0.0)
+    used = total - v.get("free_pages", total)
+    yield GaugeMetricFamily(f"{PREFIX}_kv_pages_used", "KV cache pages in use.", value=used)
+    yield GaugeMetricFamily(
+        f"{PREFIX}_kv_cache_usage_perc",
+        "Fraction of KV cache pages in use (0..1).",
+        value=used / total if total else 0.0,
+    )
 
 
 def prefix_cache_families(v: dict[str, float]) -> Iterator:

@@ -18,7 +18,7 @@ with finish_reason "abort" (running or still waiting for a slot); with
 to S seconds, then the rest end with "abort" (a second signal aborts at
 once).  Either way the coordinator and its ranks are stopped and the exit
 code is 0.  The coordinator's heartbeat (``--heartbeat-interval``) is watched
-by :meth:`runtime.frontend.server.Gate.watch`; see docs/serving.md,
+by :meth:`runtime.frontend.server.admission.Gate.watch`; see docs/serving.md,
 "Reliability".
 """
 
@@ -54,9 +54,11 @@ from runtime.frontend.connections import (
 from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
-from runtime.frontend.preprocess import DEFAULT_WORKERS, PreprocessPool
-from runtime.frontend.protocol import ServingLimits
-from runtime.frontend.server import Frontend, Gate, create_app
+from runtime.frontend.preprocess.pool import DEFAULT_WORKERS, PreprocessPool
+from runtime.frontend.protocol.requests import ServingLimits
+from runtime.frontend.server.admission import Gate
+from runtime.frontend.server.app import create_app
+from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.launch import spawn_coordinator
 from runtime.logs import basic_config, install_rate_limit

@@ -3,84 +3,18 @@ frontend-side stops, health.  (tests/frontend/test_server.py runs the real proce
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
-
 import pytest
 from fastapi.testclient import TestClient
 
 from runtime.frontend.chat import load_chat_template
-from runtime.frontend.client import CoordinatorGone
 from runtime.frontend.metrics import ServingMetrics
-from runtime.frontend.protocol import ServingLimits
-from runtime.frontend.server import Frontend, create_app
+from runtime.frontend.protocol.requests import ServingLimits
+from runtime.frontend.server.app import create_app
+from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
-from runtime.transport.api import Output, Status, Submit
-
-MODEL = "tiny"
-
-
-class ScriptedClient:
-    """Stands in for CoordinatorClient: each request gets ``script`` as its outputs."""
-
-    def __init__(self, script: list[Output], serving: bool = True, gone: bool = False) -> None:
-        self.script = script
-        self.serving = serving
-        self.gone = gone
-        self.published: list[tuple[int, int]] = []
-        self.cancelled: list[int] = []
-        self.submitted: list[int] = []
-        self.groups: list[int | None] = []
-        self.sampling: list = []
-        self.prompts: list[tuple[int, ...]] = []
-        self.submits: list[Submit] = []
-        self._ids = iter(range(1, 1000))
-        self._groups = iter(range(1, 1000))
-
-    def new_request_id(self) -> int:
-        return next(self._ids)
-
-    def new_group_id(self) -> int:
-        return next(self._groups)
-
-    def submit(
-        self,
-        request_id,
-        prompt,
-        max_tokens,
-        sampling,
-        ignore_eos=False,
-        group=None,
-        *,
-        cache_salt="",
-        message_endpoints=(),
-    ):
-        # What CoordinatorClient would send: Submit validates the fields.
-        self.submits.append(
-            Submit(request_id, tuple(prompt), max_tokens, sampling, ignore_eos, group,
-                   cache_salt=cache_salt, message_endpoints=message_endpoints)
-        )  # fmt: skip
-        self.submitted.append(request_id)
-        self.groups.append(group)
-        self.sampling.append(sampling)
-        self.prompts.append(tuple(prompt))
-        queue: asyncio.Queue[Output] = asyncio.Queue()
-        for out in self.script:
-            queue.put_nowait(dataclasses.replace(out, request_id=request_id))
-        return queue
-
-    def cancel(self, request_id: int) -> None:
-        self.cancelled.append(request_id)
-
-    def publish(self, request_id: int, fence: int, at_ns: int) -> None:
-        self.published.append((request_id, fence))
-
-    async def query_status(self, timeout_s: float = 2.0) -> Status:
-        if self.gone:
-            raise CoordinatorGone("no status")
-        return Status(1, self.serving, MODEL, 512, 4096, 1, 4, kv_tokens=4096)
+from runtime.transport.api import Output
+from tests.support.scripted_client import MODEL, ScriptedClient, script_for, sse
 
 
 @pytest.fixture(scope="module")
@@ -94,24 +28,6 @@ def app(client: ScriptedClient, tokenizer: ModelTokenizer) -> TestClient:
         client, tokenizer, template, ServingLimits(MODEL, 512, 4096), ServingMetrics(MODEL)
     )
     return TestClient(create_app(frontend))
-
-
-def script_for(tokenizer: ModelTokenizer, text: str, per_frame: int = 1) -> list[Output]:
-    """The outputs of a request producing ``text`` (as the tokenizer splits it)."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    chunks = [ids[i : i + per_frame] for i in range(0, len(ids), per_frame)]
-    outs = [Output(0, 10 + i, tuple(c)) for i, c in enumerate(chunks)]
-    last = outs[-1]
-    outs[-1] = Output(0, last.fence, last.token_ids, "length")
-    return outs
-
-
-def sse(response) -> list[dict]:
-    return [
-        json.loads(line[6:])
-        for line in response.text.splitlines()
-        if line.startswith("data: ") and line != "data: [DONE]"
-    ]
 
 
 def test_streaming_publishes_each_chunk_with_its_fence(tokenizer):
@@ -186,9 +102,9 @@ def test_hostile_bodies_are_4xx_naming_the_field(tokenizer, content, status, par
 
 
 def test_a_body_over_the_limit_is_a_413(tokenizer, monkeypatch):
-    from runtime.frontend import server
+    from runtime.frontend.server import body
 
-    monkeypatch.setattr(server, "MAX_BODY_BYTES", 1000)
+    monkeypatch.setattr(body, "MAX_BODY_BYTES", 1000)
     with app(ScriptedClient([]), tokenizer) as http:
         r = http.post("/v1/completions", json={"prompt": "x" * 2000})
     assert r.status_code == 413 and "error" in r.json()

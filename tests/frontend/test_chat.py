@@ -10,7 +10,8 @@ import pytest
 
 from runtime.frontend import chat as chat_module
 from runtime.frontend.chat import ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
-from runtime.frontend.protocol import ServingLimits, parse_chat
+from runtime.frontend.protocol.chat_completions import parse_chat
+from runtime.frontend.protocol.requests import ServingLimits
 from runtime.frontend.tokenizer import ModelTokenizer, TokenizerError
 from runtime.ranks.model import default_model_dir
 

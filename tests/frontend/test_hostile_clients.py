@@ -32,21 +32,18 @@ from fastapi.testclient import TestClient
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.metrics import ServingMetrics
-from runtime.frontend.preprocess import (
-    MAX_MESSAGES,
-    PreprocessPool,
-    WireError,
-    check_sizes,
-    requests_from_wire,
-    requests_to_wire,
-)
-from runtime.frontend.protocol import GenerationRequest, RequestError, ServingLimits
-from runtime.frontend.server import Frontend, create_app
+from runtime.frontend.preprocess.limits import MAX_MESSAGES, check_sizes
+from runtime.frontend.preprocess.pool import PreprocessPool
+from runtime.frontend.preprocess.wire import WireError, requests_from_wire, requests_to_wire
+from runtime.frontend.protocol.errors import RequestError
+from runtime.frontend.protocol.requests import GenerationRequest, ServingLimits
+from runtime.frontend.server.app import create_app
+from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.launch import free_port
 from runtime.ranks.model import default_model_dir
-from tests.frontend.test_app import MODEL, ScriptedClient
 from tests.server.harness import ROOT, START_S
+from tests.support.scripted_client import MODEL, ScriptedClient
 
 HOST = "127.0.0.1"
 HEADER_TIMEOUT_S = 2.0
@@ -585,7 +582,7 @@ def test_a_worker_over_its_time_limit_is_replaced(tokenizer):
 
 
 def test_a_many_choice_response_renders_a_choice_at_a_time_to_the_same_json():
-    from runtime.frontend.server import _rendered
+    from runtime.frontend.server.responses import rendered
 
     content = {
         "id": "cmpl-1",
@@ -594,6 +591,6 @@ def test_a_many_choice_response_renders_a_choice_at_a_time_to_the_same_json():
         "choices": [{"index": i, "text": f"é {i}", "finish_reason": "length"} for i in range(20)],
         "usage": {"prompt_tokens": 3},
     }
-    response = asyncio.run(_rendered(content))
+    response = asyncio.run(rendered(content))
     assert json.loads(response.body) == content
     assert response.headers["content-type"] == "application/json"

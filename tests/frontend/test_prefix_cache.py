@@ -13,19 +13,17 @@ from fastapi.testclient import TestClient
 
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.metrics import ServingMetrics
-from runtime.frontend.protocol import ServingLimits, parse_chat, parse_completions
-from runtime.frontend.server import (
-    Frontend,
-    api_keys,
-    combined_salt,
-    create_app,
-    submit_endpoints,
-    tenant_salts,
-)
+from runtime.frontend.protocol.chat_completions import parse_chat
+from runtime.frontend.protocol.completions import parse_completions
+from runtime.frontend.protocol.requests import ServingLimits
+from runtime.frontend.server.app import create_app
+from runtime.frontend.server.auth import api_keys, combined_salt, tenant_salts
+from runtime.frontend.server.generation import submit_endpoints
+from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
 from runtime.transport.api import MAX_SALT_CHARS, Output
-from tests.frontend.test_app import MODEL, ScriptedClient, script_for, sse
+from tests.support.scripted_client import MODEL, ScriptedClient, script_for, sse
 
 LIMITS = ServingLimits(MODEL, 512, 4096)
 PROMPT_A = "one two three four five six seven eight nine ten"

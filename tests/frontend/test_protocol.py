@@ -7,13 +7,10 @@ import math
 import pytest
 
 from runtime.frontend.chat import ChatTemplate
-from runtime.frontend.protocol import (
-    GenerationRequest,
-    RequestError,
-    ServingLimits,
-    parse_chat,
-    parse_completion,
-)
+from runtime.frontend.protocol.chat_completions import parse_chat
+from runtime.frontend.protocol.completions import parse_completion
+from runtime.frontend.protocol.errors import RequestError
+from runtime.frontend.protocol.requests import GenerationRequest, ServingLimits
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
 
@@ -359,7 +356,7 @@ def test_template_refusal_is_a_400_naming_messages(tok):
 
 
 def test_batched_completion_prompts_give_one_request_each():
-    from runtime.frontend.protocol import parse_completions
+    from runtime.frontend.protocol.completions import parse_completions
 
     limits = ServingLimits("m", 512, 64)
     tok = _BatchTokenizer()

@@ -34,13 +34,15 @@ from runtime.cli import _run_parser, build_parser
 from runtime.cli_serving import serving_options
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.metrics import ServingMetrics
-from runtime.frontend.protocol import ServingLimits
-from runtime.frontend.server import Frontend, Gate, create_app
+from runtime.frontend.protocol.requests import ServingLimits
+from runtime.frontend.server.admission import Gate
+from runtime.frontend.server.app import create_app
+from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.launch import free_port
 from runtime.ranks.model import default_model_dir
-from tests.frontend.test_app import MODEL, ScriptedClient, script_for
 from tests.server.harness import ROOT, START_S, Server, body, words
+from tests.support.scripted_client import MODEL, ScriptedClient, script_for
 
 SEQ_FLAGS = ["--max-num-seqs", "1", "--max-prefill-tokens", "4096", "--device", "cpu"]
 HEARTBEAT = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"]
@@ -398,8 +400,8 @@ def test_https_flags_reach_uvicorn_with_client_certificates_required(tmp_path):
 
 
 def test_the_bridge_heartbeat_reaches_the_client_and_says_when_the_engine_stops():
-    from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
     from runtime.coordinator.engine import Engine, EngineConfig
+    from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
     from runtime.frontend.client import CoordinatorClient
     from tests.coordinator import fake_rank
 

@@ -14,12 +14,14 @@ from fastapi.testclient import TestClient
 from runtime.frontend.chat import ChatTemplate, load_chat_template
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
-from runtime.frontend.protocol import ServingLimits
-from runtime.frontend.server import Frontend, create_app, package_version
+from runtime.frontend.protocol.requests import ServingLimits
+from runtime.frontend.server.admin_routes import package_version
+from runtime.frontend.server.app import create_app
+from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer, TokenizerError
 from runtime.ranks.model import default_model_dir
 from runtime.transport.api import Output
-from tests.frontend.test_app import MODEL, ScriptedClient, script_for
+from tests.support.scripted_client import MODEL, ScriptedClient, script_for
 
 VOCAB = 512
 USER = [{"role": "user", "content": "hi"}]

@@ -14,18 +14,16 @@ from runtime.frontend.chat import ChatTemplate, load_chat_template
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.detokenizer import IncrementalDetokenizer
 from runtime.frontend.metrics import ServingMetrics
-from runtime.frontend.protocol import (
-    RequestError,
-    ServingLimits,
-    parse_chat,
-    parse_completion,
-    parse_completions,
-)
-from runtime.frontend.server import Frontend, create_app
+from runtime.frontend.protocol.chat_completions import parse_chat
+from runtime.frontend.protocol.completions import parse_completion, parse_completions
+from runtime.frontend.protocol.errors import RequestError
+from runtime.frontend.protocol.requests import ServingLimits
+from runtime.frontend.server.app import create_app
+from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
 from runtime.transport.api import Output, TokenLogprobs
-from tests.frontend.test_app import MODEL, ScriptedClient, script_for, sse
+from tests.support.scripted_client import MODEL, ScriptedClient, script_for, sse
 
 VOCAB = 512
 USER = [{"role": "user", "content": "hi"}]

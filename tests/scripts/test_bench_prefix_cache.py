@@ -201,7 +201,8 @@ def test_text_source_hands_out_distinct_pieces_of_at_least_n_tokens():
 
 
 def test_chat_renders_and_encodes_as_the_server_does():
-    from runtime.frontend.protocol import ServingLimits, parse_chat
+    from runtime.frontend.protocol.chat_completions import parse_chat
+    from runtime.frontend.protocol.requests import ServingLimits
     from runtime.ranks.model import default_model_dir
 
     chat = Chat(default_model_dir())

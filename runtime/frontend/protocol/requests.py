@@ -1,0 +1,88 @@
+"""What a request is checked against (:class:`ServingLimits`), what a valid one
+becomes (:class:`GenerationRequest`), and what validation needs of a tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+MAX_CHOICES = 1024  # prompts x n of one request, unless the server says otherwise
+
+
+@dataclass(frozen=True)
+class ServingLimits:
+    """What the server serves: checked against every request.
+
+    ``default_max_tokens``: the max_tokens of a request that gives none, capped by the
+    rest of the context; None means the rest of the context (OpenAI's legacy completions
+    used 16).  ``max_choices``: prompts x n one request may ask for
+    (``--max-choices-per-request``).
+    """
+
+    model_name: str
+    vocab_size: int
+    max_context: int
+    default_max_tokens: int | None = None
+    kv_tokens: int | None = None  # tokens the KV cache holds for one request (pages x size)
+    max_choices: int = MAX_CHOICES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        for name in ("vocab_size", "max_context", "max_choices"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.default_max_tokens is not None and (
+            type(self.default_max_tokens) is not int or self.default_max_tokens < 1
+        ):
+            raise ValueError(
+                "default_max_tokens must be a positive int or None, "
+                f"got {self.default_max_tokens!r}"
+            )
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, ready for ``engine.submit``.
+
+    ``prompt``: the prompt text (chat: the rendered template), None when the client sent
+    token ids. ``top_k`` -1 is disabled; ``seed`` None asks the server for a random one;
+    ``logprobs`` None means no logprobs, k >= 0 the sampled token's plus the top k.
+    """
+
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    prompt: str | None
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    # Chat: each message's token endpoint in prompt_token_ids (chat.message_endpoints).
+    message_endpoints: tuple[int, ...] = ()
+    cache_salt: str = ""  # the request's own prefix-cache salt ("" none)
+    # vLLM's output fields (see the module docstring).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    # What the request asked (None: no truncation); prompt_token_ids are already cut.
+    truncate_prompt_tokens: int | None = None
+
+
+class Encoder(Protocol):
+    """What validation needs of a tokenizer (``ModelTokenizer`` is one)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...

@@ -1,0 +1,1 @@
+"""Shared test helpers (not tests): tiny checkpoints, a ``flare run`` server, process checks."""
