@@ -23,7 +23,7 @@ import torch
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import default_draft_dir, default_model_dir, load_model
-from runtime.ranks.speculative import ProposerConfig
+from runtime.ranks.proposals import ProposerConfig
 from runtime.ranks.worker import RankWorker
 from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from runtime.ranks.capacity import CapacityConfig
     from runtime.ranks.model.config import ModelConfig
     from runtime.ranks.model.llama import LlamaForCausalLM
-    from runtime.ranks.programs import ProgramShape
+    from runtime.ranks.shapes import ProgramShape
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -282,7 +282,7 @@ def check_programs_fit(memory: DeviceMemory, programs_bytes: int) -> None:
 def largest_shapes(capacity: CapacityConfig, max_context: int) -> list[ProgramShape]:
     """The catalog's shapes with the most tokens and with the most lanes."""
     from runtime.ranks.capacity import build_catalog, forward_programs
-    from runtime.ranks.programs import ProgramShape
+    from runtime.ranks.shapes import ProgramShape
 
     catalog = forward_programs(build_catalog(capacity, max_context))
     shapes = [ProgramShape.of(d) for d in catalog]

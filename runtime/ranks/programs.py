@@ -10,34 +10,18 @@ pending tokens, sampling settings) and is gathered by slot inside the body, so
 positions, slot mappings and page tables are derived on the device and the
 host packs a handful of numbers per lane, whatever the context length.
 
-Sampling comes in three captured *variants* of the same shape, chosen per
-frame from its lanes' settings (:data:`VARIANTS`): ``argmax`` (every lane
-greedy with no bias, penalty or ``min_tokens``: one argmax), ``sample`` (the
-full sampler, logit adjustments and the per-slot penalty state) and
-``logprobs`` (``sample`` plus the raw log probabilities).  Settings are fixed
-per request, so a request that needs the full sampler runs every frame in
-``sample`` or ``logprobs`` and its penalty state stays exact; the state of a
-slot whose settings never need it is not maintained (nothing reads it).  The variants share
-the shape's one cost entry (the spec keys costs by physical shape); their cost
-spread is reported by ``scripts/bench_rank_host.py`` and ``scripts/gpu_check.py``.
-
 The sampled token of every committing lane is written into the slot's pending
 row on the device (the next decode frame reads it there) and into the shared
-output buffers (:class:`ProgramOutputs`), from which a non-blocking copy into
-host staging, completed by an event, serves publication only.
+output buffers (:class:`~runtime.ranks.outputs.ProgramOutputs`), from which a
+non-blocking copy into host staging, completed by an event, serves
+publication only.
 
 * CUDA: each variant is captured with ``torch.cuda.CUDAGraph`` (largest first,
   one memory pool) and timed with CUDA events around the replay.
 * CPU: the same body runs eagerly, synchronously, timed with
   ``perf_counter_ns``, over page tables trimmed to the frame's longest lane.
 
-A program's shape (:class:`ProgramShape`): decode batch B has B tokens, B lanes,
-one token per lane; prefill capacity C has C tokens and one lane; a mixed
-program (B, W, C) has B lanes and C + (B - 1) * W tokens: at most one prompt
-row of up to C tokens (``prefill_row``, an index into the dense lane list, -1
-for none) and decode rows of up to W tokens each (W = 1 today).  Lane ``i``'s
-tokens are packed at the prefix sum of the query lengths before it.  Padded
-tokens and lanes write no KV (slot -1) and commit into the scratch row.
+A program's shape and its sampling variants: :mod:`runtime.ranks.shapes`.
 """
 
 from __future__ import annotations
@@ -51,114 +35,21 @@ import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.arena import LANE_FIELDS, FrameInputs, SlotArena, int_size
+from runtime.ranks.checked_frame import CheckedFrame
 from runtime.ranks.draft import DraftContext
 from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.model.parallel import RELEASE
+from runtime.ranks.outputs import HostOutputs, ProgramOutputs
+from runtime.ranks.proposals import ProposerConfig
 from runtime.ranks.sampling import (
     LogitAdjustments,
-    PenaltyState,
     SamplingBatch,
-    eos_index,
     sample,
     token_logprobs,
 )
-from runtime.ranks.slots import CheckedFrame
-from runtime.ranks.speculative import ProposerConfig, RoundOutputs, SpeculativeStages
-from runtime.transport.frame_lane import MAX_SLOTS
-from runtime.transport.sampling import MAX_LOGPROBS
-
-VARIANTS = ("argmax", "sample", "logprobs")
-
-
-class ProgramError(ValueError):
-    """A frame does not fit the program it names."""
-
-
-@dataclass(frozen=True)
-class ProgramShape:
-    """A program's fixed extents.
-
-    ``max_query_len`` bounds every lane's new tokens, except in mixed programs,
-    where it bounds the prompt row's (C) and ``row_query_len`` every other
-    row's (W).  Mixed token capacity is the spec's maximum packed extent
-    ``C + (B - 1) * W``: whichever lane is the prompt row, every packing of
-    one prompt row and B - 1 rows of at most W tokens fits, and a decode-only
-    population (C >= W) too.
-    """
-
-    tokens: int  # N: packed token rows
-    lanes: int  # L: request rows
-    max_query_len: int  # Q: new tokens per lane at most (mixed: the prompt row's, C)
-    row_query_len: int = 0  # W: mixed only: new tokens of every other row at most; 0 = not mixed
-
-    @property
-    def mixed(self) -> bool:
-        return self.row_query_len > 0
-
-    @classmethod
-    def of(cls, desc: GraphDescriptor) -> ProgramShape:
-        if desc.kind is GraphKind.DECODE:
-            return cls(desc.batch_capacity, desc.batch_capacity, 1)
-        if desc.kind is GraphKind.PREFILL:
-            return cls(desc.prompt_capacity, 1, desc.prompt_capacity)
-        if desc.kind is GraphKind.MIXED:
-            b, w, c = desc.batch_capacity, desc.token_capacity, desc.prompt_capacity
-            return cls(c + (b - 1) * w, b, c, w)
-        if desc.kind is GraphKind.SPECULATIVE:  # P target rows, B lanes of at most D + 1
-            width = min(desc.token_capacity, desc.proposal_depth + 1)
-            return cls(desc.target_capacity, desc.batch_capacity, width)
-        raise ProgramError(f"no prepared program for {desc.kind.value} graphs yet")
-
-
-def variant_of(checked: CheckedFrame) -> str:
-    """The sampling variant a checked frame needs."""
-    if checked.logprobs >= 0:
-        return "logprobs"
-    return "sample" if checked.full else "argmax"
-
-
-@dataclass(frozen=True)
-class ProgramOutputs:
-    """Static device buffers shared by every program (rows 0..L-1 belong to the
-    last run), with the model's EOS ids and the per-slot penalty state."""
-
-    tokens: torch.Tensor  # (L_max,) int64: the sampled tokens
-    logprob: torch.Tensor  # (L_max,) float32: the sampled token's raw log probability
-    top_ids: torch.Tensor  # (L_max, K) int64: the top-K tokens, best first
-    top_logprobs: torch.Tensor  # (L_max, K) float32: their log probabilities
-    eos: torch.Tensor  # (E,) int64: the model's EOS ids, barred by min_tokens
-    penalties: PenaltyState  # per slot: output-token counts, prompt-token mask
-
-    @classmethod
-    def allocate(cls, lanes: int, model: LlamaForCausalLM, device: torch.device) -> ProgramOutputs:
-        vocab = model.config.vocab_size
-        k = min(MAX_LOGPROBS, vocab)
-        return cls(
-            tokens=torch.zeros(lanes, dtype=torch.int64, device=device),
-            logprob=torch.zeros(lanes, dtype=torch.float32, device=device),
-            top_ids=torch.zeros(lanes, k, dtype=torch.int64, device=device),
-            top_logprobs=torch.zeros(lanes, k, dtype=torch.float32, device=device),
-            eos=eos_index(model.config.eos_token_ids, device),
-            penalties=PenaltyState(MAX_SLOTS, vocab, device),
-        )
-
-    @property
-    def max_logprobs(self) -> int:
-        return self.top_ids.shape[1]
-
-
-class HostOutputs:
-    """Host copies of one frame's outputs (pinned on CUDA): tokens, and the log
-    probabilities when the frame asked for them."""
-
-    def __init__(self, lanes: int, k: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.tokens = torch.zeros(lanes, dtype=torch.int64, pin_memory=pin)
-        self.logprob = torch.zeros(lanes, dtype=torch.float32, pin_memory=pin)
-        self.top_ids = torch.zeros(lanes, k, dtype=torch.int64, pin_memory=pin)
-        self.top_logprobs = torch.zeros(lanes, k, dtype=torch.float32, pin_memory=pin)
-        self.token_array = self.tokens.numpy()
+from runtime.ranks.shapes import VARIANTS, ProgramError, ProgramShape
+from runtime.ranks.speculative import RoundOutputs, SpeculativeStages
 
 
 @dataclass

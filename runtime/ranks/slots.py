@@ -21,7 +21,7 @@ A new generation starts at position 0, unless its lane carries a restore
 record (:class:`~runtime.transport.restore.Restore`): then it starts at its
 ``prompt_start`` over KV its pages already hold, its chunk must agree with the
 record's tokens, and its sampling step starts at the outputs already emitted
-(:meth:`SlotTable.check_restores`).  ``copies`` are checked against the pool
+(:func:`~runtime.ranks.restores.check_restore_lanes`).  ``copies`` are checked against the pool
 (:meth:`SlotTable.check_copies`).  Until a restored generation's prefill has
 reached the end of its record's tokens, every later chunk must agree with them
 too (the table keeps the record).
@@ -36,71 +36,14 @@ prefill-ready there), a terminal row drops a known generation.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.catalog import GraphKind
+from runtime.ranks.checked_frame import CheckedFrame, FrameError, column
+from runtime.ranks.restores import check_continuations, check_restore_lanes, track_records
 from runtime.transport.frame import Frame
 from runtime.transport.restore import Restore
 from runtime.transport.sampling import SamplingParams
-
-
-class FrameError(ValueError):
-    """A frame does not fit the rank's slot state; nothing changed."""
-
-
-def column(values) -> np.ndarray:
-    """A frame column (``array('q')``, bytes-like or sequence) as int64 numpy, no copy
-    when it already is a buffer."""
-    if isinstance(values, np.ndarray):
-        return values.astype(np.int64, copy=False)
-    try:
-        return np.frombuffer(values, dtype=np.int64)
-    except TypeError:
-        return np.asarray(values, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class CheckedFrame:
-    """A frame's lanes as int64 columns, checked against the table (R lanes)."""
-
-    frame: Frame
-    slot: np.ndarray  # (R,)
-    generation: np.ndarray  # (R,)
-    prefill: np.ndarray  # (R,) bool
-    position: np.ndarray  # (R,) KV position of the lane's first new token
-    query_len: np.ndarray  # (R,)
-    commits: np.ndarray  # (R,) 0 or 1
-    starts: np.ndarray  # (R,) bool: a new generation (its state starts empty)
-    step: np.ndarray  # (R,) the sampling step of the lane's token
-    page_base: np.ndarray  # (R,) pages the slot held before this lane's appends
-    page_count: np.ndarray  # (R,) pages this lane appends
-    pages: np.ndarray  # (sum page_count,) flat
-    prompt_tokens: np.ndarray  # flat, the prefill lanes' chunks in lane order
-    sampling: dict[int, SamplingParams]  # lane -> params (prefill lanes)
-    full: bool  # some lane needs the full sampler (non-greedy, bias, penalties, min_tokens)
-    logprobs: int  # the most log probabilities a lane asks for; -1: none
-    steady: bool = False  # the previous frame's decode lanes, one token on (see check)
-    restores: dict[int, Restore] = field(default_factory=dict)  # lane -> record (new generations)
-
-    @property
-    def lanes(self) -> int:
-        return int(self.slot.shape[0])
-
-    @property
-    def speculative(self) -> bool:
-        """A speculative round (or a wide mixed program): its decode lanes may emit
-        fewer than ``query_len`` tokens."""
-        program = self.frame.program
-        return program.kind is GraphKind.SPECULATIVE or (
-            program.kind is GraphKind.MIXED and program.token_capacity > 1
-        )
-
-    @property
-    def context(self) -> np.ndarray:
-        """(R,) each lane's context after the frame."""
-        return self.position + self.query_len
 
 
 class SlotTable:
@@ -169,9 +112,9 @@ class SlotTable:
         state = self._state[slot]  # (R, 9)
         known = state[:, 0] == generation
         prefill = column(frame.phase) == 1
-        restores = self.check_restores(frame, known.tolist(), vocab)
+        restores = check_restore_lanes(frame, known.tolist(), vocab)
         if self.records:
-            self._check_continuations(frame, known.tolist(), prefill.tolist())
+            check_continuations(self.records, frame, known.tolist(), prefill.tolist())
         # A known slot continues where it stopped (behind a speculative round in
         # flight: anywhere in its slack); a new generation starts at 0 with a
         # prefill lane (a restored one at its prompt_start); a decode lane needs
@@ -227,9 +170,9 @@ class SlotTable:
         generation, held_before, step, slack, short = self._state[slot, [0, 3, 6, 7, 8]].tolist()
         known = generation == frame.generation[0]
         prefill = frame.phase[0] == 1
-        restores = self.check_restores(frame, [known], vocab)
+        restores = check_restore_lanes(frame, [known], vocab)
         if self.records:
-            self._check_continuations(frame, [known], [prefill])
+            check_continuations(self.records, frame, [known], [prefill])
         at = self.next_position[slot] - slack <= position <= self.next_position[slot] + short
         ok = known and at and (prefill or self.pending[slot])
         fresh = position == 0 or bool(restores)
@@ -293,53 +236,6 @@ class SlotTable:
                     f"rank's {self.num_pages} pages"
                 )
 
-    def check_restores(self, frame: Frame, known: list[bool], vocab: int) -> dict[int, Restore]:
-        """The frame's restore records, lane -> record, checked against the table.
-
-        A restored lane starts a new generation (its slot's generation is new to
-        the rank) at ``position == prompt_start <= len(tokens)``; its chunk equals
-        ``tokens[position:]`` where they overlap and runs past them only when the
-        record has no output (``output_start == len(tokens)``); every token lies
-        inside the vocabulary.  Raises :class:`FrameError` naming the lane.
-        """
-        if not frame.restores:
-            return {}
-        offsets = frame.prompt_offsets()
-        out: dict[int, Restore] = {}
-        for i, restore in frame.restores:
-            head = f"fence {frame.fence}: lane {i}: restore"
-            tokens, position = restore.tokens, frame.position[i]
-            if known[i]:
-                raise FrameError(
-                    f"{head}: slot {frame.slot[i]} generation {frame.generation[i]} is not "
-                    "new on this rank (a restore starts a generation)"
-                )
-            if tokens and max(tokens) >= vocab:
-                raise FrameError(
-                    f"{head}: token {max(tokens)} is outside the vocabulary [0, {vocab})"
-                )
-            if frame.prompt_start[i] != position or position > len(tokens):
-                raise FrameError(
-                    f"{head}: position {position} (prompt_start {frame.prompt_start[i]}) must "
-                    f"equal prompt_start and lie in [0, {len(tokens)}], the record's tokens"
-                )
-            _check_chunk(head, restore, position, frame.prompt_tokens[offsets[i] : offsets[i + 1]])
-            out[i] = restore
-        return out
-
-    def _check_continuations(self, frame: Frame, known: list[bool], prefill: list[bool]) -> None:
-        """A known prefill lane of a restored generation still inside its record
-        continues the record's tokens (:func:`_check_chunk`)."""
-        offsets = None
-        for i, slot in enumerate(frame.slot):
-            restore = self.records.get(slot) if known[i] and prefill[i] else None
-            if restore is None:
-                continue
-            offsets = offsets or frame.prompt_offsets()
-            head = f"fence {frame.fence}: lane {i}: slot {slot} continues a restore"
-            chunk = frame.prompt_tokens[offsets[i] : offsets[i + 1]]
-            _check_chunk(head, restore, frame.position[i], chunk)
-
     def check_state(self, frame: Frame, vocab: int) -> CheckedFrame:
         """A state frame (RESTORE or SNAPSHOT program) checked; nothing changes.
 
@@ -354,7 +250,7 @@ class SlotTable:
         position = column(frame.position)
         page_count = column(frame.page_count)
         known = self.generation[slot] == generation
-        restores = self.check_restores(frame, known.tolist(), vocab)
+        restores = check_restore_lanes(frame, known.tolist(), vocab)
         for i in range(len(slot)):
             head = f"fence {frame.fence}: lane {i}"
             restore = restores.get(i)
@@ -546,7 +442,7 @@ class SlotTable:
             self.generation[slot] = checked.generation
             self.page_count[slot] = checked.page_base + checked.page_count
             if self.records or checked.restores:
-                self._track_records(checked, context)
+                track_records(self.records, checked, context)
             commits = checked.commits > 0
             self.pending[slot] = np.where(checked.starts, 0, self.pending[slot]) | commits
             for i, params in checked.sampling.items():
@@ -571,23 +467,6 @@ class SlotTable:
         if self._last is not None:
             self._expected = array("q", context.tobytes())
 
-    def _track_records(self, checked: CheckedFrame, context: np.ndarray) -> None:
-        """The records of restored generations still short of their tokens: a new
-        generation drops its slot's (a restored prefill lane keeps its own), a
-        lane that reaches the record's end drops it."""
-        records = self.records
-        for i, slot in enumerate(checked.slot.tolist()):
-            if checked.starts[i]:
-                records.pop(slot, None)
-                restore = checked.restores.get(i)
-                if restore is not None and checked.prefill[i]:
-                    records[slot] = restore
-            restore = records.get(slot)
-            if restore is not None and context[i] >= len(restore.tokens):
-                del records[slot]
-        for released in checked.frame.release_slots:
-            records.pop(released, None)
-
     def settle(self, checked: CheckedFrame, counts: np.ndarray) -> None:
         """A speculative round finished: lane ``i`` emitted ``counts[i]`` of its
         ``query_len`` tokens; the slots it ran (unless retired since) are exact
@@ -608,24 +487,6 @@ class SlotTable:
         self.settings[slot] = None
         self.records.pop(slot, None)
         self._last = None
-
-
-def _check_chunk(head: str, restore: Restore, position: int, chunk) -> None:
-    """A prefill chunk written from ``position`` agrees with the record's tokens
-    where they overlap, and runs past them only when the record has no output."""
-    tokens = restore.tokens
-    inside = tokens[position : position + len(chunk)]
-    if tuple(chunk[: len(inside)]) != inside:
-        at = next(k for k, (a, b) in enumerate(zip(chunk, inside)) if a != b)
-        raise FrameError(
-            f"{head}: the chunk's token at position {position + at} is "
-            f"{chunk[at]}, the record's is {inside[at]}"
-        )
-    if len(chunk) > len(inside) and restore.output_start != len(tokens):
-        raise FrameError(
-            f"{head}: the chunk runs past the record's {len(tokens)} tokens, which "
-            f"end with output (output_start {restore.output_start})"
-        )
 
 
 def needs_full(params: SamplingParams) -> bool:

@@ -48,24 +48,27 @@ min(1, p/q) over the offered prefixes).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kernels.reference.prefix_allocation import prefix_allocation_reference
-from kernels.reference.speculative_verify import sample_inverse_cdf, verify_reference
+from kernels.reference.speculative_verify import verify_reference
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.ranks.arena import FrameInputs, SlotArena
 from runtime.ranks.draft import DraftContext, pack_lanes
-from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.llama import LlamaForCausalLM
+from runtime.ranks.proposals import (
+    ProposerConfig,
+    copy_proposals,
+    draft_proposals,
+    round_distribution,
+)
 from runtime.ranks.sampling import (
-    LogitAdjustments,
-    SamplingBatch,
-    sampling_distribution,
+    PenaltyState,
     uniform_noise,
 )
 from runtime.transport.sampling import MAX_LOGPROBS
-
-PROPOSERS = ("draft", "copy")
 
 
 @dataclass
@@ -86,63 +89,29 @@ class RoundOutputs:
 
 
 @dataclass(frozen=True)
-class ProposerConfig:
-    """Where proposals come from: ``draft`` (a draft model) or ``copy`` (n-gram
-    lookup in the request's own tokens, ``prompt_lookup_min`` through
-    ``prompt_lookup_max`` tokens)."""
+class RoundLanes:
+    """A speculative round's lanes as its stages read them
+    (:meth:`SpeculativeStages._lanes`): L lanes, V the vocabulary."""
 
-    kind: str = "draft"
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
-
-    def __post_init__(self) -> None:
-        if self.kind not in PROPOSERS:
-            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.kind!r}")
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
-                raise ValueError(f"{name} must be an integer in [1, 64], got {value!r}")
-        if lo > hi:
-            raise ValueError(f"prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-
-
-def copy_proposals(
-    history: torch.Tensor, end: torch.Tensor, depth: int, n_min: int, n_max: int
-) -> torch.Tensor:
-    """Copy proposals (L, depth) int64, -1 where there is none.
-
-    ``history`` (L, T): each lane's tokens by position; ``end`` (L,): the
-    position of its last token (the pending one).  For n from ``n_max`` down to
-    ``n_min``, the lane's last n tokens are looked up among earlier positions;
-    an occurrence followed by ``depth`` known tokens wins, then the longest n,
-    then the latest occurrence, and the tokens that followed it (up to ``end``)
-    are proposed.  Tensor ops only.
-    """
-    lanes, width = history.shape
-    device = history.device
-    j = torch.arange(width, device=device)  # (T,) candidate match ends
-    # shifted[m][:, j] = history[:, j - m]: slices of a left-padded copy, no gather.
-    padded = torch.nn.functional.pad(history, (n_max, 0))
-    shifted = [padded[:, n_max - m : n_max - m + width] for m in range(n_max)]
-    full = j[None, :] + depth <= end[:, None]  # (L, T) followed by depth known tokens
-    # Score: a full continuation, then the longer n, then the later occurrence.
-    score = torch.full((lanes,), -1, dtype=torch.int64, device=device)
-    span = n_max + 1
-    for n in range(n_max, n_min - 1, -1):
-        match = (j[None, :] < end[:, None]) & (j[None, :] >= n - 1)  # (L, T)
-        for m in range(n):
-            tail = history.gather(1, (end - m).clamp(min=0)[:, None])  # (L, 1)
-            match &= shifted[m] == tail
-        match &= (end >= n - 1)[:, None]
-        value = (full.long() * span + n) * width + j[None, :]  # (L, T)
-        score = torch.maximum(score, torch.where(match, value, -1).amax(dim=1))
-    found = score >= 0
-    best = torch.where(found, score % width, -1)
-    offsets = torch.arange(1, depth + 1, device=device)  # (D,)
-    at = best[:, None] + offsets[None, :]  # (L, D)
-    ok = found[:, None] & (at <= end[:, None])
-    tokens = history.gather(1, at.clamp(0, width - 1))
-    return torch.where(ok, tokens, -1)
+    program: Any  # the owning PreparedProgram
+    x: FrameInputs  # its input views
+    arena: SlotArena
+    device: torch.device
+    rows: torch.Tensor  # (L,) each lane's slot row
+    lengths: torch.Tensor  # (L,) query lengths, ceilings, or the prompt row's chunk
+    active: torch.Tensor  # (L,) bool
+    verifying: torch.Tensor  # (L,) bool: the lanes that verify proposals
+    prompt: torch.Tensor  # (L,) bool: at most one, a wide mixed program's prompt row
+    start: torch.Tensor  # (L,) the position each lane continues from
+    step: torch.Tensor  # (L,) its sampling step
+    pending: torch.Tensor  # (L,) its pending token
+    greedy_only: bool  # the argmax variant: every lane greedy, nothing adjusted
+    s: dict[str, torch.Tensor]  # the lanes' sampling settings
+    penalty: PenaltyState
+    chunk: torch.Tensor | None  # (L, C) the prompt row's tokens (mixed programs)
+    counts: torch.Tensor  # (L, V) penalty counts
+    prompt_mask: torch.Tensor  # (L, V)
+    held: torch.Tensor  # (L,) positions a lane may write (its table's pages)
 
 
 class SpeculativeStages:
@@ -206,49 +175,30 @@ class SpeculativeStages:
             top_logprobs=host(self.top_logprobs[:lanes]) if logprobs else None,
         )
 
-    # -- helpers -----------------------------------------------------------------
-    @staticmethod
-    def _params(s: dict, step: torch.Tensor, counts, prompt_mask, repeat: int) -> SamplingBatch:
-        """The lanes' settings, each repeated ``repeat`` times (rows of positions)."""
-
-        def r(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(repeat, dim=0)
-
-        adjustments = LogitAdjustments(
-            r(s["bias_ids"]),
-            r(s["bias_values"]),
-            r(s["presence_penalty"]),
-            r(s["frequency_penalty"]),
-            r(s["repetition_penalty"]),
-            counts,
-            r(prompt_mask),
-        )
-        return SamplingBatch(
-            r(s["temperature"]),
-            r(s["top_p"]),
-            r(s["top_k"]),
-            r(s["seed"]),
-            step,
-            r(s["min_tokens"]),
-            adjustments,
-        )
-
-    def _distribution(
-        self, logits, s, step, counts, prompt_mask, repeat: int, greedy_only: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(final distribution, soft distribution) of ``logits`` (R*repeat, V)."""
-        if greedy_only:  # every lane greedy with no adjustment: a point mass on the argmax
-            point = torch.zeros_like(logits).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
-            return point, torch.softmax(logits, dim=-1)
-        params = self._params(s, step, counts, prompt_mask, repeat)
-        return sampling_distribution(logits, params, self.eos)
-
     # -- the body ----------------------------------------------------------------
     def run(self, program, variant: str, width: int) -> None:
         """The program body; ``program`` is the owning PreparedProgram."""
+        r = self._lanes(program, variant, width)
+        proposals, q, joint = self._propose(r, width)
+
+        # 3. allocation: query lengths (L,), at most K + 1.
+        if self.desc.device_allocated:
+            q_lens = self._allocate(joint, r.lengths, r.rows, r.active)
+        else:
+            q_lens = r.lengths
+        q_lens = torch.where(r.verifying, q_lens.clamp(1, self.verify_width + 1), 0)
+
+        lane_logits, drafted = self._verify_forward(r, proposals, q_lens, width)
+        accepted, emitted, survival = self._verify(r, lane_logits, drafted, q, q_lens)
+        tokens = self._commit(r, accepted, emitted, survival)
+        if variant == "logprobs":
+            self._logprobs(lane_logits, tokens)
+
+    def _lanes(self, program, variant: str, width: int) -> RoundLanes:
+        """The frame's lanes as the stages read them; a wide mixed program's prompt
+        row's tokens into the slot's history and, unless the round is greedy-only,
+        its penalty row reset and its prompt marked."""
         x, arena, out = program.inputs, program.slots, program.outputs
-        lanes, depth, k = self.desc.batch_capacity, self.depth, self.verify_width
-        page_size = program.page_size
         device = x.state_row.device
         rows = x.state_row  # (L,)
         lengths = x.query_lens  # (L,) query lengths, ceilings, or the prompt row's chunk
@@ -282,116 +232,146 @@ class SpeculativeStages:
                     program._prompt_rows(ends - lengths, penalty.scratch), x.input_ids
                 )
         counts, prompt_mask = penalty.gather(rows)  # (L, V) each
-        vocab = counts.shape[1]
-        seed = s["seed"]
         # Page capacity: positions a lane may write (its table's pages).
+        page_size = program.page_size
         held = (arena.page_tables[:, :width].index_select(0, rows) >= 0).sum(dim=1) * page_size
+        return RoundLanes(
+            program, x, arena, device, rows, lengths, active, verifying, prompt, start, step,
+            pending, greedy_only, s, penalty, chunk, counts, prompt_mask, held,
+        )  # fmt: skip
 
-        # 1-2. proposals (L, D), their distributions q (L, D, V), conditional confidence.
+    def _propose(
+        self, r: RoundLanes, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """1-2. (proposals (L, D), their distributions q (L, D, V), the joint prefix
+        probabilities (L, D)); the confidence planes (conditional, joint) into
+        :attr:`confidence`."""
+        arena, lanes, depth = r.arena, self.desc.batch_capacity, self.depth
+        page_size = r.program.page_size
+        vocab = r.counts.shape[1]
         if self.mixed and self.draft is not None:  # the prompt row feeds the draft too
             fed = pack_lanes(
-                arena, rows, start, torch.where(prompt, lengths, 0), self.rows, width,
-                page_size, chunk.shape[1], ids=chunk,
+                arena, r.rows, r.start, torch.where(r.prompt, r.lengths, 0), self.rows, width,
+                page_size, r.chunk.shape[1], ids=r.chunk,
             )  # fmt: skip
             self.draft.feed(fed.input_ids, fed.positions, fed.meta)
         if self.draft is None:
             assert arena.history is not None
-            history = arena.history.index_select(0, rows)
+            history = arena.history.index_select(0, r.rows)
             proposals = copy_proposals(
-                history, start, depth, self.proposer.prompt_lookup_min,
+                history, r.start, depth, self.proposer.prompt_lookup_min,
                 self.proposer.prompt_lookup_max,
             )  # fmt: skip
             conditional = (proposals >= 0).float()
-            q = torch.zeros(lanes, depth, vocab, device=device)
+            q = torch.zeros(lanes, depth, vocab, device=r.device)
             q.scatter_(2, proposals.clamp(min=0)[:, :, None], conditional[:, :, None])
         else:
-            proposals, q, conditional = self._draft(
-                arena, rows, start, step, pending, verifying, held, s, counts, prompt_mask,
-                width, page_size, greedy_only,
+            proposals, q, conditional = draft_proposals(
+                self.draft, depth, self.eos, arena, r.rows, r.start, r.step, r.pending,
+                r.verifying, r.held, r.s, r.counts, r.prompt_mask, width, page_size,
+                r.greedy_only,
             )  # fmt: skip
-        conditional = conditional * verifying[:, None]
+        conditional = conditional * r.verifying[:, None]
         joint = torch.cumprod(conditional, dim=1)  # (L, D)
         self.confidence[0].copy_(conditional)
         self.confidence[1].copy_(joint)
+        return proposals, q, joint
 
-        # 3. allocation: query lengths (L,), at most K + 1.
-        if self.desc.device_allocated:
-            q_lens = self._allocate(joint, lengths, rows, active)
-        else:
-            q_lens = lengths
-        q_lens = torch.where(verifying, q_lens.clamp(1, k + 1), 0)
-
-        # 4. verification forward: pending + first q - 1 proposals per lane (and
-        # a wide mixed program's prompt chunk, whose last token's row is row 0).
-        ids = torch.cat([pending[:, None], proposals[:, :k]], dim=1)  # (L, K + 1)
+    def _verify_forward(
+        self, r: RoundLanes, proposals: torch.Tensor, q_lens: torch.Tensor, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """4. the verification forward: pending + first q - 1 proposals per lane (and
+        a wide mixed program's prompt chunk, whose last token's row is row 0).
+        Returns (each lane's K + 1 logit rows (L*(K+1), V), the drafted tokens (L, K))."""
+        k, chunk, prompt, lengths = self.verify_width, r.chunk, r.prompt, r.lengths
+        ids = torch.cat([r.pending[:, None], proposals[:, :k]], dim=1)  # (L, K + 1)
         fed = q_lens
         if chunk is not None:
             ids = torch.nn.functional.pad(ids, (0, max(0, chunk.shape[1] - k - 1)))
             ids = torch.where(prompt[:, None], chunk, ids[:, : chunk.shape[1]])
             fed = torch.where(prompt, lengths, q_lens)
         packed = pack_lanes(
-            arena, rows, start, fed, self.rows, width, page_size, ids.shape[1], ids=ids,
-            limit=torch.where(prompt, start + lengths, held),
+            r.arena, r.rows, r.start, fed, self.rows, width, r.program.page_size, ids.shape[1],
+            ids=ids, limit=torch.where(prompt, r.start + lengths, r.held),
         )  # fmt: skip
         if self.mixed:
-            packed.meta.prefill_row = x.prefill_row
+            packed.meta.prefill_row = r.x.prefill_row
             packed.meta.row_query_len = self.desc.token_capacity
-        index = torch.arange(self.rows, device=device)
-        logits = program.model(packed.input_ids, packed.positions, packed.meta, index).float()
+        index = torch.arange(self.rows, device=r.device)
+        logits = r.program.model(packed.input_ids, packed.positions, packed.meta, index).float()
         first = packed.meta.query_start + torch.where(prompt, lengths - 1, 0)  # (L,)
-        at = (first[:, None] + torch.arange(k + 1, device=device)[None, :]).clamp(max=self.rows - 1)
+        at = (first[:, None] + torch.arange(k + 1, device=r.device)[None, :]).clamp(
+            max=self.rows - 1
+        )
         lane_logits = logits.index_select(0, at.reshape(-1))  # (L*(K+1), V)
-        drafted = proposals[:, :k]
+        return lane_logits, proposals[:, :k]
+
+    def _verify(
+        self,
+        r: RoundLanes,
+        lane_logits: torch.Tensor,
+        drafted: torch.Tensor,
+        q: torch.Tensor,
+        q_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rejection sampling of the drafts against p: (accepted, emitted, survival)."""
+        lanes, k, device = self.desc.batch_capacity, self.verify_width, r.device
+        counts = r.counts
+        vocab = counts.shape[1]
         verify = verify_reference
         if device.type == "cuda":
             from kernels.triton.speculative_verify import speculative_verify as verify
         offered = (q_lens - 1).clamp(min=0)
-        if greedy_only:  # every lane greedy, nothing adjusted: exact match on the argmax
+        if r.greedy_only:  # every lane greedy, nothing adjusted: exact match on the argmax
             p = lane_logits.view(lanes, k + 1, vocab)
-            accepted, emitted, survival = verify(
-                p, None, drafted.contiguous(), offered, greedy=True
-            )
-        else:
-            # p at position j sees the penalty counts of the proposals before it.
-            seen = torch.zeros(lanes, k + 1, vocab, dtype=counts.dtype, device=device)
-            if k:
-                onehot = torch.zeros(lanes, k, vocab, dtype=counts.dtype, device=device)
-                real = (drafted >= 0).to(counts.dtype)[:, :, None]
-                onehot.scatter_(2, drafted.clamp(min=0)[:, :, None], real)
-                seen[:, 1:] = torch.cumsum(onehot, dim=1)
-            pos_counts = (counts[:, None, :] + seen).reshape(-1, vocab)
-            pos_step = (step[:, None] + torch.arange(k + 1, device=device)[None, :]).reshape(-1)
-            p, _ = self._distribution(
-                lane_logits, s, pos_step, pos_counts, prompt_mask, k + 1, greedy_only
-            )
-            p = p.view(lanes, k + 1, vocab)
-            u = uniform_noise(seed.repeat_interleave(k + 1), pos_step, 4).view(lanes, k + 1, 4)
-            accepted, emitted, survival = verify(
-                p.contiguous(),
-                q[:, :k].contiguous(),
-                drafted.contiguous(),
-                offered,
-                u[:, :k, 0].contiguous(),
-                u[:, :k, 1].contiguous(),
-                u[torch.arange(lanes, device=device), offered, 2].contiguous(),
-            )
-        # 5. commit: accepted + 1 tokens, cut after the first EOS (a prompt row: its
-        # first token when it commits one).
+            return verify(p, None, drafted.contiguous(), offered, greedy=True)
+        # p at position j sees the penalty counts of the proposals before it.
+        seen = torch.zeros(lanes, k + 1, vocab, dtype=counts.dtype, device=device)
+        if k:
+            onehot = torch.zeros(lanes, k, vocab, dtype=counts.dtype, device=device)
+            real = (drafted >= 0).to(counts.dtype)[:, :, None]
+            onehot.scatter_(2, drafted.clamp(min=0)[:, :, None], real)
+            seen[:, 1:] = torch.cumsum(onehot, dim=1)
+        pos_counts = (counts[:, None, :] + seen).reshape(-1, vocab)
+        pos_step = (r.step[:, None] + torch.arange(k + 1, device=device)[None, :]).reshape(-1)
+        p, _ = round_distribution(
+            lane_logits, r.s, pos_step, pos_counts, r.prompt_mask, k + 1, r.greedy_only, self.eos
+        )
+        p = p.view(lanes, k + 1, vocab)
+        u = uniform_noise(r.s["seed"].repeat_interleave(k + 1), pos_step, 4).view(lanes, k + 1, 4)
+        return verify(
+            p.contiguous(),
+            q[:, :k].contiguous(),
+            drafted.contiguous(),
+            offered,
+            u[:, :k, 0].contiguous(),
+            u[:, :k, 1].contiguous(),
+            u[torch.arange(lanes, device=device), offered, 2].contiguous(),
+        )
+
+    def _commit(
+        self, r: RoundLanes, accepted: torch.Tensor, emitted: torch.Tensor, survival: torch.Tensor
+    ) -> torch.Tensor:
+        """5. commit: accepted + 1 tokens, cut after the first EOS (a prompt row: its
+        first token when it commits one), into the slot's pending token, position,
+        step, history and penalty counts, and the round's outputs.  Returns the
+        kept tokens (L, K + 1), 0 past each lane's count."""
+        arena, k = r.arena, self.verify_width
         scratch = arena.scratch
-        commit = x.count_row  # (L,) the slot, or scratch for padding and no commit
-        j = torch.arange(k + 1, device=device)[None, :]  # (1, K + 1)
+        commit = r.x.count_row  # (L,) the slot, or scratch for padding and no commit
+        j = torch.arange(k + 1, device=r.device)[None, :]  # (1, K + 1)
         count = accepted + 1
         is_eos = torch.isin(emitted, self.eos) & (j < count[:, None])
         first_eos = torch.where(is_eos, j, k + 1).amin(dim=1)  # (L,)
-        count = torch.where(verifying, torch.minimum(count, first_eos + 1), 0)
-        count = torch.where(prompt & (commit != scratch), 1, count)
+        count = torch.where(r.verifying, torch.minimum(count, first_eos + 1), 0)
+        count = torch.where(r.prompt & (commit != scratch), 1, count)
         kept = j < count[:, None]  # (L, K + 1)
         tokens = torch.where(kept, emitted, 0)
         last = tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
-        base = torch.where(prompt, start + lengths, start + 1)  # the first token's position
+        base = torch.where(r.prompt, r.start + r.lengths, r.start + 1)  # the first token's position
         arena.pending.index_copy_(0, commit, last)
         arena.next_pos.index_copy_(0, commit, base + count - 1)
-        arena.steps.index_copy_(0, commit, step + count)
+        arena.steps.index_copy_(0, commit, r.step + count)
         token_rows = torch.where(kept, commit[:, None], scratch)  # (L, K + 1)
         if arena.history is not None:
             h = arena.history_width
@@ -399,19 +379,23 @@ class SpeculativeStages:
             arena.history.view(-1).index_copy_(
                 0, (token_rows * h + where).reshape(-1), tokens.reshape(-1)
             )
-        if not greedy_only:
-            penalty.count(token_rows.reshape(-1), tokens.reshape(-1))
+        if not r.greedy_only:
+            r.penalty.count(token_rows.reshape(-1), tokens.reshape(-1))
         self.tokens.copy_(torch.where(kept, emitted, -1))
         self.counts.copy_(count)
-        self.survival.copy_(survival * verifying[:, None])
-        if variant == "logprobs":
-            logp = torch.log_softmax(lane_logits, dim=-1)  # (L*(K+1), V) raw
-            chosen = logp.gather(1, tokens.reshape(-1, 1)).view(lanes, k + 1)
-            top = self.top_ids.shape[2]
-            values, ids_ = logp.topk(top, dim=-1)
-            self.logprob.copy_(chosen)
-            self.top_logprobs.copy_(values.view(lanes, k + 1, top))
-            self.top_ids.copy_(ids_.view(lanes, k + 1, top))
+        self.survival.copy_(survival * r.verifying[:, None])
+        return tokens
+
+    def _logprobs(self, lane_logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The raw log probabilities of each emitted token and the top ones."""
+        lanes, k = self.desc.batch_capacity, self.verify_width
+        logp = torch.log_softmax(lane_logits, dim=-1)  # (L*(K+1), V) raw
+        chosen = logp.gather(1, tokens.reshape(-1, 1)).view(lanes, k + 1)
+        top = self.top_ids.shape[2]
+        values, ids_ = logp.topk(top, dim=-1)
+        self.logprob.copy_(chosen)
+        self.top_logprobs.copy_(values.view(lanes, k + 1, top))
+        self.top_ids.copy_(ids_.view(lanes, k + 1, top))
 
     def _chunk(self, x, query_start: torch.Tensor, prompt: torch.Tensor) -> torch.Tensor:
         """(L, C) the prompt row's packed tokens from the frame (zeros elsewhere)."""
@@ -423,53 +407,6 @@ class SpeculativeStages:
         return torch.where(
             prompt[:, None], x.input_ids.index_select(0, index.reshape(-1)).view(-1, c), 0
         )
-
-    def _draft(
-        self, arena, rows, start, step, pending, active, held, s, counts, prompt_mask,
-        width, page_size, greedy_only,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Learned proposals: the draft feeds the pending token, then each proposal."""
-        assert self.draft is not None
-        lanes, depth = rows.shape[0], self.depth
-        device = rows.device
-        vocab = counts.shape[1]
-        proposals = torch.full((lanes, depth), -1, dtype=torch.int64, device=device)
-        q = torch.zeros(lanes, depth, vocab, device=device)
-        conditional = torch.zeros(lanes, depth, device=device)
-        token = pending
-        seen = counts.clone()
-        seed = s["seed"]
-        tables = arena.page_tables[:, :width].index_select(0, rows)  # (L, width)
-        lane_index = torch.arange(lanes, device=device)
-        for d in range(depth + 1):
-            # One token per lane at start + d: a decode step's metadata.
-            positions = torch.where(active, start + d, 0)  # (L,)
-            column = (positions // page_size).clamp(max=width - 1)
-            page = tables.gather(1, column[:, None]).squeeze(1)
-            writes = active & (page >= 0) & (positions < held)
-            meta = AttentionMetadata(
-                query_start=lane_index,
-                query_lens=writes.long(),
-                context_lens=torch.where(writes, positions + 1, 0),
-                page_tables=tables,
-                slot_mapping=torch.where(writes, page * page_size + positions % page_size, -1),
-                max_query_len=1,
-            )
-            if d == depth:  # the last proposal's KV only
-                self.draft.feed(token, positions, meta)
-                break
-            logits = self.draft.step(token, positions, meta)  # (L, V)
-            dist, soft = self._distribution(logits, s, step + d, seen, prompt_mask, 1, greedy_only)
-            if greedy_only:  # a point mass: its argmax
-                token = logits.argmax(dim=-1)
-            else:
-                u = uniform_noise(seed, step + d, 4)[:, 3]
-                token = sample_inverse_cdf(dist, u)  # (L,)
-                seen = seen + torch.zeros_like(seen).scatter_(1, token[:, None], 1)
-            proposals[:, d] = token
-            q[:, d] = dist
-            conditional[:, d] = soft.gather(1, token[:, None]).squeeze(1)
-        return proposals, q, conditional
 
     def _allocate(
         self, joint: torch.Tensor, ceilings: torch.Tensor, rows: torch.Tensor, active: torch.Tensor

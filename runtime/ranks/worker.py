@@ -58,19 +58,15 @@ from runtime.catalog import GraphDescriptor
 from runtime.identity import ModelIdentity, code_version, loaded_identity
 from runtime.ranks.arena import HostStaging, SlotArena
 from runtime.ranks.capacity import CapacityConfig, build_catalog, forward_programs
+from runtime.ranks.checked_frame import CheckedFrame, FrameError
 from runtime.ranks.draft import DraftContext
 from runtime.ranks.model.llama import LlamaForCausalLM
+from runtime.ranks.outputs import HostOutputs
 from runtime.ranks.profiling import RankProfiler
-from runtime.ranks.programs import (
-    HostOutputs,
-    Launch,
-    PreparedProgram,
-    ProgramError,
-    prepare_programs,
-    variant_of,
-)
-from runtime.ranks.slots import CheckedFrame, FrameError, SlotTable
-from runtime.ranks.speculative import ProposerConfig
+from runtime.ranks.programs import Launch, PreparedProgram, prepare_programs
+from runtime.ranks.proposals import ProposerConfig
+from runtime.ranks.shapes import ProgramError, variant_of
+from runtime.ranks.slots import SlotTable
 from runtime.ranks.watchdog import HANG_EXIT_CODE, Watchdog, frame_deadline_ns, hang_message
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.completion import STAGE_NAMES, Completion

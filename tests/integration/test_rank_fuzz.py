@@ -452,9 +452,9 @@ def test_the_rank_worker_runs_or_refuses_every_frame_changing_nothing_when_it_re
     refused with FrameError / ProgramError and the rank's state unchanged; no
     other exception (which would end a rank process) ever escapes."""
     from runtime.ranks.capacity import CapacityConfig
+    from runtime.ranks.checked_frame import FrameError
     from runtime.ranks.model import default_model_dir, load_model
-    from runtime.ranks.programs import ProgramError
-    from runtime.ranks.slots import FrameError
+    from runtime.ranks.shapes import ProgramError
     from runtime.ranks.worker import RankWorker
 
     capacity = CapacityConfig(max_concurrency=4, min_prefill_tokens=64, max_prefill_tokens=64)

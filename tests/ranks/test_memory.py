@@ -13,7 +13,7 @@ from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.memory import DeviceMemory, KVCacheSizeError, KVPool
 from runtime.ranks.model import LlamaForCausalLM, ModelConfig, TPGroup
 from runtime.ranks.model.parallel import QKVParallelLinear
-from runtime.ranks.programs import ProgramShape
+from runtime.ranks.shapes import ProgramShape
 
 ENDPOINTS = ["--frames-endpoint", "ipc:///x/f", "--completions-endpoint", "ipc:///x/c"]
 
@@ -158,7 +158,8 @@ def test_the_profile_forward_runs_at_the_largest_shapes(mixed):
 
 
 def test_the_rank_entry_point_sizes_its_cache_from_the_flags():
-    from runtime.ranks.__main__ import parse_args, size_kv_cache
+    from runtime.cli.rank_process import parse_args
+    from runtime.ranks.process import size_kv_cache
 
     model = LlamaForCausalLM(config())
     args = parse_args([*ENDPOINTS, "--kv-cache-memory", "1MiB", "--device", "cpu"])
@@ -185,7 +186,7 @@ def test_the_rank_entry_point_sizes_its_cache_from_the_flags():
     ],
 )
 def test_the_rank_entry_point_refuses_bad_sizing_flags(capsys, flags, needle):
-    from runtime.ranks.__main__ import parse_args
+    from runtime.cli.rank_process import parse_args
 
     with pytest.raises(SystemExit):
         parse_args([*ENDPOINTS, *flags])
@@ -228,7 +229,8 @@ def test_the_cuda_profile_measures_one_forward_at_the_largest_shapes(monkeypatch
 
 
 def test_the_rank_entry_point_sizes_a_cuda_cache_by_the_utilization_rule(monkeypatch):
-    from runtime.ranks.__main__ import parse_args, size_kv_cache
+    from runtime.cli.rank_process import parse_args
+    from runtime.ranks.process import size_kv_cache
 
     model = LlamaForCausalLM(config())  # float32: 32768 bytes per page
     device = DeviceMemory(0.5, 10 * 1 << 30, 1 << 30, 0, 1 << 30, 3 * (1 << 30) - (1 << 20))
@@ -253,7 +255,8 @@ def test_the_rank_entry_point_sizes_a_cuda_cache_by_the_utilization_rule(monkeyp
 
 
 def test_the_rank_worker_gets_the_sized_pool_and_the_frame_timeouts():
-    from runtime.ranks.__main__ import build_worker, parse_args
+    from runtime.cli.rank_process import parse_args
+    from runtime.ranks.process import build_worker
 
     model = LlamaForCausalLM(config(max_positions=256))
     flags = ["--kv-cache-memory", "1MiB", "--max-concurrency", "2", "--max-prefill-tokens", "64",

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.arena import LANE_FIELDS, SCALARS, FrameInputs, int_size
 from runtime.ranks.capacity import CapacityConfig
+from runtime.ranks.checked_frame import FrameError
 from runtime.ranks.model import load_model
 from runtime.ranks.model.attention import (
     AttentionMetadata,
@@ -32,8 +32,8 @@ from runtime.ranks.model.attention import (
 )
 from runtime.ranks.model.kv_cache import PagedKVCache
 from runtime.ranks.model.parallel import TPGroup
-from runtime.ranks.programs import PreparedProgram, ProgramError, ProgramShape
-from runtime.ranks.slots import FrameError
+from runtime.ranks.programs import PreparedProgram
+from runtime.ranks.shapes import ProgramError, ProgramShape
 from runtime.ranks.worker import RankWorker
 from runtime.transport.fields import ProtocolError
 from runtime.transport.frame import Frame
@@ -41,6 +41,7 @@ from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
 from tests.ranks.rank_state import changed, record_forwards, slot_row, snapshot
+from tests.support.checkpoints import greedy, write_tiny
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request
@@ -549,8 +550,7 @@ def test_report_lists_mixed_programs_and_decode_lanes_keep_their_state(checkpoin
 
 def test_rank_process_with_mixed_prefill_runs_a_mixed_frame(checkpoint, tmp_path):
     """``python -m runtime.ranks --mixed-prefill`` reports and runs mixed programs."""
-    from runtime.launch import spawn_ranks, stop_ranks
-
+    from runtime.deploy.launch import spawn_ranks, stop_ranks
     from runtime.transport.catalog_report import CatalogReport
     from runtime.transport.completion import Completion
     from runtime.transport.coordinator_channel import CoordinatorChannel

@@ -15,14 +15,13 @@ from typing import ClassVar
 
 import pytest
 import torch
-from tests.checkpoints import write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.engine.startup import ModelFacts
 from runtime.coordinator.engine.submission import check_submission
 from runtime.ranks.capacity import CapacityConfig
+from runtime.ranks.checked_frame import FrameError
 from runtime.ranks.model import load_model
-from runtime.ranks.slots import FrameError
 from runtime.ranks.worker import RankWorker
 from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
@@ -30,6 +29,7 @@ from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
 from tests.ranks.penalty_reference import reference
 from tests.ranks.rank_state import changed, snapshot
+from tests.support.checkpoints import write_tiny
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request

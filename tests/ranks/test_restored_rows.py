@@ -14,14 +14,13 @@ import os
 
 import pytest
 import torch
-from runtime.launch import spawn_ranks, stop_ranks
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.deploy.launch import spawn_ranks, stop_ranks
 from runtime.ranks.capacity import CapacityConfig
+from runtime.ranks.checked_frame import FrameError
 from runtime.ranks.model import load_model
-from runtime.ranks.slots import FrameError
-from runtime.ranks.speculative import ProposerConfig
+from runtime.ranks.proposals import ProposerConfig
 from runtime.ranks.worker import RankWorker
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.completion import Completion
@@ -34,6 +33,7 @@ from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
 from tests.ranks.rank_state import changed, snapshot
 from tests.ranks.test_rank_process import collect
+from tests.support.checkpoints import greedy, write_tiny
 
 PAGE = 16
 PROMPT = [(7 * i + 3) % 120 + 2 for i in range(40)]  # 40 tokens: pages of 16, 16 and 8

@@ -14,17 +14,17 @@ import math
 import numpy as np
 import pytest
 import torch
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.model import load_model
-from runtime.ranks.speculative import ProposerConfig, copy_proposals
+from runtime.ranks.proposals import ProposerConfig, copy_proposals
 from runtime.ranks.worker import RankWorker
 from runtime.transport.completion import Completion
 from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
+from tests.support.checkpoints import greedy, write_tiny
 
 PAGE = 16
 PAGES_PER_SLOT = 8

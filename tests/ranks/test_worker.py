@@ -9,13 +9,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig
+from runtime.ranks.checked_frame import FrameError
 from runtime.ranks.model import load_model
-from runtime.ranks.programs import VARIANTS, Launch, ProgramError
-from runtime.ranks.slots import FrameError
+from runtime.ranks.programs import Launch
+from runtime.ranks.shapes import VARIANTS, ProgramError
 from runtime.ranks.worker import STAGES, RankWorker
 from runtime.transport.codec import decode, encode
 from runtime.transport.completion import Completion
@@ -24,6 +24,7 @@ from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
 from tests.ranks.rank_state import changed, record_forwards, slot_row, snapshot
+from tests.support.checkpoints import greedy, write_tiny
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request
