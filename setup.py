@@ -41,6 +41,7 @@ setup(
         "test": [
             "pytest>=8",
             "ruff==0.17.6",
+            "mypy==2.4.1",
             "transformers>=4.45",
             "openai>=1.40",
             "hypothesis>=6.100",

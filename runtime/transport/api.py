@@ -26,7 +26,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from runtime.transport.completion import MAX_LANE_TOKENS
 from runtime.transport.fields import (
@@ -72,7 +72,7 @@ def _check_map(name: str, value: Any, kind: type) -> dict[str, Any]:
         raise ProtocolError(name, f"must be a map, got {type(value).__name__}")
     if len(value) > MAX_STATUS_VALUES:
         raise ProtocolError(name, f"has {len(value)} entries, at most {MAX_STATUS_VALUES}")
-    out = {}
+    out: dict[str, Any] = {}
     for key, item in value.items():
         check_str(f"{name} key", key, MAX_NAME)
         if kind is int:
@@ -143,59 +143,48 @@ class Submit:
         return cls(**fields)
 
 
-@dataclass(frozen=True)
-class Cancel:
-    """Stop a request (its client went away, or a stop string ended it)."""
+_M = TypeVar("_M", bound="_Counters")
 
-    request_id: int
+
+class _Counters:
+    """A message whose every field is an integer in [0, 2**63): each is checked in
+    field order, and the wire map holds them by name in that order."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
 
     def __post_init__(self) -> None:
-        check_int("request_id", self.request_id)
+        for name in self.__dataclass_fields__:
+            check_int(name, getattr(self, name))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
     @classmethod
-    def from_wire(cls, data: Any) -> Cancel:
+    def from_wire(cls: type[_M], data: Any) -> _M:
         return cls(**check_fields(cls, data))
 
 
 @dataclass(frozen=True)
-class Publish:
+class Cancel(_Counters):
+    """Stop a request (its client went away, or a stop string ended it)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Publish(_Counters):
     """The request's output through ``fence`` became visible at ``at_ns`` (monotonic ns)."""
 
     request_id: int
     fence: int
     at_ns: int
 
-    def __post_init__(self) -> None:
-        check_int("request_id", self.request_id)
-        check_int("fence", self.fence)
-        check_int("at_ns", self.at_ns)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "fence": self.fence, "at_ns": self.at_ns}
-
-    @classmethod
-    def from_wire(cls, data: Any) -> Publish:
-        return cls(**check_fields(cls, data))
-
 
 @dataclass(frozen=True)
-class StatusQuery:
+class StatusQuery(_Counters):
     """Ask for a :class:`Status` carrying the same ``nonce``."""
 
     nonce: int
-
-    def __post_init__(self) -> None:
-        check_int("nonce", self.nonce)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"nonce": self.nonce}
-
-    @classmethod
-    def from_wire(cls, data: Any) -> StatusQuery:
-        return cls(**check_fields(cls, data))
 
 
 # ------------------------------------------------------------------ coordinator -> frontend
@@ -380,7 +369,8 @@ class Heartbeat:
         return cls(**check_fields(cls, data))
 
 
-API_MESSAGE_TYPES: dict[str, type] = {
+ApiMessage = Submit | Cancel | Publish | StatusQuery | TokenLogprobs | Output | Status | Heartbeat
+API_MESSAGE_TYPES: dict[str, type[ApiMessage]] = {
     cls.__name__: cls
     for cls in (Submit, Cancel, Publish, StatusQuery, TokenLogprobs, Output, Status, Heartbeat)
 }

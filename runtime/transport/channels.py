@@ -68,7 +68,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import zmq
 
@@ -156,7 +156,7 @@ class Channel:
     (:class:`~runtime.transport.coordinator_channel.CoordinatorChannel`,
     :class:`~runtime.transport.rank_channel.RankChannel`)."""
 
-    inbound: tuple[type, ...] = ()
+    inbound: tuple[type[Message], ...] = ()
 
     def __init__(self, name: str, context: zmq.Context | None) -> None:
         self.name = name
@@ -208,7 +208,7 @@ class Channel:
             if deadline is not None:
                 end = min(end, deadline)
             while True:
-                if inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if cast(int, inbox.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return True
                 if time.monotonic() >= end:
                     break

@@ -17,13 +17,14 @@ from typing import Any
 
 import msgpack
 
-from runtime.transport.api import API_MESSAGE_TYPES
+from runtime.transport.api import API_MESSAGE_TYPES, ApiMessage
 from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import MESSAGE_TYPES as RANK_MESSAGE_TYPES
 from runtime.transport.schema import PROTOCOL_VERSION, Message
 
 # Rank messages (schema) and frontend messages (api) share the envelope.
-MESSAGE_TYPES: dict[str, type] = {**RANK_MESSAGE_TYPES, **API_MESSAGE_TYPES}
+WireMessage = Message | ApiMessage
+MESSAGE_TYPES: dict[str, type[WireMessage]] = {**RANK_MESSAGE_TYPES, **API_MESSAGE_TYPES}
 
 logger = logging.getLogger("runtime.transport")
 
@@ -36,7 +37,7 @@ MAX_MAP_LEN = 1 << 10
 _ENVELOPE_KEYS = frozenset({"v", "t", "b"})
 
 
-def encode(message: Message) -> bytes:
+def encode(message: WireMessage) -> bytes:
     """The envelope of an (already validated) message, as msgpack bytes."""
     name = type(message).__name__
     if MESSAGE_TYPES.get(name) is not type(message):
@@ -80,7 +81,7 @@ def _refuse_ext(code: int, data: bytes) -> Any:
     raise ProtocolError("message", f"msgpack extension type {code} is not allowed")
 
 
-def decode(data: bytes | bytearray | memoryview) -> Message:
+def decode(data: bytes | bytearray | memoryview) -> WireMessage:
     """The message in ``data``; ProtocolError with the reason for anything malformed."""
     envelope = unpack(data)
     if not isinstance(envelope, dict):
@@ -107,7 +108,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise ProtocolError(name, f"invalid body ({type(exc).__name__}: {exc})") from None
 
 
-def decode_or_log(data: bytes | bytearray | memoryview, source: str) -> Message | None:
+def decode_or_log(data: bytes | bytearray | memoryview, source: str) -> WireMessage | None:
     """``decode``, or None after a logged warning naming ``source`` and the reason."""
     try:
         return decode(data)

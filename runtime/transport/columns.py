@@ -41,7 +41,7 @@ Column = array  # array('q'); kept as an alias so signatures say what they mean
 _MAX_CACHED_LENGTH = 256
 _MAX_CACHED = 1024
 _CONSTANTS: dict[tuple[int, int], bytes] = {}
-_RANGE_MASKS: dict[tuple[int, int, int], tuple[int, ...]] = {}
+_RANGE_MASKS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 
 def column(values: Iterable[int] = ()) -> array:
@@ -216,7 +216,7 @@ class LaneRanges:
                 check_range(name, col, lo, hi)
 
 
-def check_distinct(name: str, col: array | list[int]) -> None:
+def check_distinct(name: str, col: Sequence[int]) -> None:
     """No value twice; else ProtocolError naming ``name`` and the first repeat."""
     if len(set(col)) != len(col):
         seen: set[int] = set()
@@ -226,7 +226,7 @@ def check_distinct(name: str, col: array | list[int]) -> None:
             seen.add(value)
 
 
-def offsets(counts: array | list[int]) -> array:
+def offsets(counts: Iterable[int]) -> array:
     """Exclusive prefix sums with the total last: lane i's run is ``[out[i], out[i + 1])``."""
     return array(TYPECODE, accumulate(counts, initial=0))
 

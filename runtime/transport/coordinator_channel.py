@@ -290,10 +290,12 @@ class CoordinatorChannel(Channel):
 
     def close(self) -> None:
         """Close the sockets and remove the ipc run directory."""
-        if getattr(self, "recorder", None) is not None:
-            self.recorder.close()
-        if getattr(self, "_gatekeeper", None) is not None:
-            self._gatekeeper.close()  # its sockets go before the context terminates
+        recorder: FrameRecorder | None = getattr(self, "recorder", None)
+        if recorder is not None:
+            recorder.close()
+        gatekeeper: Gatekeeper | None = getattr(self, "_gatekeeper", None)
+        if gatekeeper is not None:
+            gatekeeper.close()  # its sockets go before the context terminates
         super().close()
         if self._finalizer is not None:
             self._finalizer()

@@ -49,7 +49,7 @@ from runtime.transport.fields import (
     parse_nested,
     set_field,
 )
-from runtime.transport.frame_checks import check_flat, check_lanes, check_roles, check_sampling
+from runtime.transport.frame_checks import FrameRules
 from runtime.transport.frame_lane import MAX_SLOTS, PHASE_NAMES, STATE_KINDS, FrameLane
 from runtime.transport.restore import (
     Restore,
@@ -114,7 +114,7 @@ _INT64 = {"q"}
 
 
 @dataclass(frozen=True)
-class Frame:
+class Frame(FrameRules):
     """Coordinator -> ranks: run ``program`` on ``R`` lanes, given as int64 columns.
 
     Per lane (each column has ``R`` <= ``program.batch_capacity`` entries):
@@ -208,16 +208,16 @@ class Frame:
                     raise ProtocolError(
                         name, f"has {len(getattr(self, name))} entries for {lanes} lanes"
                     )
-        prefill = check_lanes(self) if lanes else ()
-        check_flat(self, prefill)
+        prefill = self._check_lanes() if lanes else ()
+        self._check_flat(prefill)
         state = program.kind in STATE_KINDS
         if state:  # the records first: the settings name exactly their lanes
             eligible = tuple(range(lanes)) if program.kind is GraphKind.RESTORE else ()
             set_field(self, "restores", check_restores(self.restores, eligible, "state"))
-            check_sampling(self, tuple(sorted(lane for lane, _ in self.restores)), "restored")
+            self._check_sampling(tuple(sorted(lane for lane, _ in self.restores)), "restored")
         else:
-            check_sampling(self, prefill)
-        check_roles(self, prefill)
+            self._check_sampling(prefill)
+        self._check_roles(prefill)
         released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
         check_distinct("release_slots", released)
         if released and lanes:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from array import array
 from operator import attrgetter
-from typing import Protocol
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.transport.columns import (
@@ -39,38 +38,6 @@ from runtime.transport.frame_lane import (
 )
 from runtime.transport.sampling import SamplingParams
 
-
-class FrameColumns(Protocol):
-    """What the rules read of a frame (:class:`~runtime.transport.frame.Frame`)."""
-
-    @property
-    def program(self) -> GraphDescriptor: ...
-    @property
-    def slot(self) -> array: ...
-    @property
-    def generation(self) -> array: ...
-    @property
-    def phase(self) -> array: ...
-    @property
-    def position(self) -> array: ...
-    @property
-    def query_len(self) -> array: ...
-    @property
-    def commits(self) -> array: ...
-    @property
-    def prompt_start(self) -> array: ...
-    @property
-    def prompt_tokens(self) -> array: ...
-    @property
-    def page_count(self) -> array: ...
-    @property
-    def pages(self) -> array: ...
-    @property
-    def sampling(self) -> tuple[tuple[int, SamplingParams], ...]: ...
-    @property
-    def prompt_row(self) -> int: ...
-
-
 # Every lane's range rules, checked in one pass; the phase rules when a lane prefills.
 _LANE_RANGES = LaneRanges(
     ("slot", 0, MAX_SLOTS - 1),
@@ -89,141 +56,155 @@ _STATE_RANGES = LaneRanges(
 _prefill_columns = attrgetter(*(name for name, _, _ in _PREFILL_RANGES.bounds))
 
 
-def check_lanes(frame: FrameColumns) -> tuple[int, ...]:
-    """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
-    _LANE_RANGES.check(_ranged_columns(frame))
-    check_distinct("slot", frame.slot)
-    phase = frame.phase
-    prefill: tuple[int, ...] = ()
-    program = frame.program
-    if program.kind in STATE_KINDS:
-        _STATE_RANGES.check(_prefill_columns(frame))
-        return prefill
-    rounds = program.kind is GraphKind.SPECULATIVE or (
-        program.kind is GraphKind.MIXED and program.token_capacity > 1
-    )
-    if not all_equal(phase, PHASE_DECODE):
-        if rounds:  # decode rows commit up to their query length: ranges per role
-            check_range("phase", phase, PHASE_DECODE, PHASE_PREFILL)
-        else:
-            _PREFILL_RANGES.check(_prefill_columns(frame))
-        if phase.count(PHASE_PREFILL) == 1:  # a mixed frame's prompt row, a prefill frame
-            prefill = (phase.index(PHASE_PREFILL),)
-        else:
-            prefill = tuple(i for i, p in enumerate(phase) if p)
-    if rounds:
+class FrameRules:
+    """The rules of :class:`~runtime.transport.frame.Frame`, which runs them from
+    ``__post_init__``: its fields, as far as the rules read them."""
+
+    program: GraphDescriptor
+    slot: array
+    generation: array
+    phase: array
+    position: array
+    query_len: array
+    commits: array
+    prompt_start: array
+    prompt_tokens: array
+    page_count: array
+    pages: array
+    sampling: tuple[tuple[int, SamplingParams], ...]
+    prompt_row: int
+
+    def _check_lanes(self) -> tuple[int, ...]:
+        """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
+        _LANE_RANGES.check(_ranged_columns(self))
+        check_distinct("slot", self.slot)
+        phase = self.phase
+        prefill: tuple[int, ...] = ()
+        program = self.program
+        if program.kind in STATE_KINDS:
+            _STATE_RANGES.check(_prefill_columns(self))
+            return prefill
+        rounds = program.kind is GraphKind.SPECULATIVE or (
+            program.kind is GraphKind.MIXED and program.token_capacity > 1
+        )
+        if not all_equal(phase, PHASE_DECODE):
+            if rounds:  # decode rows commit up to their query length: ranges per role
+                check_range("phase", phase, PHASE_DECODE, PHASE_PREFILL)
+            else:
+                _PREFILL_RANGES.check(_prefill_columns(self))
+            if phase.count(PHASE_PREFILL) == 1:  # a mixed frame's prompt row, a prefill frame
+                prefill = (phase.index(PHASE_PREFILL),)
+            else:
+                prefill = tuple(i for i, p in enumerate(phase) if p)
+        if rounds:
+            for i in prefill:
+                if self.query_len[i] < 1 or not 0 <= self.commits[i] <= 1:
+                    raise ProtocolError(
+                        f"commits[{i}]", "a prompt row feeds >= 1 token and commits 0 or 1"
+                    )
+            self._check_rounds(prefill)
+            return prefill
+        # Decode lanes feed and commit 1 token: one comparison per run between prefill lanes.
+        start = 0
+        for end in (*prefill, len(phase)):
+            for name, lane_rule in (("query_len", "feeds"), ("commits", "commits")):
+                i = first_not(getattr(self, name)[start:end], 1)
+                if i >= 0:
+                    reason = f"a decode lane {lane_rule} exactly 1 token"
+                    raise ProtocolError(f"{name}[{start + i}]", reason)
+            start = end + 1
         for i in prefill:
-            if frame.query_len[i] < 1 or not 0 <= frame.commits[i] <= 1:
-                raise ProtocolError(
-                    f"commits[{i}]", "a prompt row feeds >= 1 token and commits 0 or 1"
-                )
-        check_rounds(frame, prefill)
+            if self.position[i] == 0 and self.page_count[i] == 0:
+                reason = "a prefill lane at position 0 needs at least one page"
+                raise ProtocolError(f"page_count[{i}]", reason)
         return prefill
-    # Decode lanes feed and commit 1 token: one comparison per run between prefill lanes.
-    start = 0
-    for end in (*prefill, len(phase)):
-        for name, lane_rule in (("query_len", "feeds"), ("commits", "commits")):
-            i = first_not(getattr(frame, name)[start:end], 1)
-            if i >= 0:
-                reason = f"a decode lane {lane_rule} exactly 1 token"
-                raise ProtocolError(f"{name}[{start + i}]", reason)
-        start = end + 1
-    for i in prefill:
-        if frame.position[i] == 0 and frame.page_count[i] == 0:
-            reason = "a prefill lane at position 0 needs at least one page"
-            raise ProtocolError(f"page_count[{i}]", reason)
-    return prefill
 
+    def _check_rounds(self, prefill: tuple[int, ...]) -> None:
+        """A speculative round (or a wide mixed program's decode rows): each decode
+        lane with its query length (or, device-allocated, its ceiling) in
+        [1, min(W, D + 1)], committing at most that many; host-allocated lengths
+        fit the program's P target rows.  A speculative round has no prompt row."""
+        program = self.program
+        if prefill and program.kind is GraphKind.SPECULATIVE:
+            raise ProtocolError("phase", "a speculative round has decode lanes only")
+        rows = 0
+        for i, (q, c) in enumerate(zip(self.query_len, self.commits)):
+            if i in prefill:
+                continue
+            rows += q
+            if not 1 <= q <= min(program.token_capacity, program.proposal_depth + 1):
+                raise ProtocolError(f"query_len[{i}]", f"{q} outside [1, min(W, D + 1)]")
+            if c != q:
+                raise ProtocolError(f"commits[{i}]", "a round lane commits up to its query length")
+        if not program.device_allocated and rows > program.target_capacity:
+            raise ProtocolError(
+                "query_len", f"decode rows sum to {rows}, above P = {program.target_capacity}"
+            )
 
-def check_rounds(frame: FrameColumns, prefill: tuple[int, ...]) -> None:
-    """A speculative round (or a wide mixed program's decode rows): each decode
-    lane with its query length (or, device-allocated, its ceiling) in
-    [1, min(W, D + 1)], committing at most that many; host-allocated lengths
-    fit the program's P target rows.  A speculative round has no prompt row."""
-    program = frame.program
-    if prefill and program.kind is GraphKind.SPECULATIVE:
-        raise ProtocolError("phase", "a speculative round has decode lanes only")
-    rows = 0
-    for i, (q, c) in enumerate(zip(frame.query_len, frame.commits)):
-        if i in prefill:
-            continue
-        rows += q
-        if not 1 <= q <= min(program.token_capacity, program.proposal_depth + 1):
-            raise ProtocolError(f"query_len[{i}]", f"{q} outside [1, min(W, D + 1)]")
-        if c != q:
-            raise ProtocolError(f"commits[{i}]", "a round lane commits up to its query length")
-    if not program.device_allocated and rows > program.target_capacity:
-        raise ProtocolError(
-            "query_len", f"decode rows sum to {rows}, above P = {program.target_capacity}"
-        )
+    def _check_flat(self, prefill: tuple[int, ...]) -> None:
+        """The flat columns against the counts that cut them."""
+        tokens = self.prompt_tokens
+        expected = sum(self.query_len[i] for i in prefill)
+        if len(tokens) != expected:
+            raise ProtocolError(
+                "prompt_tokens",
+                f"has {len(tokens)} tokens, the prefill lanes' query_len sum to {expected}",
+            )
+        capacity = self.program.prompt_capacity
+        if len(tokens) > capacity:
+            raise ProtocolError(
+                "prompt_tokens",
+                f"{len(tokens)} prompt tokens exceed the program's prompt_capacity {capacity}",
+            )
+        check_range("prompt_tokens", tokens, 0, INT32_MAX)
+        pages = self.pages
+        total = 0 if all_equal(self.page_count, 0) else sum(self.page_count)
+        if len(pages) != total:
+            raise ProtocolError("pages", f"has {len(pages)} pages, page_count sums to {total}")
+        check_range("pages", pages, 0, INT32_MAX)
+        if len(set(pages)) != len(pages):  # distinct overall is enough; else lane by lane
+            bounds = offsets(self.page_count)
+            for i in range(len(self.page_count)):
+                run = pages[bounds[i] : bounds[i + 1]]
+                if len(set(run)) != len(run):
+                    dup = next(p for k, p in enumerate(run) if p in run[:k])
+                    raise ProtocolError("pages", f"lane {i} appends page {dup} twice")
 
+    def _check_sampling(self, prefill: tuple[int, ...], role: str = "prefill") -> None:
+        """``sampling`` names exactly the lanes ``prefill`` (the prefill lanes; in a
+        state frame the restored ones), in lane order."""
+        sampling = self.sampling
+        if type(sampling) is not tuple:
+            sampling = check_seq("sampling", sampling, MAX_SLOTS)
+        if not sampling and not prefill:
+            return
+        lanes = []
+        for k, entry in enumerate(sampling):
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise ProtocolError(f"sampling[{k}]", "must be a (lane index, SamplingParams) pair")
+            lane, params = entry
+            check_int(f"sampling[{k}][0]", lane, 0, MAX_SLOTS - 1)
+            if not isinstance(params, SamplingParams):
+                raise ProtocolError(f"sampling[{k}][1]", "must be a SamplingParams")
+            lanes.append(lane)
+        if tuple(lanes) != prefill:
+            raise ProtocolError(
+                "sampling", f"must name exactly the {role} lanes {list(prefill)}, got {lanes}"
+            )
+        set_field(self, "sampling", tuple((lane, params) for lane, params in sampling))
 
-def check_flat(frame: FrameColumns, prefill: tuple[int, ...]) -> None:
-    """The flat columns against the counts that cut them."""
-    tokens = frame.prompt_tokens
-    expected = sum(frame.query_len[i] for i in prefill)
-    if len(tokens) != expected:
-        raise ProtocolError(
-            "prompt_tokens",
-            f"has {len(tokens)} tokens, the prefill lanes' query_len sum to {expected}",
-        )
-    capacity = frame.program.prompt_capacity
-    if len(tokens) > capacity:
-        raise ProtocolError(
-            "prompt_tokens",
-            f"{len(tokens)} prompt tokens exceed the program's prompt_capacity {capacity}",
-        )
-    check_range("prompt_tokens", tokens, 0, INT32_MAX)
-    pages = frame.pages
-    total = 0 if all_equal(frame.page_count, 0) else sum(frame.page_count)
-    if len(pages) != total:
-        raise ProtocolError("pages", f"has {len(pages)} pages, page_count sums to {total}")
-    check_range("pages", pages, 0, INT32_MAX)
-    if len(set(pages)) != len(pages):  # distinct overall is enough; else lane by lane
-        bounds = offsets(frame.page_count)
-        for i in range(len(frame.page_count)):
-            run = pages[bounds[i] : bounds[i + 1]]
-            if len(set(run)) != len(run):
-                dup = next(p for k, p in enumerate(run) if p in run[:k])
-                raise ProtocolError("pages", f"lane {i} appends page {dup} twice")
-
-
-def check_sampling(frame: FrameColumns, prefill: tuple[int, ...], role: str = "prefill") -> None:
-    """``sampling`` names exactly the lanes ``prefill`` (the prefill lanes; in a
-    state frame the restored ones), in lane order."""
-    sampling = frame.sampling
-    if type(sampling) is not tuple:
-        sampling = check_seq("sampling", sampling, MAX_SLOTS)
-    if not sampling and not prefill:
-        return
-    lanes = []
-    for k, entry in enumerate(sampling):
-        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-            raise ProtocolError(f"sampling[{k}]", "must be a (lane index, SamplingParams) pair")
-        lane, params = entry
-        check_int(f"sampling[{k}][0]", lane, 0, MAX_SLOTS - 1)
-        if not isinstance(params, SamplingParams):
-            raise ProtocolError(f"sampling[{k}][1]", "must be a SamplingParams")
-        lanes.append(lane)
-    if tuple(lanes) != prefill:
-        raise ProtocolError(
-            "sampling", f"must name exactly the {role} lanes {list(prefill)}, got {lanes}"
-        )
-    set_field(frame, "sampling", tuple((lane, params) for lane, params in sampling))
-
-
-def check_roles(frame: FrameColumns, prefill: tuple[int, ...]) -> None:
-    row = check_int("prompt_row", frame.prompt_row, -1, len(frame.slot) - 1)
-    if row >= 0 and frame.phase[row] != PHASE_PREFILL:
-        raise ProtocolError("prompt_row", f"lane {row} is not a prefill lane")
-    kind = frame.program.kind
-    if kind is GraphKind.MIXED:
-        if len(prefill) > 1:
-            lanes = list(prefill)
-            raise ProtocolError("phase", f"a mixed frame has one prefill lane at most: {lanes}")
-        named = prefill[0] if prefill else -1
-        if row != named:
-            reason = f"must name the prefill lane ({named}), got {row}"
-            raise ProtocolError("prompt_row", reason)
-    elif row != -1:
-        raise ProtocolError("prompt_row", f"only mixed programs have one, not {kind.value}")
+    def _check_roles(self, prefill: tuple[int, ...]) -> None:
+        row = check_int("prompt_row", self.prompt_row, -1, len(self.slot) - 1)
+        if row >= 0 and self.phase[row] != PHASE_PREFILL:
+            raise ProtocolError("prompt_row", f"lane {row} is not a prefill lane")
+        kind = self.program.kind
+        if kind is GraphKind.MIXED:
+            if len(prefill) > 1:
+                lanes = list(prefill)
+                raise ProtocolError("phase", f"a mixed frame has one prefill lane at most: {lanes}")
+            named = prefill[0] if prefill else -1
+            if row != named:
+                reason = f"must name the prefill lane ({named}), got {row}"
+                raise ProtocolError("prompt_row", reason)
+        elif row != -1:
+            raise ProtocolError("prompt_row", f"only mixed programs have one, not {kind.value}")

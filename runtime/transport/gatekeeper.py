@@ -29,7 +29,7 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DENIAL_LOG_INTERVAL_S = 1.0  # repeats of one reason within this are counted, logged once
 
 _HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-_PROTOCOL_REASONS = {
+_PROTOCOL_REASONS: dict[int, str] = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "a peer without CURVE keys (mechanism mismatch)",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: (
         "a CURVE handshake that failed to decrypt (the wrong server key, or a forged handshake)"
@@ -178,8 +178,8 @@ class Gatekeeper:
             )
         else:
             return
-        where = event.get("endpoint", b"")
-        where = where.decode("ascii", "replace") if isinstance(where, bytes) else endpoint
+        raw = event.get("endpoint", b"")
+        where = raw.decode("ascii", "replace") if isinstance(raw, bytes) else endpoint
         self.deny(f"{what} on {where or endpoint}")
 
     def close(self) -> None:

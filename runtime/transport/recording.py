@@ -122,19 +122,20 @@ def read_recording(directory: str | os.PathLike) -> Recording:
         raise RecordingError(f"{path}: not a frame recording ({exc})") from None
     unpacker = msgpack.Unpacker(use_list=True, raw=False, max_bin_len=MAX_MESSAGE_BYTES)
     unpacker.feed(data)
-    report, frames, completions = None, [], {}
+    report: CatalogReport | None = None
+    frames: list[Frame] = []
+    completions: dict[int, Completion] = {}
     for i, entry in enumerate(unpacker):
         if not (isinstance(entry, list) and len(entry) == 2 and entry[0] in KINDS):
             raise RecordingError(f"{path / LOG}: entry {i} is not a [kind, bytes] pair")
         kind, blob = entry
         message = decode(blob)
-        expected = {"report": CatalogReport, "frame": Frame, "completion": Completion}[kind]
-        if not isinstance(message, expected):
-            raise RecordingError(f"{path / LOG}: entry {i} holds a {type(message).__name__}")
-        if kind == "report":
+        if kind == "report" and isinstance(message, CatalogReport):
             report = message
-        elif kind == "frame":
+        elif kind == "frame" and isinstance(message, Frame):
             frames.append(message)
-        else:
+        elif kind == "completion" and isinstance(message, Completion):
             completions[message.fence] = message
+        else:
+            raise RecordingError(f"{path / LOG}: entry {i} holds a {type(message).__name__}")
     return Recording(meta, report, tuple(frames), completions)
