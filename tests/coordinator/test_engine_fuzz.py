@@ -49,7 +49,7 @@ from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import Tensor
 from tests.coordinator import fake_rank
 from tests.coordinator.fake_rank import FakeSpec, LocalRanks, reference
-from tests.transport.fuzz_strategies import junk_values, mutate_bytes
+from tests.support.fuzz_strategies import junk_values, mutate_bytes
 
 WAIT_S = 10.0
 WORLD = 2

@@ -46,7 +46,7 @@ from runtime.transport.inspection import RankStatus
 from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig
 from runtime.transport.restore import Restore
 from runtime.transport.sampling import SamplingParams
-from tests.transport.fuzz_strategies import VALID, envelope, field_mutations, mutate_bytes, pack
+from tests.support.fuzz_strategies import VALID, envelope, field_mutations, mutate_bytes, pack
 
 WAIT_S = 60.0  # per answer; the machine is shared and slow
 STARTUP_S = 240.0

@@ -27,7 +27,7 @@ from runtime.transport.fields import ProtocolError
 from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
-from tests.transport import examples
+from tests.support import transport_examples as examples
 
 INT64_MAX = 2**63 - 1
 MIXED_8 = GraphDescriptor(GraphKind.MIXED, 8, token_capacity=1, prompt_capacity=128)

@@ -50,8 +50,8 @@ from runtime.transport.schema import (
 )
 from runtime.transport.schema import PROTOCOL_VERSION, Message
 from runtime.transport.tensor import Tensor
-from tests.transport import examples
-from tests.transport.fuzz_strategies import (
+from tests.support import transport_examples as examples
+from tests.support.fuzz_strategies import (
     ENCODED,
     VALID,
     envelope,

@@ -17,7 +17,7 @@ from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.restore import Restore
 from runtime.transport.sampling import SamplingParams
-from tests.transport import examples
+from tests.support import transport_examples as examples
 
 PREFILL = GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)
 MIXED = GraphDescriptor(GraphKind.MIXED, 4, prompt_capacity=64)

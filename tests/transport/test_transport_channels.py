@@ -27,7 +27,8 @@ from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.rank_channel import RankChannel
 from runtime.transport.schema import PROTOCOL_VERSION
-from tests.transport import examples, rank_worker
+from tests.support import rank_worker
+from tests.support import transport_examples as examples
 
 WAIT_MS = 9_000
 WAIT_S = WAIT_MS / 1000

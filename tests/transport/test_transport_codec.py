@@ -14,7 +14,7 @@ from runtime.transport.codec import decode, decode_or_log, encode
 from runtime.transport.control import Control
 from runtime.transport.fields import ProtocolError
 from runtime.transport.schema import PROTOCOL_VERSION
-from tests.transport import examples
+from tests.support import transport_examples as examples
 
 
 def _envelope(**overrides: Any) -> bytes:

@@ -23,7 +23,7 @@ from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.schema import MESSAGE_TYPES, PROTOCOL_VERSION
 from runtime.transport.tensor import Tensor
-from tests.transport import examples
+from tests.support import transport_examples as examples
 
 
 def col(*values: int) -> array:

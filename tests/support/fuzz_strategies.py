@@ -41,7 +41,7 @@ from runtime.transport.restore import Restore
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.schema import PROTOCOL_VERSION, Message
 from runtime.transport.tensor import Tensor
-from tests.transport import examples
+from tests.support import transport_examples as examples
 
 # --------------------------------------------------------------- valid messages
 

@@ -14,7 +14,7 @@ from runtime.transport.completion import Completion, LaneResult
 from runtime.transport.control import Control
 from runtime.transport.frame import Frame
 from runtime.transport.rank_channel import RankChannel
-from tests.transport import examples
+from tests.support import transport_examples as examples
 
 EXIT_OK = 0
 EXIT_NO_PING = 3
