@@ -352,7 +352,7 @@ class PreparedProgram:
             o += lanes
         prompt_lane = int(prefill[0]) if len(prefill) else -1
         # A new generation's penalty row is reset by the program, unless it is
-        # restored: the rank wrote that row before the launch (worker._restore_rows).
+        # restored: the rank wrote that row before the launch (DeviceRows.restore).
         starts = prompt_lane >= 0 and bool(checked.starts[prompt_lane])
         starts = starts and prompt_lane not in checked.restores
         a[o : o + 3] = (prompt_row, int(slot[prompt_lane]) if starts else scratch, prompt_lane)

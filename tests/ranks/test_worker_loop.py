@@ -7,17 +7,18 @@ finish inside the launch)."""
 from __future__ import annotations
 
 import pytest
-from tests.checkpoints import write_tiny
 
 from runtime.catalog import GraphKind
 from runtime.ranks.capacity import CapacityConfig
+from runtime.ranks.frame_loop import FrameLoop, RankHang
 from runtime.ranks.model import load_model
 from runtime.ranks.programs import Launch
-from runtime.ranks.worker import RankHang, RankWorker
+from runtime.ranks.worker import RankWorker
 from runtime.transport.completion import Completion
 from runtime.transport.control import Control
 from runtime.transport.frame import Frame
 from runtime.transport.sampling import SamplingParams
+from tests.support.checkpoints import write_tiny
 
 PAGE = 16
 
@@ -105,7 +106,7 @@ def test_the_next_frame_is_packed_while_the_first_runs(model_dir):
 
     worker.start = slow_start
     channel = ScriptedChannel([*frames(worker), Control("shutdown", -1)], log)
-    worker._loop(channel, 0, None)
+    FrameLoop(worker, channel, 0, None).run()
     assert [c.fence for c in channel.sent] == [1, 2, 3, 4]  # fence order
     assert tokens(channel.sent) == tokens(expected)  # pending tokens stayed on the device
     # Frame 2 was checked, packed and launched before frame 1 was answered.
@@ -130,7 +131,7 @@ def test_a_frame_past_its_deadline_is_reported_and_the_rank_stops(model_dir):
     worker.start = hung_start
     channel = ScriptedChannel(frames(worker)[:3], [])
     with pytest.raises(RankHang, match="fence 2"):
-        worker._loop(channel, 0, None)
+        FrameLoop(worker, channel, 0, None).run()
     assert [c.fence for c in channel.sent] == [1, 2]
     error = channel.sent[-1].error
     assert error.startswith("hung: rank 0: frame fence 2") and "expected 1.000 ms" in error

@@ -367,6 +367,7 @@ class ScriptedChannel:
 def test_a_replayed_frame_is_refused_naming_its_fence() -> None:
     from runtime.catalog import GraphKind
     from runtime.ranks.capacity import CapacityConfig
+    from runtime.ranks.frame_loop import FrameLoop
     from runtime.ranks.model import default_model_dir, load_model
     from runtime.ranks.worker import RankWorker
     from runtime.transport.frame import Frame
@@ -386,7 +387,7 @@ def test_a_replayed_frame_is_refused_naming_its_fence() -> None:
         commits=[1], prompt_start=[0], page_count=[0], expected_ns=1_000_000,
     )  # fmt: skip
     channel = ScriptedChannel([first, second, second, first, Control("shutdown", -1)])
-    worker._loop(channel, 0, None)
+    FrameLoop(worker, channel, 0, None).run()
     fences = [(c.fence, c.error) for c in channel.sent]
     assert [f for f, _ in fences] == [1, 2, 2, 1]
     assert fences[0][1] is None and fences[1][1] is None  # the originals ran
