@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from runtime.local import DeploymentConfig, LocalDeployment
-from tests.checkpoints import greedy, write_tiny
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
+from tests.support.checkpoints import greedy, write_tiny
 
 NEW = 8
 

@@ -18,7 +18,7 @@ from runtime.ranks.sampling import (
     suppress_eos,
 )
 from runtime.transport.sampling import MAX_LOGIT_BIAS, SamplingParams
-from tests.ranks.penalty_reference import reference
+from tests.support.penalty_reference import reference
 
 VOCAB = 97
 

@@ -27,9 +27,9 @@ from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
-from tests.ranks.penalty_reference import reference
-from tests.ranks.rank_state import changed, snapshot
 from tests.support.checkpoints import write_tiny
+from tests.support.penalty_reference import reference
+from tests.support.rank_state import changed, snapshot
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request

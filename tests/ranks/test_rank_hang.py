@@ -7,12 +7,13 @@ import time
 
 import pytest
 import zmq
-from tests.checkpoints import write_tiny
 
-from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 from runtime.ranks.watchdog import Watchdog, frame_deadline_ns
 from runtime.transport.codec import decode
 from runtime.transport.completion import Completion
+from tests.support.checkpoints import write_tiny
 
 
 def test_deadline_is_a_multiple_of_the_expected_time_plus_the_margin():

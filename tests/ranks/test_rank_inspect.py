@@ -6,10 +6,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from runtime.launch import spawn_ranks, stop_ranks
-from tests.checkpoints import write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.deploy.launch import spawn_ranks, stop_ranks
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.completion import Completion
 from runtime.transport.control import Control
@@ -18,6 +17,7 @@ from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.inspection import RankStatus
 from runtime.transport.sampling import SamplingParams
+from tests.support.checkpoints import write_tiny
 
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 

@@ -6,16 +6,17 @@ import os
 
 import msgpack
 import pytest
-from runtime.launch import spawn_ranks, stop_ranks
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.deploy.launch import spawn_ranks, stop_ranks
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.completion import Completion
 from runtime.transport.coordinator_channel import CoordinatorChannel
 from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
+from tests.support.checkpoints import greedy, write_tiny
+from tests.support.rank_messages import collect
 
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 NEW = 5
@@ -44,16 +45,6 @@ def start_ranks(model_dir, channel: CoordinatorChannel, world: int, tmp_path) ->
     return spawn_ranks(
         channel.endpoints, world, args, env=dict(os.environ, FLARE_HOME=str(tmp_path))
     )
-
-
-def collect(channel: CoordinatorChannel, kind, count: int, timeout_ms=60_000) -> list:
-    got = []
-    while len(got) < count:
-        message = channel.recv(timeout_ms=timeout_ms)
-        assert message is not None, f"timed out waiting for {kind.__name__}"
-        if isinstance(message, kind):
-            got.append(message)
-    return sorted(got, key=lambda m: (getattr(m, "fence", 0), m.rank))
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -31,9 +31,9 @@ from runtime.transport.frame_lane import FrameLane
 from runtime.transport.restore import Restore
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
-from tests.ranks.rank_state import changed, snapshot
-from tests.ranks.test_rank_process import collect
 from tests.support.checkpoints import greedy, write_tiny
+from tests.support.rank_messages import collect
+from tests.support.rank_state import changed, snapshot
 
 PAGE = 16
 PROMPT = [(7 * i + 3) % 120 + 2 for i in range(40)]  # 40 tokens: pages of 16, 16 and 8

@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import os
 
-from runtime.launch import spawn_ranks, stop_ranks
-from tests.checkpoints import greedy, write_tiny
-
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.deploy.launch import spawn_ranks, stop_ranks
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.completion import Completion
 from runtime.transport.coordinator_channel import CoordinatorChannel
 from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
-from tests.ranks.test_rank_process import collect
+from tests.support.checkpoints import greedy, write_tiny
+from tests.support.rank_messages import collect
 
 PROMPTS = [[5, 17, 33, 3, 60, 5, 17, 33, 3, 60, 5, 17], [9, 9, 9, 41, 77, 12, 3, 50, 21]]
 NEW = 20

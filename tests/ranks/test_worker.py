@@ -23,8 +23,8 @@ from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
-from tests.ranks.rank_state import changed, record_forwards, slot_row, snapshot
 from tests.support.checkpoints import greedy, write_tiny
+from tests.support.rank_state import changed, record_forwards, slot_row, snapshot
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request
