@@ -4,11 +4,9 @@ with "fence 1 replayed: not greater than fence 4")."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from runtime.cli import main as flare_main
 from runtime.transport.recording import LOG, FrameRecorder, RecordingError
 
 
@@ -31,15 +29,16 @@ def test_an_empty_or_new_directory_takes_a_recording(tmp_path):
         assert (tmp_path / name / LOG).stat().st_size > 0
 
 
-def test_flare_run_refuses_it_in_one_line_before_starting(tmp_path):
+def test_flare_run_refuses_it_in_one_line_before_starting(tmp_path, capsys):
+    """``flare run`` in this process (as ``python -m runtime.cli`` runs it, without the
+    cost of a new interpreter): exit status 2 and one line, no traceback."""
     (tmp_path / "rec").mkdir()
     (tmp_path / "rec" / LOG).write_bytes(b"\x92")
-    done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "run", "--prompt", "x", "--device", "cpu",
-         "--record-frames", str(tmp_path / "rec")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
+    with pytest.raises(SystemExit) as exited:
+        flare_main(["run", "--prompt", "x", "--device", "cpu",
+                    "--record-frames", str(tmp_path / "rec")])  # fmt: skip
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2
+    lines = stderr.strip().splitlines()
     assert "--record-frames" in lines[-1] and "already holds a recording" in lines[-1]
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in stderr
