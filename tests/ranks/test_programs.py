@@ -317,7 +317,7 @@ def test_mixed_program_shape_is_the_spec_packed_extent():
 
 
 def test_wider_mixed_programs_need_a_proposer(checkpoint):
-    """Wide mixed programs verify proposals (tests/ranks/test_speculative_programs.py
+    """Wide mixed programs verify proposals (tests/ranks/test_speculative.py
     runs them); without a proposal source there is nothing to verify."""
     path, _ = checkpoint
     w = make_worker(path)
