@@ -24,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import Scheduler, SchedulerConfig
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.scheduler import Scheduler
 from scripts.scheduling_sim.catalogs import PROFILES
 from scripts.scheduling_sim.engine import Simulation
 from scripts.scheduling_sim.workload import WorkloadConfig, make_workload

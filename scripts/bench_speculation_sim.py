@@ -59,7 +59,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.coordinator import RequestSpec
+from runtime.coordinator.requests import RequestSpec
 from scripts.scheduling_sim.catalogs import PROFILES, PROPOSERS
 from scripts.scheduling_sim.runner import RunConfig, simulate
 from scripts.scheduling_sim.workload import Arrival, assign_acceptance

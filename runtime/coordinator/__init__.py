@@ -1,46 +1,8 @@
-"""The coordinator: scheduling and price state (pure Python, no torch/sockets/clocks)."""
+"""The coordinator: scheduling and price state (pure Python, no torch/sockets/clocks).
 
-from runtime.catalog import CatalogError, GraphDescriptor, GraphKind
-from runtime.coordinator.config import ConfigError, PolicyConfig, SchedulerConfig
-from runtime.coordinator.plan import (
-    LanePhase,
-    LaneWork,
-    ScheduledPlan,
-    SelectionReason,
-    TraceRecord,
-)
-from runtime.coordinator.records import CompletionRecord, ExecutionTiming, GeneratedToken
-from runtime.coordinator.requests import AdmissionError, Phase, RequestHandle, RequestSpec
-from runtime.coordinator.scheduler import (
-    CommitError,
-    CompletionError,
-    PublicationError,
-    Scheduler,
-    SchedulerError,
-)
-
-__all__ = [
-    "AdmissionError",
-    "CatalogError",
-    "CommitError",
-    "CompletionError",
-    "CompletionRecord",
-    "ConfigError",
-    "ExecutionTiming",
-    "GeneratedToken",
-    "GraphDescriptor",
-    "GraphKind",
-    "LanePhase",
-    "LaneWork",
-    "Phase",
-    "PolicyConfig",
-    "PublicationError",
-    "RequestHandle",
-    "RequestSpec",
-    "ScheduledPlan",
-    "Scheduler",
-    "SchedulerConfig",
-    "SchedulerError",
-    "SelectionReason",
-    "TraceRecord",
-]
+Each name lives in the module that defines it, for instance
+:class:`~runtime.coordinator.scheduler.Scheduler`,
+:class:`~runtime.coordinator.config.SchedulerConfig` and
+:class:`~runtime.coordinator.requests.RequestSpec`; the process runtime
+around the scheduler (channel, threads, clocks) is :mod:`runtime.coordinator.engine`.
+"""

@@ -1,8 +1,13 @@
-"""What selection produces: an immutable plan, and the trace record of a commit."""
+"""What selection produces: an immutable plan, and the trace record of a commit.
+
+:class:`TraceBuffer` holds a scheduler's records between drains; both the
+coordinator's scheduler and direct mode's write theirs with :func:`commit_record`.
+"""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
@@ -123,3 +128,71 @@ class TraceRecord:
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
+
+
+# Trace records kept between drains (older ones are dropped and counted).
+TRACE_LIMIT = 65536
+
+
+def commit_record(
+    plan: ScheduledPlan,
+    fence: int,
+    now_ns: int,
+    selected_cost_ns: int,
+    observation_age_ns: int | None,
+    refresh_credit_ns: float = 0.0,
+    learning_credit_ns: float = 0.0,
+) -> TraceRecord:
+    """The trace record of committing ``plan`` as ``fence`` at ``now_ns``."""
+    desc = plan.graph
+    return TraceRecord(
+        fence=fence,
+        committed_at_ns=now_ns,
+        graph=desc.describe(),
+        kind=desc.kind.value,
+        batch_capacity=desc.batch_capacity,
+        token_capacity=desc.token_capacity,
+        proposal_depth=desc.proposal_depth,
+        target_capacity=desc.target_capacity,
+        prompt_capacity=desc.prompt_capacity,
+        active_rows=len(plan.lanes),
+        selected_cost_ns=selected_cost_ns,
+        observation_age_ns=observation_age_ns,
+        reason=plan.reason.value,
+        refresh_credit_ns=refresh_credit_ns,
+        learning_credit_ns=learning_credit_ns,
+        value_rate_scaled=plan.value_rate_scaled,
+        log_scale=plan.log_scale,
+        requests=tuple(lane.handle.id for lane in plan.lanes),
+        prompt_row=plan.prompt_row,
+        prompt_tokens=sum(lane.prompt_tokens for lane in plan.lanes),
+        decode_rows=sum(1 for lane in plan.lanes if lane.phase is LanePhase.DECODE),
+    )
+
+
+class TraceBuffer:
+    """Trace records since the last :meth:`drain`, bounded so that a runtime that
+    never drains cannot grow without limit (``dropped`` counts the loss)."""
+
+    def __init__(self, limit: int = TRACE_LIMIT) -> None:
+        self._records: deque[TraceRecord] = deque(maxlen=limit)
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def append(self, record: TraceRecord) -> None:
+        if len(self._records) == self._records.maxlen:
+            self.dropped += 1
+        self._records.append(record)
+
+    def drain(self) -> list[TraceRecord]:
+        out = list(self._records)
+        self._records.clear()
+        return out
+
+    def trim(self, keep: int) -> None:
+        """Drop all but the newest ``keep`` undrained records (not counted as dropped:
+        the caller reads none of them)."""
+        while len(self._records) > keep:
+            self._records.popleft()

@@ -114,11 +114,39 @@ def build_context(
     if not (runnable or terminal or restoring):
         return None
     start = queue.expected_end_ns(now_ns)
-    population = max(1, len(runnable))
-    f, g, c = policy.token_fairness, policy.delivery_fairness, policy.decode_age_price
+    c = policy.decode_age_price
     beta = policy.output_token_value
+    state = _projected_state(runnable, restoring, queue, policy, view, start)
+    n_decoders = sum(1 for r in runnable if r.consumed_prompt >= r.prefill_target)
+    slope = c * view.decode_sigma_ms(n_decoders) if n_decoders else 0.0
+    prefill, decode = _lane_views(runnable, state, policy, page_size, start, slope)
+    ctx = SelectionContext(
+        now_ns=now_ns,
+        start_ns=start,
+        beta=beta,
+        ttl_ns=catalog.ttl_ns,
+        catalog=catalog,
+        prefill=prefill,
+        decode=decode,
+        decode_age_slope=slope,
+        active_age_price=c * n_decoders + policy.terminal_age_price * len(terminal),
+    )
+    if terminal or restoring:
+        ctx.states = _state_views(ctx, state, terminal, restoring, policy, slope, start)
+    return ctx
 
-    # Current dual rates; a request with no history starts at its fair share.
+
+def _projected_state(
+    runnable: list[Request],
+    restoring: list[Request],
+    queue: ExecutionQueue,
+    policy: PolicyConfig,
+    view: CatalogView,
+    start: int,
+) -> dict[int, list]:
+    """Each request's dual rates and last visible delivery ``[x, z, last_visible]``
+    (a request with no history at its fair share), projected through the queue."""
+    population = max(1, len(runnable))
     x0 = starting_rate(view.decode_sigma_ms(population), population)
     state: dict[int, list] = {}
     for r in (*runnable, *restoring):
@@ -132,9 +160,20 @@ def build_context(
         z = x0 if r.delivery_rate is None else r.delivery_rate
         state[r.handle.id] = [x, z, last_visible]
     _project_queue(state, queue, policy.adaptation_ms)
+    return state
 
-    n_decoders = sum(1 for r in runnable if r.consumed_prompt >= r.prefill_target)
-    slope = c * view.decode_sigma_ms(n_decoders) if n_decoders else 0.0
+
+def _lane_views(
+    runnable: list[Request],
+    state: dict[int, list],
+    policy: PolicyConfig,
+    page_size: int,
+    start: int,
+    slope: float,
+) -> tuple[list[LaneView], list[LaneView]]:
+    """The prompt rows and decode lanes ``runnable`` may offer at ``start``."""
+    f, g = policy.token_fairness, policy.delivery_fairness
+    beta = policy.output_token_value
     prefill: list[LaneView] = []
     decode: list[LaneView] = []
     for r in runnable:
@@ -178,20 +217,7 @@ def build_context(
                 room=room,
             )
         )
-    ctx = SelectionContext(
-        now_ns=now_ns,
-        start_ns=start,
-        beta=beta,
-        ttl_ns=catalog.ttl_ns,
-        catalog=catalog,
-        prefill=prefill,
-        decode=decode,
-        decode_age_slope=slope,
-        active_age_price=c * n_decoders + policy.terminal_age_price * len(terminal),
-    )
-    if terminal or restoring:
-        ctx.states = _state_views(ctx, state, terminal, restoring, policy, slope, start)
-    return ctx
+    return prefill, decode
 
 
 def _prompt_view(

@@ -20,7 +20,10 @@ FRAME_SLOTS = 2
 
 
 @dataclass(slots=True)
-class Frame:
+class QueuedFrame:
+    """A committed frame in the execution queue, awaiting its completion (the
+    scheduler's record of it; the ranks receive a :class:`runtime.transport.frame.Frame`)."""
+
     fence: int
     plan: ScheduledPlan
     reason: SelectionReason
@@ -34,7 +37,7 @@ class Frame:
 
 class ExecutionQueue:
     def __init__(self) -> None:
-        self.frames: deque[Frame] = deque()
+        self.frames: deque[QueuedFrame] = deque()
 
     def __len__(self) -> int:
         return len(self.frames)
@@ -44,7 +47,7 @@ class ExecutionQueue:
         return not self.frames
 
     @property
-    def head(self) -> Frame | None:
+    def head(self) -> QueuedFrame | None:
         return self.frames[0] if self.frames else None
 
     def expected_end_ns(self, now_ns: int) -> int:
@@ -60,10 +63,10 @@ class ExecutionQueue:
             return False
         return now_ns <= self.frames[0].expected_end_ns  # an overrun suspends queueing
 
-    def push(self, frame: Frame) -> None:
+    def push(self, frame: QueuedFrame) -> None:
         self.frames.append(frame)
 
-    def pop_head(self, now_ns: int) -> Frame:
+    def pop_head(self, now_ns: int) -> QueuedFrame:
         """Remove the completed head; the frames behind it now start from ``now_ns``.
 
         Expected ends are rebased on the observed completion, so early or late

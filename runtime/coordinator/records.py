@@ -14,6 +14,10 @@ if TYPE_CHECKING:
 
 FINISH_REASONS = frozenset({"stop", "length"})
 
+# A device-allocated round's FP32 confidence sidecar, [2, request_slots,
+# draft_capacity] (checked by runtime.coordinator.sidecars).
+Confidence = Sequence[Sequence[Sequence[float]]]
+
 
 @dataclass(frozen=True)
 class CompletionRecord:

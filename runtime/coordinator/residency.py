@@ -30,7 +30,7 @@ from collections import OrderedDict, deque
 
 from runtime.coordinator.kvcache import Match, PageAccountingError, PageCache
 from runtime.coordinator.requests import GenerationStart, Request
-from runtime.coordinator.resources import SlotTable
+from runtime.coordinator.resources import SlotPool
 
 
 class Residency:
@@ -47,7 +47,7 @@ class Residency:
     ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        self.slots = SlotTable(max_slots)
+        self.slots = SlotPool(max_slots)
         self.cache = PageCache(num_pages, page_size, enabled=prefix_caching)
         self.max_chunk = max(1, max_chunk)  # the largest prompt chunk a program takes
         self.max_width = max(1, max_width)  # the widest decode row a program runs

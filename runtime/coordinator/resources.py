@@ -13,7 +13,9 @@ class ResourceError(RuntimeError):
     """A resource invariant would be broken."""
 
 
-class SlotTable:
+class SlotPool:
+    """The request slots: free ones, and each slot's generation (bumped on every reuse)."""
+
     def __init__(self, num_slots: int) -> None:
         self._free = list(range(num_slots - 1, -1, -1))
         self.generations = [0] * num_slots

@@ -26,10 +26,8 @@ from itertools import pairwise
 
 from runtime.coordinator.errors import CompletionError
 from runtime.coordinator.plan import ScheduledPlan
-from runtime.coordinator.records import CompletionRecord
+from runtime.coordinator.records import CompletionRecord, Confidence
 from runtime.coordinator.rounds import device_allocation
-
-Confidence = Sequence[Sequence[Sequence[float]]]
 
 
 def _probabilities(fence: int, name: str, values: object, length: int | None = None) -> list:

@@ -13,7 +13,7 @@ from collections import deque
 
 from runtime.coordinator.errors import SchedulerError
 from runtime.coordinator.requests import Phase, RequestHandle, RequestSpec
-from runtime.coordinator.resources import PagePool, SlotTable
+from runtime.coordinator.resources import PagePool, SlotPool
 
 
 class DirectRequest:
@@ -94,13 +94,13 @@ class DirectRequest:
         return -(-(self.spec.prompt_len + self.spec.max_output_tokens) // page_size)
 
 
-class Residency:
+class DirectResidency:
     """Admitted requests: the FCFS waiting line and the residents."""
 
     def __init__(self, max_slots: int, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
-        self.slots = SlotTable(max_slots)
+        self.slots = SlotPool(max_slots)
         self.pages = PagePool(num_pages, page_size)
         self.requests: dict[int, DirectRequest] = {}  # admitted, not yet retired
         self.waiting: deque[DirectRequest] = deque()

@@ -1,9 +1,11 @@
 """DirectScheduler: the diagnostic scheduler of ``flare run --direct``.
 
 A drop-in for :class:`runtime.coordinator.scheduler.Scheduler` as the engine
-uses it (``admit``, ``advance_to``, ``plan``, ``commit``, ``complete``,
-``cancel``, ``published_output``, ``drain_trace``, ``request``,
-``page_table`` and the occupancy properties), built on its own selection
+uses it (it satisfies :class:`runtime.coordinator.interface.EngineScheduler`:
+``admit``, ``advance_to``, ``plan``, ``commit``, ``complete``, ``cancel``,
+``published_output``, ``drain_trace``, ``request``, ``page_table`` and the
+occupancy properties; no generation starts, memory counters or speculative
+rounds), built on its own selection
 (:mod:`runtime.direct.selection`) and costs (:mod:`runtime.direct.cost`) so
 that a fault which persists under it lies in the ranks, not in the
 coordinator's scheduler.  It shares only plain data types with the coordinator:
@@ -39,23 +41,27 @@ from runtime.coordinator.errors import (
     SchedulerError,
 )
 from runtime.coordinator.plan import (
+    TRACE_LIMIT,
     LanePhase,
     LaneWork,
     ScheduledPlan,
     SelectionReason,
+    TraceBuffer,
     TraceRecord,
+    commit_record,
 )
 from runtime.coordinator.records import (
     CompletionRecord,
+    Confidence,
     ExecutionTiming,
     GeneratedToken,
     validate_records,
     validate_timing,
 )
-from runtime.coordinator.requests import Phase, RequestHandle, RequestSpec
+from runtime.coordinator.requests import GenerationStart, Phase, RequestHandle, RequestSpec
 from runtime.direct.config import DirectConfig
 from runtime.direct.cost import DirectCatalog, cost_sample_ns
-from runtime.direct.residency import DirectRequest, Residency
+from runtime.direct.residency import DirectRequest, DirectResidency
 from runtime.direct.selection import (
     Choice,
     choose_decode,
@@ -65,9 +71,6 @@ from runtime.direct.selection import (
 )
 
 log = logging.getLogger("runtime.direct")
-
-# Trace records kept between drains (older ones are dropped and counted).
-TRACE_LIMIT = 65536
 
 
 @dataclass(slots=True)
@@ -113,7 +116,7 @@ class DirectScheduler:
             len(self.catalog) - prefills - decodes,
         )
         self.now_ns = 0
-        self._residency = Residency(
+        self._residency = DirectResidency(
             self.config.max_slots, self.config.num_pages, self.config.page_size
         )
         self._window: deque[InFlight] = deque()
@@ -122,8 +125,7 @@ class DirectScheduler:
         self._served = 0  # lane sequence across commits, for least-recently-served order
         self.executions = {reason: 0 for reason in SelectionReason}
         self.execution_ns = {reason: 0 for reason in SelectionReason}
-        self._trace: deque[TraceRecord] = deque(maxlen=TRACE_LIMIT)
-        self.trace_dropped = 0
+        self._trace = TraceBuffer(TRACE_LIMIT)
 
     # ------------------------------------------------------------------ time
     def advance_to(self, now_ns: int) -> None:
@@ -265,31 +267,9 @@ class DirectScheduler:
             InFlight(fence, plan, requests, exclusive, self._expected_end() + entry.estimate_ns)
         )
         self._last_fence = fence
-        if len(self._trace) == TRACE_LIMIT:
-            self.trace_dropped += 1
         self._trace.append(
-            TraceRecord(
-                fence=fence,
-                committed_at_ns=self.now_ns,
-                graph=graph.describe(),
-                kind=graph.kind.value,
-                batch_capacity=graph.batch_capacity,
-                token_capacity=graph.token_capacity,
-                proposal_depth=graph.proposal_depth,
-                target_capacity=graph.target_capacity,
-                prompt_capacity=graph.prompt_capacity,
-                active_rows=len(plan.lanes),
-                selected_cost_ns=entry.estimate_ns,
-                observation_age_ns=entry.observation_age_ns(self.now_ns),
-                reason=plan.reason.value,
-                refresh_credit_ns=0.0,
-                learning_credit_ns=0.0,
-                value_rate_scaled=plan.value_rate_scaled,
-                log_scale=plan.log_scale,
-                requests=tuple(lane.handle.id for lane in plan.lanes),
-                prompt_row=plan.prompt_row,
-                prompt_tokens=sum(lane.prompt_tokens for lane in plan.lanes),
-                decode_rows=sum(1 for lane in plan.lanes if lane.phase is LanePhase.DECODE),
+            commit_record(
+                plan, fence, self.now_ns, entry.estimate_ns, entry.observation_age_ns(self.now_ns)
             )
         )
 
@@ -390,6 +370,37 @@ class DirectScheduler:
             self._residency.retire_if_done(r)
         return generated
 
+    def complete_with_survival(
+        self,
+        fence: int,
+        records: Sequence[CompletionRecord],
+        timing: ExecutionTiming,
+        survival: Sequence[Sequence[float]],
+    ) -> list[GeneratedToken]:
+        """Direct mode runs no speculative rounds: CompletionError."""
+        raise CompletionError(f"fence {fence}: direct mode runs no speculative rounds")
+
+    def complete_packed_round(
+        self,
+        fence: int,
+        records: Sequence[CompletionRecord],
+        timing: ExecutionTiming,
+        confidence: Confidence,
+    ) -> list[GeneratedToken]:
+        """Direct mode runs no speculative rounds: CompletionError."""
+        raise CompletionError(f"fence {fence}: direct mode runs no speculative rounds")
+
+    def complete_packed_round_with_survival(
+        self,
+        fence: int,
+        records: Sequence[CompletionRecord],
+        timing: ExecutionTiming,
+        confidence: Confidence,
+        survival: Sequence[Sequence[float]],
+    ) -> list[GeneratedToken]:
+        """Direct mode runs no speculative rounds: CompletionError."""
+        raise CompletionError(f"fence {fence}: direct mode runs no speculative rounds")
+
     # ---------------------------------------------------------- publication
     def published_output(self, handle: RequestHandle, fence: int, at_ns: int | None = None) -> bool:
         """Direct mode prices no delivery: True while ``handle`` is live, else False."""
@@ -403,14 +414,16 @@ class DirectScheduler:
 
     # ---------------------------------------------------------- inspection
     def drain_trace(self) -> list[TraceRecord]:
-        out = list(self._trace)
-        self._trace.clear()
-        return out
+        return self._trace.drain()
 
     def trim_trace(self, keep: int) -> None:
         """Drop all but the newest ``keep`` undrained records (as Scheduler.trim_trace)."""
-        while len(self._trace) > keep:
-            self._trace.popleft()
+        self._trace.trim(keep)
+
+    @property
+    def trace_dropped(self) -> int:
+        """Trace records dropped undrained (the buffer holds the newest ``TRACE_LIMIT``)."""
+        return self._trace.dropped
 
     def request(self, handle: RequestHandle) -> DirectRequest | None:
         """The request, or None once it is retired (or was never admitted)."""
@@ -419,6 +432,15 @@ class DirectScheduler:
     def page_table(self, handle: RequestHandle) -> list[int]:
         r = self._residency.requests.get(handle.id)
         return list(r.pages) if r is not None else []
+
+    def generation_start(self, handle: RequestHandle) -> GenerationStart | None:
+        """Direct mode starts every generation plainly (no cached prefix, no
+        copies, no restored output): None."""
+        return None
+
+    def memory_stats(self) -> dict[str, int]:
+        """Direct mode keeps no KV memory or prefix-cache counters: empty."""
+        return {}
 
     @property
     def in_flight(self) -> int:

@@ -41,13 +41,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 
 from runtime.catalog import PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    RequestHandle,
-    RequestSpec,
-)
+from runtime.coordinator.plan import LanePhase
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestHandle, RequestSpec
 from scripts.scheduling_sim.workload import ACCEPTANCE, DEFAULT_ACCEPTANCE, Arrival
 
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from runtime.catalog import GraphDescriptor
-from runtime.coordinator import PolicyConfig, Scheduler, SchedulerConfig
+from runtime.coordinator.config import PolicyConfig, SchedulerConfig
+from runtime.coordinator.scheduler import Scheduler
 from runtime.ranks.capacity import padded_concurrency
 from scripts.scheduling_sim.baselines import (
     BASELINE_NAMES,

@@ -36,7 +36,7 @@ import math
 import random
 from dataclasses import dataclass, fields, replace
 
-from runtime.coordinator import RequestSpec
+from runtime.coordinator.requests import RequestSpec
 
 
 @dataclass(frozen=True)

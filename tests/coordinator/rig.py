@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from runtime.coordinator import PolicyConfig, Scheduler, SchedulerConfig
+from runtime.coordinator.config import PolicyConfig, SchedulerConfig
+from runtime.coordinator.scheduler import Scheduler
 
 
 class BaseRig:

@@ -9,19 +9,14 @@ import math
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CommitError,
-    CompletionRecord,
-    ExecutionTiming,
-    PolicyConfig,
-    PublicationError,
-    RequestSpec,
-    Scheduler,
-    SchedulerConfig,
-    SelectionReason,
-)
+from runtime.coordinator.config import PolicyConfig, SchedulerConfig
 from runtime.coordinator.credit import CAP_NS
+from runtime.coordinator.errors import CommitError, PublicationError
+from runtime.coordinator.plan import SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.refresh import TIMING_REFRESH_RATE
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from runtime.coordinator.service import update_rate
 from scripts.scheduling_sim import Simulation, WorkloadConfig, make_workload
 from tests.coordinator.rig import BaseRig

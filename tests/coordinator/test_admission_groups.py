@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    AdmissionError,
-    CompletionRecord,
-    ExecutionTiming,
-    RequestSpec,
-)
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import AdmissionError, RequestSpec
 from tests.coordinator.rig import BaseRig
 
 MS = 1_000_000

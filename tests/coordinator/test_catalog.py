@@ -12,8 +12,8 @@ from runtime.catalog import (
     GraphKind,
     validate_catalog,
 )
-from runtime.coordinator import Scheduler
 from runtime.coordinator.cost import CostCatalog
+from runtime.coordinator.scheduler import Scheduler
 
 # ---------------------------------------------------------------- validation
 

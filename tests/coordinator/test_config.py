@@ -8,8 +8,8 @@ import math
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import ConfigError, PolicyConfig, Scheduler, SchedulerConfig
-from runtime.coordinator.config import PRESETS
+from runtime.coordinator.config import PRESETS, ConfigError, PolicyConfig, SchedulerConfig
+from runtime.coordinator.scheduler import Scheduler
 
 # The spec's "Policy preferences" table.
 SPEC_DEFAULTS = {

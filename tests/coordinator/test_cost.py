@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    RequestSpec,
-    Scheduler,
-    SelectionReason,
-)
 from runtime.coordinator.cost import WINDOW, CostCatalog, CostEntry, cost_sample_ns
+from runtime.coordinator.plan import SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 
 MS = 1_000_000
 TTL = 30_000_000_000  # the default 30 s freshness interval

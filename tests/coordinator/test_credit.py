@@ -9,16 +9,13 @@ import random
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    RequestSpec,
-    Scheduler,
-    SelectionReason,
-)
 from runtime.coordinator.credit import CAP_NS, CreditLedger
 from runtime.coordinator.learning import ACCEPTANCE_LEARNING_RATE, acceptance_ledger
+from runtime.coordinator.plan import SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.refresh import TIMING_REFRESH_RATE, timing_ledger
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 
 MS = 1_000_000
 TIMING_FUNDING_NS = 2_495 * MS  # spec: 2,495 ms of credited ordinary execution

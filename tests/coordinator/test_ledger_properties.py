@@ -54,15 +54,11 @@ from hypothesis import HealthCheck, event, given, settings, target
 from hypothesis import strategies as st
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    RequestSpec,
-    Scheduler,
-    SchedulerConfig,
-    SelectionReason,
-)
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.plan import LanePhase, SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 
 MS = 1_000_000
 CAP_NS = 5 * MS

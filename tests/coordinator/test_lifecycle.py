@@ -9,20 +9,17 @@ import dataclasses
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
+from runtime.coordinator.config import PolicyConfig
+from runtime.coordinator.errors import (
     CommitError,
     CompletionError,
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    Phase,
-    PolicyConfig,
     PublicationError,
-    RequestSpec,
-    Scheduler,
     SchedulerError,
-    SelectionReason,
 )
+from runtime.coordinator.plan import LanePhase, SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import Phase, RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from tests.coordinator.rig import BaseRig
 
 MS = 1_000_000

@@ -14,17 +14,11 @@ from itertools import combinations
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CommitError,
-    CompletionError,
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    Phase,
-    PolicyConfig,
-    SelectionReason,
-)
-from runtime.coordinator.plan import LaneWork
+from runtime.coordinator.config import PolicyConfig
+from runtime.coordinator.errors import CommitError, CompletionError
+from runtime.coordinator.plan import LanePhase, LaneWork, SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import Phase
 from runtime.ranks.capacity import mixed_shapes
 from tests.coordinator.test_selection import (
     ENUM_BATCHES,

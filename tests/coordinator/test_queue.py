@@ -6,15 +6,11 @@ from __future__ import annotations
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CommitError,
-    CompletionError,
-    CompletionRecord,
-    ExecutionTiming,
-    PolicyConfig,
-    RequestSpec,
-    SelectionReason,
-)
+from runtime.coordinator.config import PolicyConfig
+from runtime.coordinator.errors import CommitError, CompletionError
+from runtime.coordinator.plan import SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.service import update_rate
 from runtime.coordinator.utility import decode_lane_value
 from tests.coordinator.rig import BaseRig

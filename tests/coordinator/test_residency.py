@@ -8,15 +8,12 @@ import random
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    RequestSpec,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerError,
-)
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.errors import SchedulerError
+from runtime.coordinator.plan import LanePhase
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from runtime.coordinator.utility import prompt_chunk_value
 
 MS = 1_000_000

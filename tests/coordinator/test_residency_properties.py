@@ -11,13 +11,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    RequestSpec,
-    Scheduler,
-    SchedulerConfig,
-)
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 
 MS = 1_000_000
 BASE = (

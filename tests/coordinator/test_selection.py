@@ -17,19 +17,13 @@ from itertools import combinations
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CommitError,
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    Phase,
-    PolicyConfig,
-    RequestSpec,
-    Scheduler,
-    SchedulerConfig,
-    SelectionReason,
-)
+from runtime.coordinator.config import PolicyConfig, SchedulerConfig
+from runtime.coordinator.errors import CommitError
+from runtime.coordinator.plan import LanePhase, SelectionReason
 from runtime.coordinator.policy import best, candidates
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import Phase, RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from scripts.scheduling_sim.catalogs import PROFILES
 from scripts.scheduling_sim.engine import Simulation
 from scripts.scheduling_sim.workload import Arrival

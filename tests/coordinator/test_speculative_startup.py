@@ -42,14 +42,11 @@ from itertools import pairwise
 import pytest
 
 from runtime.catalog import GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    RequestSpec,
-    Scheduler,
-    SchedulerConfig,
-    SelectionReason,
-)
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.plan import SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from scripts.scheduling_sim.catalogs import PROFILES, build_catalog
 
 PROFILE = PROFILES["llama1b-h100"]

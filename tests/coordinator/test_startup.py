@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.coordinator import RequestSpec, Scheduler, SchedulerConfig
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from scripts.scheduling_sim.baselines import FcfsScheduler
 from scripts.scheduling_sim.catalogs import PROFILES, build_catalog
 from scripts.scheduling_sim.engine import Simulation

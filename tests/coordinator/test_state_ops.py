@@ -11,16 +11,12 @@ import copy
 import random
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    PolicyConfig,
-    RequestSpec,
-    Scheduler,
-    SchedulerConfig,
-)
+from runtime.coordinator.config import PolicyConfig, SchedulerConfig
+from runtime.coordinator.plan import LanePhase
 from runtime.coordinator.prerequisites import following_contribution, sequence_rate
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from runtime.coordinator.state_ops import RESTORE
 
 MS = 1_000_000

@@ -5,14 +5,10 @@ from __future__ import annotations
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CommitError,
-    CompletionError,
-    CompletionRecord,
-    ExecutionTiming,
-    LanePhase,
-    RequestSpec,
-)
+from runtime.coordinator.errors import CommitError, CompletionError
+from runtime.coordinator.plan import LanePhase
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming
+from runtime.coordinator.requests import RequestSpec
 from scripts.scheduling_sim.baselines import (
     BASELINE_NAMES,
     FcfsScheduler,

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from runtime.coordinator import RequestHandle, RequestSpec, Scheduler, SchedulerConfig
+from runtime.coordinator.config import SchedulerConfig
+from runtime.coordinator.requests import RequestHandle, RequestSpec
+from runtime.coordinator.scheduler import Scheduler
 from scripts.scheduling_sim.baselines import FcfsScheduler
 from scripts.scheduling_sim.catalogs import PROFILES, build_catalog
 from scripts.scheduling_sim.engine import (

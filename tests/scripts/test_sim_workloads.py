@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from runtime.coordinator import RequestSpec
+from runtime.coordinator.requests import RequestSpec
 from scripts.scheduling_sim.workload import (
     CHAT_OUTPUT,
     CHAT_PROMPT,

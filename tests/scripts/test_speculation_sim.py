@@ -11,17 +11,9 @@ from pathlib import Path
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    CompletionRecord,
-    ExecutionTiming,
-    GeneratedToken,
-    LanePhase,
-    LaneWork,
-    RequestHandle,
-    RequestSpec,
-    ScheduledPlan,
-    SelectionReason,
-)
+from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan, SelectionReason
+from runtime.coordinator.records import CompletionRecord, ExecutionTiming, GeneratedToken
+from runtime.coordinator.requests import RequestHandle, RequestSpec
 from scripts.bench_schedulers import configs as bench_configs
 from scripts.scheduling_sim.__main__ import main as sim_main
 from scripts.scheduling_sim.baselines import (
@@ -319,6 +311,7 @@ def test_bench_schedulers_speculation_configs():
     assert "table" not in bench_configs(RunConfig(), "llama1b-h100")
 
 
+@pytest.mark.process
 def test_bench_speculation_quick_ends_with_the_json_figures():
     out = subprocess.run(
         [sys.executable, "scripts/bench_speculation_sim.py", "--quick", "--jobs", "2"],

@@ -93,7 +93,7 @@ class FrontendBridge:
         health: Callable[[], str | None] | None = None,
     ) -> None:
         """``health``: why the deployment can serve no more (None: it can), e.g.
-        :meth:`runtime.local.LocalDeployment.health`; by default the engine's."""
+        :meth:`runtime.deploy.local.LocalDeployment.health`; by default the engine's."""
         if not 0 < heartbeat_interval_s < float("inf"):
             raise ValueError(
                 f"heartbeat_interval_s must be a finite number of seconds > 0, "

@@ -16,6 +16,15 @@ largest readiness delay, host wall from dispatch, queued) and rank 0's lanes go
 to ``Scheduler.complete``; the committed tokens go to their streams.  They
 count as published at once, unless ``external_publication``: then a frontend
 reports when the client saw them (:meth:`Engine.publish`).
+
+:class:`Engine` is built in layers, one concept each:
+:mod:`~runtime.coordinator.engine.lifecycle` (state, start-up, failure,
+shutdown), :mod:`~runtime.coordinator.engine.inflight` (frames planned, sent
+and watched), :mod:`~runtime.coordinator.engine.completions` (completions
+applied in fence order); this module adds the public API, the loop and the
+commands (:mod:`~runtime.coordinator.engine.commands`) it takes from other
+threads.  The scheduler is anything that satisfies
+:class:`runtime.coordinator.interface.EngineScheduler`.
 """
 
 from __future__ import annotations
@@ -23,59 +32,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
-from runtime.catalog import GraphKind, describe_counts
-from runtime.coordinator.config import SchedulerConfig
-from runtime.coordinator.engine.config import (
-    EngineConfig,
-    EngineError,
-    EngineStartError,
-    frame_watchdog_ns,
+from runtime.coordinator.engine.commands import (
+    AskRanks,
+    CancelRequest,
+    Command,
+    FailEngine,
+    Probe,
+    PublishOutput,
+    RankLost,
+    StartProbe,
+    SubmitRequest,
 )
-from runtime.coordinator.engine.frames import (
-    Dispatch,
-    Live,
-    build_frame,
-    check_token_ids,
-    completion_records,
-    execution_timing,
-    lane_logprobs,
-    mark_pages_sent,
-    sidecar_rows,
-    token_logprobs,
-)
-from runtime.coordinator.engine.ranks import RankAsk, RankMetrics, RankQueries
-from runtime.coordinator.engine.startup import ModelFacts, agree, collect_reports
-from runtime.coordinator.engine.stats import EngineStats, FrameStat
-from runtime.coordinator.engine.stream import (
-    ABORTED,
-    CANCELLED,
-    ERROR,
-    RequestStream,
-    TokenEvent,
-)
+from runtime.coordinator.engine.completions import CompletionHandling
+from runtime.coordinator.engine.config import EngineConfig, EngineError
+from runtime.coordinator.engine.frames import Live
+from runtime.coordinator.engine.ranks import RankAsk
+from runtime.coordinator.engine.stream import CANCELLED, ERROR, RequestStream, TokenEvent
 from runtime.coordinator.engine.submission import check_submission
-from runtime.coordinator.engine.trace import FrameTrace
-from runtime.coordinator.errors import CompletionError, SchedulerError
-from runtime.coordinator.plan import ScheduledPlan
+from runtime.coordinator.errors import SchedulerError
 from runtime.coordinator.requests import RequestSpec
-from runtime.coordinator.scheduler import Scheduler
-from runtime.trace.writer import TraceOptions
-from runtime.transport.catalog_report import CatalogReport
-from runtime.transport.channels import ChannelEndpoints, HandshakeTimeout, TransportError
-from runtime.transport.completion import Completion
-from runtime.transport.control import Control
-from runtime.transport.coordinator_channel import CoordinatorChannel
-from runtime.transport.frame import Frame
-from runtime.transport.frame_lane import MAX_SLOTS
 from runtime.transport.inspection import RankStatus
-from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig
 from runtime.transport.sampling import SamplingParams
-from runtime.transport.security import ClientKeys, DeploymentKeys, per_run_keys
 
 log = logging.getLogger("runtime.coordinator.engine")
 
@@ -83,20 +62,10 @@ log = logging.getLogger("runtime.coordinator.engine")
 # timeout are noticed while frames are in flight.
 MAX_WAIT_MS = 20
 RUN_STEP_MS = 50
-UNREAD_TRACE_RECORDS = 2048  # scheduler trace records kept when no trace file reads them
 
 
-@dataclass
-class _Probe:
-    """A round-trip measurement: ``count`` empty frames, one at a time."""
-
-    count: int
-    round_trips_ns: list[int] = field(default_factory=list)
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class Engine:
-    """The coordinator's runtime around one :class:`Scheduler` and one channel.
+class Engine(CompletionHandling):
+    """The coordinator's runtime around one scheduler and one channel.
 
     Usage::
 
@@ -110,228 +79,10 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config if config is not None else EngineConfig()
-        if not isinstance(self.config, EngineConfig):
-            raise TypeError("Engine takes an EngineConfig")
-        self.stats = EngineStats(self.config.frame_stats)
-        self.scheduler: Scheduler | None = None
-        self.facts: ModelFacts | None = None
-        self.error: BaseException | None = None
-        # Why the engine is about to fail (mark_failing, any thread): it stops serving
-        # at once; the failure itself (error) follows at the engine thread's next round.
-        self.failing: str | None = None
-        self.failed_at: float | None = None  # monotonic time of the first sign of failure
-        self._channel: CoordinatorChannel | None = None
-        self._run_keys: DeploymentKeys | None = None  # per-run CURVE keys (tcp, none given)
-        self._world = self.config.world_size
-        # Commands from any thread; the engine thread drains them.
-        self._commands: deque[tuple[str, Any]] = deque()
-        self._command_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._state_lock = threading.RLock()  # held by the engine thread while it mutates
-        self._stopping = threading.Event()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-        self._next_request = 0
-        # Engine-thread state.
-        self._by_handle: dict[int, Live] = {}
-        self._by_request: dict[int, Live] = {}
-        self._inflight: deque[Dispatch] = deque()
-        self._by_fence: dict[int, Dispatch] = {}
-        self._release: set[int] = set()  # retired slots not yet released on the ranks
-        self._probes: deque[_Probe] = deque()
-        self._queries = RankQueries(self._world)  # inspect / profile questions to every rank
-        self.rank_metrics = RankMetrics(self._world)
-        self._next_fence = 1
-        self._start_aborted: str | None = None  # abort_start's reason
-        self._start_thread: threading.Thread | None = None  # running start()
-        self._head_since_ns = 0  # when the head of _inflight became the head
-        self.liveness: CoordinatorLiveness | None = None  # heartbeats (started by start())
-        self.trace: FrameTrace | None = None  # the live plan trace (enable_trace)
-        self._trace_options: TraceOptions | None = None
-
-    # ------------------------------------------------------------------ start-up
-    @property
-    def endpoints(self) -> ChannelEndpoints:
-        """Where ranks connect; binds the channel on first use."""
-        return self.bind()
-
-    @property
-    def started(self) -> bool:
-        return self.scheduler is not None
-
-    @property
-    def serving(self) -> bool:
-        """Started, not failed (nor failing) and not stopping: submissions are accepted."""
-        return (
-            self.started
-            and self.error is None
-            and self.failing is None
-            and not self._closed
-            and (not self._stopping.is_set())
-        )
-
-    def health(self) -> str | None:
-        """Why this engine can serve no more, for good, known at once (any thread):
-        its failure, or a failure on its way (:meth:`mark_failing`: a rank process
-        exited, a rank's heartbeats stopped).  None while it serves, and after a
-        stop that was asked for."""
-        if self.error is not None:
-            return f"the engine failed: {self.error}"
-        return self.failing
-
-    def unheard(self) -> str | None:
-        """A rank whose last heartbeat is older than the heartbeat timeout and that the
-        liveness thread has not reported yet (any thread; None: none): right after this
-        process was itself paused (SIGSTOP) for longer than the timeout, its ranks may
-        have left.  Not a failure by itself: heartbeats of theirs still queued here
-        may show them alive a moment later, so it only says "not serving now"."""
-        liveness = self.liveness
-        if liveness is None or not self.serving:
-            return None
-        silent = liveness.silent()
-        if not silent:
-            return None
-        rank, seconds = silent[0]
-        return (
-            f"rank {rank}: no heartbeat for {seconds:.1f} s "
-            f"(heartbeat timeout {liveness.config.timeout_s:g} s)"
-        )
-
-    def mark_failing(self, reason: str) -> None:
-        """The engine is about to fail (any thread): it stops serving at once
-        (``serving`` False, :meth:`health` says ``reason``, submissions are refused)
-        while the failure itself follows (:meth:`rank_gone`, :meth:`fail`)."""
-        if self.failing is None and self.error is None and not self._closed:
-            self.failing = str(reason)
-            self.failed_at = time.monotonic()
-
-    def bind(self) -> ChannelEndpoints:
-        """Bind the coordinator channel (idempotent) and return its endpoints."""
-        if self._channel is None:
-            if self._closed:
-                raise EngineError("the engine is stopped")
-            kwargs = self.config.channel_kwargs()
-            if kwargs["transport"] == "tcp" and kwargs["keys"] is None:
-                if self.config.insecure_transport:
-                    log.warning(
-                        "INSECURE TRANSPORT: the coordinator binds TCP without CURVE keys; any "
-                        "process that reaches %s can read every prompt and forge completions",
-                        self.config.endpoints,
-                    )
-                else:  # a local TCP deployment: keys for this run, handed to its ranks
-                    self._run_keys = per_run_keys()
-                    kwargs["keys"] = self._run_keys.server
-            try:
-                self._channel = CoordinatorChannel(self._world, **kwargs)  # type: ignore[arg-type]
-            except (TransportError, ValueError) as exc:
-                raise EngineStartError(f"cannot bind the coordinator channel: {exc}") from exc
-        return self._channel.endpoints
-
-    def rank_keys(self) -> ClientKeys | None:
-        """The CURVE keys this engine created for its ranks (a TCP channel bound
-        without ``transport_keys``), or None; binds the channel on first use.
-        Hand them to a rank through the environment (``keys.environment()``),
-        never its command line."""
-        self.bind()
-        return None if self._run_keys is None else self._run_keys.clients[0]
-
-    def start(self) -> None:
-        """Handshake with every rank, collect and check their catalogs, build the scheduler.
-
-        :meth:`stop` (or :meth:`abort_start`) from another thread ends it within
-        a fraction of a second with EngineStartError."""
-        if self.started:
-            raise EngineError("the engine is already started")
-        self._start_thread = threading.current_thread()
-        try:
-            self._start()
-        finally:
-            self._start_thread = None
-
-    def _start(self) -> None:
-        self.bind()
-        channel = self._channel
-        assert channel is not None
-        cfg = self.config
-        try:
-            liveness = self._start_liveness(channel)
-
-            def gone() -> str | None:  # a rank the heartbeats lost ends start-up at once
-                if self._start_aborted is not None:
-                    return self._start_aborted
-                lost = None if liveness is None else liveness.gone
-                return next(iter(lost.values())) if lost else None
-
-            try:
-                channel.handshake(timeout_s=cfg.handshake_timeout_s, abort=gone)
-            except HandshakeTimeout as exc:
-                raise EngineStartError(f"{exc} (handshake_timeout_s)") from exc
-            except TransportError as exc:
-                raise EngineStartError(str(exc)) from exc
-            if cfg.require_heartbeats and cfg.heartbeat_timeout_s is not None:
-                liveness.watch_all()
-            reports = collect_reports(channel, self._world, cfg.catalog_timeout_s, abort=gone)
-            facts = agree(reports, cfg.expected_identity)
-            max_slots = cfg.max_slots or min(MAX_SLOTS, facts.max_decode_batch)
-            scheduler_config = SchedulerConfig(
-                max_slots,
-                facts.page_size,
-                facts.num_pages,
-                fixed_speculative_width=cfg.fixed_speculative_width,
-                proposer=cfg.proposer,
-                speculative_token_capacity=cfg.speculative_token_capacity,
-                enable_prefix_caching=cfg.enable_prefix_caching,
-                debug_page_accounting=cfg.debug_page_accounting,
-            )
-            if cfg.direct:  # flare run --direct: the diagnostic scheduler of runtime/direct
-                from runtime.direct import DirectScheduler
-
-                scheduler = DirectScheduler(facts.descriptors, scheduler_config)
-            else:
-                scheduler = Scheduler(facts.descriptors, scheduler_config, cfg.policy)
-                model = scheduler.speculation
-                if cfg.acceptance_prior and model is not None:  # an offline measurement
-                    model.preseed(cfg.proposer, cfg.acceptance_prior[: model.depth_cap])
-            if self._trace_options is not None:  # an unwritable trace file fails the start
-                self.trace = self._new_trace(facts)
-        except BaseException as exc:
-            self._shutdown(ERROR, exc)
-            raise
-        self.facts = facts
-        self.scheduler = scheduler
-        log.info(
-            "engine started: %s, %d ranks, catalog of %s, %d slots, %d pages of %d tokens",
-            facts.model_name,
-            self._world,
-            describe_counts(facts.descriptors),
-            max_slots,
-            facts.num_pages,
-            facts.page_size,
-        )
-
-    def enable_trace(self, options: TraceOptions) -> None:
-        """Trace every committed frame to ``options.path`` and a ring of recent lines.
-
-        Call it before :meth:`start` (the file opens then, with the model's
-        facts in its start line) or after; once per engine.  An unwritable path
-        raises OSError.  See :mod:`runtime.coordinator.engine.trace`.
-        """
-        if not isinstance(options, TraceOptions):
-            raise TypeError(f"enable_trace takes TraceOptions, got {options!r}")
-        with self._state_lock:
-            if self._trace_options is not None:
-                raise EngineError("the engine is already tracing")
-            if self.facts is not None and self.scheduler is not None:
-                self.scheduler.drain_trace()  # records of frames already applied
-                self.trace = self._new_trace(self.facts, options)
-            self._trace_options = options
-
-    def _new_trace(self, facts: ModelFacts, options: TraceOptions | None = None) -> FrameTrace:
-        options = options or self._trace_options
-        assert options is not None
-        programs = tuple(d.describe() for d in facts.descriptors)
-        return FrameTrace(options, self._world, facts.model_name, programs)
+        super().__init__(config)
+        # What each stream of this engine cancels through (and how cancel() and
+        # publish() know a stream of theirs): one bound method, made once.
+        self._cancel_stream: Callable[[RequestStream], None] = self.cancel
 
     # ------------------------------------------------------------------ requests
     def submit(
@@ -377,10 +128,17 @@ class Engine:
             request_id = self._next_request
             self._next_request += 1
             stream = RequestStream(
-                self, request_id, prompt, max_tokens, sampling, ignore_eos, listener, group
+                self._cancel_stream,
+                request_id,
+                prompt,
+                max_tokens,
+                sampling,
+                ignore_eos,
+                listener,
+                group,
             )
             stream.cache_salt, stream.message_endpoints = cache_salt, ends
-            self._commands.append(("submit", stream))
+            self._commands.append(SubmitRequest(stream))
         self.stats.add(requests_submitted=1)
         self._wake.set()
         return stream
@@ -391,70 +149,12 @@ class Engine:
         A request that already finished is left as it is.  The slot and pages
         are freed once the request's last submitted frame completes.
         """
-        if not isinstance(stream, RequestStream) or stream._engine is not self:
+        if not isinstance(stream, RequestStream) or stream._cancel is not self._cancel_stream:
             raise ValueError("cancel takes a RequestStream of this engine")
         with self._command_lock:
             if self._closed:
                 return
-            self._commands.append(("cancel", stream))
-        self._wake.set()
-
-    def _start_liveness(self, channel: CoordinatorChannel) -> CoordinatorLiveness:
-        """The heartbeat thread, before the handshake: a rank heartbeats from its
-        own handshake on, while slower ranks may still be loading."""
-        cfg = self.config
-        timeout = cfg.heartbeat_timeout_s
-        liveness = CoordinatorLiveness(
-            channel.take_heartbeat_socket(),
-            self._world,
-            LivenessConfig(
-                cfg.heartbeat_interval_s,
-                timeout if timeout is not None else float(1 << 40),  # None: never gone
-            ),
-            self.rank_gone,
-        )
-        self.liveness = liveness
-        liveness.start()
-        return liveness
-
-    def abort_start(self, reason: str) -> None:
-        """End a :meth:`start` running in another thread within a fraction of a
-        second (any thread), with EngineStartError(``reason``): say, a local rank
-        process exited during start-up."""
-        self._start_aborted = str(reason)
-
-    def rank_gone(self, rank: int, reason: str) -> None:
-        """Rank ``rank`` is gone (any thread): its process exited, or its heartbeats
-        stopped.  The engine fails at its next round with an EngineError naming the
-        rank and the fences in flight; a hung or lost rank cannot be recovered in
-        place, so the deployment shuts down."""
-        self.mark_failing(reason)
-        with self._command_lock:
-            if self._closed:
-                return
-            self._commands.append(("gone", (rank, reason)))
-        self._wake.set()
-
-    def _gone_error(self, rank: int, reason: str) -> EngineError:
-        waiting = [d.fence for d in self._inflight if rank not in d.answers]
-        if waiting:
-            fences = ", ".join(str(f) for f in waiting)
-            where = f"fence(s) {fences} in flight, unanswered by rank {rank}"
-        else:
-            where = "no frame in flight"
-        return EngineError(f"{reason}; {where}; the deployment shuts down")
-
-    def fail(self, exc: BaseException) -> None:
-        """Fail the engine from any thread (say, a rank process died).
-
-        The engine thread raises ``exc`` at its next round: every open stream
-        ends with finish_reason "error", the ranks are told to shut down.
-        """
-        self.mark_failing(str(exc))
-        with self._command_lock:
-            if self._closed:
-                return
-            self._commands.append(("fail", exc))
+            self._commands.append(CancelRequest(stream))
         self._wake.set()
 
     def publish(self, stream: RequestStream, fence: int, at_ns: int) -> None:
@@ -466,12 +166,12 @@ class Engine:
         before the engine handles the next completion; a request that is gone
         is ignored.
         """
-        if not isinstance(stream, RequestStream) or stream._engine is not self:
+        if not isinstance(stream, RequestStream) or stream._cancel is not self._cancel_stream:
             raise ValueError("publish takes a RequestStream of this engine")
         with self._command_lock:
             if self._closed:
                 return
-            self._commands.append(("publish", (stream, fence, at_ns)))
+            self._commands.append(PublishOutput(stream, fence, at_ns))
         self._wake.set()
 
     def measure_round_trip(self, count: int = 100, timeout_s: float = 60.0) -> list[int]:
@@ -486,10 +186,10 @@ class Engine:
             raise ValueError(f"count must be a positive integer, got {count!r}")
         if not self.started:
             raise EngineError("the engine is not started: call start() first")
-        probe = _Probe(count)
+        probe = Probe(count)
         with self._command_lock:
             self._check_open()
-            self._commands.append(("probe", probe))
+            self._commands.append(StartProbe(probe))
         self._wake.set()
         deadline = time.monotonic() + timeout_s
         while not probe.done.is_set():
@@ -525,7 +225,7 @@ class Engine:
             raise EngineError("the engine is not started: call start() first")
         with self._command_lock:
             self._check_open()
-            self._commands.append(("ask", ask))
+            self._commands.append(AskRanks(ask))
         self._wake.set()
         deadline = time.monotonic() + timeout_s + 1.0  # the engine thread expires it first
         while not ask.done.wait(0.05):
@@ -540,12 +240,6 @@ class Engine:
                 f"{ask.command}: no answer from rank(s) {missing} within {timeout_s:g} s"
             )
         return ask
-
-    def _check_open(self) -> None:
-        if self.error is not None:
-            raise EngineError(f"the engine failed: {self.error}")
-        if self._closed or self._stopping.is_set():
-            raise EngineError("the engine is stopped")
 
     # ------------------------------------------------------------------ running
     def run_in_thread(self) -> Engine:
@@ -619,29 +313,6 @@ class Engine:
                 break
         return progressed
 
-    def _await_message(self, wait_ms: int) -> object | None:
-        """The next message from the ranks within ``wait_ms``, or None.
-
-        With ``poll_spin_us``, sleeps in ``zmq_poll`` until shortly before the
-        head frame's expected end, then busy-polls across it: the completion
-        is then seen within microseconds instead of after a wake-up.
-        """
-        channel = self._channel
-        assert channel is not None
-        spin_us = self.config.poll_spin_us
-        if not spin_us or wait_ms == 0 or not self._inflight:
-            return channel.recv(timeout_ms=wait_ms)
-        deadline_ns = time.monotonic_ns() + wait_ms * 1_000_000
-        lead_ms = (self._inflight[0].expected_end_ns - spin_us * 1000 - time.monotonic_ns()) // (
-            1_000_000
-        )
-        if lead_ms > 0:
-            message = channel.recv(timeout_ms=min(lead_ms, wait_ms))
-            if message is not None:
-                return message
-        remaining_ms = max(0, -(-(deadline_ns - time.monotonic_ns()) // 1_000_000))
-        return channel.recv(timeout_ms=remaining_ms, spin_us=2 * spin_us)
-
     # ------------------------------------------------------------------ commands
     def _drain_commands(self) -> bool:
         done = False
@@ -649,22 +320,26 @@ class Engine:
             with self._command_lock:
                 if not self._commands:
                     return done
-                kind, item = self._commands.popleft()
+                command = self._commands.popleft()
             done = True
-            if kind == "fail":
-                raise item
-            if kind == "gone":
-                raise self._gone_error(*item)
-            if isinstance(item, _Probe):
-                self._probes.append(item)
-            elif isinstance(item, RankAsk):
-                self._send_ask(item)
-            elif kind == "publish":
-                self._publish(*item)
-            elif kind == "submit":
-                self._admit(item)
-            else:
-                self._cancel(item)
+            self._run_command(command)
+
+    def _run_command(self, command: Command) -> None:
+        match command:
+            case FailEngine(error):
+                raise error
+            case RankLost(rank, reason):
+                raise self._gone_error(rank, reason)
+            case StartProbe(probe):
+                self._probes.append(probe)
+            case AskRanks(ask):
+                self._send_ask(ask)
+            case PublishOutput(stream, fence, at_ns):
+                self._publish(stream, fence, at_ns)
+            case SubmitRequest(stream):
+                self._admit(stream)
+            case CancelRequest(stream):
+                self._cancel(stream)
 
     def _admit(self, stream: RequestStream) -> None:
         scheduler = self.scheduler
@@ -712,319 +387,7 @@ class Engine:
         except SchedulerError as exc:  # already covered by a later publication
             log.debug("request %d: publication ignored: %s", stream.request_id, exc)
 
-    def _retire_if_gone(self, live: Live) -> None:
-        """Forget a request the scheduler retired; its slot is released on the ranks."""
-        assert self.scheduler is not None
-        if self.scheduler.request(live.handle) is not None:
-            return
-        self._by_handle.pop(live.handle.id, None)
-        self._by_request.pop(live.stream.request_id, None)
-        if live.slot >= 0:
-            self._release.add(live.slot)
-
-    # ------------------------------------------------------------------ rank questions
-    def _send_ask(self, ask: RankAsk) -> None:
-        channel = self._channel
-        assert channel is not None
-        channel.publish(self._queries.open(ask, time.monotonic_ns()))
-
-    def _answered(self, message: object) -> None:
-        ask = self._queries.take(message)
-        if ask is not None and ask.internal:
-            self.rank_metrics.refreshed(ask.answers, time.monotonic_ns())  # type: ignore[arg-type]
-
-    def _expire_queries(self) -> None:
-        now = time.monotonic_ns()
-        for ask in self._queries.expire(now):
-            if ask.internal:
-                self.rank_metrics.refreshed(ask.answers, now)  # type: ignore[arg-type]
-        if self.rank_metrics.refresh_due(now):  # someone reads the ranks' memory
-            self.rank_metrics.refreshing = True
-            self._send_ask(RankAsk("inspect", internal=True))
-
-    # ------------------------------------------------------------------ dispatch
-    def _dispatch(self) -> bool:
-        scheduler, channel = self.scheduler, self._channel
-        assert scheduler is not None and channel is not None
-        if self._probes:  # a measurement waits for an empty window and holds planning
-            return self._send_probe()
-        sent = False
-        while True:
-            plan_ns = time.monotonic_ns()
-            scheduler.advance_to(plan_ns)
-            plan = scheduler.plan()
-            if plan is None:
-                if self._release and not self._inflight:  # idle: free the ranks' slots now
-                    return self._send_empty(probe=False) or sent
-                return sent
-            fence = self._next_fence
-            frame, lives = self._frame(plan, fence)
-            queued = scheduler.in_flight > 0
-            scheduler.commit(plan, fence)
-            self._next_fence += 1
-            self._release.clear()  # carried by this frame (or replaced by a new tenant)
-            sent_ns = time.monotonic_ns()
-            start_ns = max(sent_ns, self._inflight[-1].expected_end_ns) if queued else sent_ns
-            dispatch = Dispatch(
-                fence,
-                plan,
-                tuple(live.stream.ignore_eos for live in lives),
-                queued,
-                plan_ns,
-                sent_ns,
-                start_ns + plan.estimated_duration_ns,
-            )
-            channel.publish(frame)
-            mark_pages_sent(lives)
-            self._inflight.append(dispatch)
-            self._by_fence[fence] = dispatch
-            self.stats.add(frames_sent=1)
-            sent = True
-
-    def _send_probe(self) -> bool:
-        """Publish the next empty frame of the head probe once nothing is in flight."""
-        return False if self._inflight else self._send_empty(probe=True)
-
-    def _send_empty(self, probe: bool) -> bool:
-        """An empty frame: a probe's, or one that carries slot releases only."""
-        channel, facts = self._channel, self.facts
-        assert channel is not None and facts is not None
-        fence = self._next_fence
-        self._next_fence += 1
-        program = min(facts.descriptors, key=lambda d: (d.batch_capacity, d.prompt_capacity))
-        frame = Frame(fence, program, release_slots=tuple(sorted(self._release)))
-        self._release.clear()
-        now = time.monotonic_ns()
-        dispatch = Dispatch(fence, None, (), False, now, time.monotonic_ns(), now, probe=probe)
-        channel.publish(frame)
-        self._inflight.append(dispatch)
-        self._by_fence[fence] = dispatch
-        return True
-
-    def _frame(self, plan: ScheduledPlan, fence: int) -> tuple[Frame, list[Live]]:
-        """The wire frame of ``plan`` and its lanes' requests, in lane order."""
-        scheduler = self.scheduler
-        assert scheduler is not None
-        lives = []
-        for lane in plan.lanes:
-            live = self._by_handle[lane.handle.id]
-            if (live.slot, live.generation) != (lane.slot, lane.generation):
-                starts = getattr(scheduler, "generation_start", None)  # direct mode: none
-                live.reside(lane.slot, lane.generation, starts and starts(lane.handle))
-                live.stream.slot, live.stream.generation = lane.slot, lane.generation
-            live.pages = scheduler.page_table(lane.handle)  # pages on demand: it grows
-            lives.append(live)
-        return build_frame(plan, fence, lives, self._release), lives
-
-    # ------------------------------------------------------------------ completions
-    def _on_message(self, message: object) -> bool:
-        if self._queries.is_answer(message):
-            self._answered(message)
-            return False
-        if isinstance(message, Control) and message.command == "error":
-            # The rank could not decode something the coordinator sent: a frame may
-            # be lost, and waiting for its completion would stall; fail fast.
-            fences = ", ".join(str(d.fence) for d in self._inflight) or "none"
-            raise EngineError(
-                f"rank {message.rank} could not decode a message from the coordinator "
-                f"({message.reason}); frames in flight fail: fence(s) {fences}"
-            )
-        if not isinstance(message, Completion):
-            kind = type(message).__name__
-            if isinstance(message, (CatalogReport, Control)):
-                log.warning("ignoring %s from rank %d after start-up", kind, message.rank)
-            else:
-                log.warning("ignoring unexpected %s", kind)
-            self.stats.add(ignored_messages=1)
-            return False
-        dispatch = self._by_fence.get(message.fence)
-        if dispatch is None:
-            log.warning(
-                "ignoring completion from rank %d for fence %d: not in flight%s",
-                message.rank,
-                message.fence,
-                "" if message.error is None else f" (its error: {message.error})",
-            )
-            self.stats.add(ignored_messages=1)
-            return False
-        if message.rank in dispatch.answers:
-            log.warning(
-                "ignoring duplicate completion from rank %d for fence %d",
-                message.rank,
-                message.fence,
-            )
-            self.stats.add(ignored_messages=1)
-            return False
-        if message.error is not None:
-            # The ranks may now disagree with the scheduler: stop rather than guess.
-            raise EngineError(
-                f"rank {message.rank} could not run frame {message.fence}: {message.error}"
-            )
-        dispatch.answers[message.rank] = message
-        if self.trace is not None:
-            self.trace.arrived(message.fence, message.rank, time.monotonic_ns())
-        self.stats.add(completion_messages=1)
-        applied = False
-        while self._inflight and len(self._inflight[0].answers) == self._world:
-            self._apply(self._inflight.popleft())
-            self._head_since_ns = time.monotonic_ns()
-            applied = True
-        return applied
-
-    def _apply(self, dispatch: Dispatch) -> None:
-        scheduler = self.scheduler
-        assert scheduler is not None
-        now = time.monotonic_ns()
-        if dispatch.plan is None:  # an empty frame
-            self.rank_metrics.record(dispatch.answers, None)
-            del self._by_fence[dispatch.fence]
-            if not dispatch.probe:  # releases only
-                return
-            probe = self._probes[0]
-            probe.round_trips_ns.append(now - dispatch.sent_ns)
-            if self.trace is not None:
-                self.trace.applied(dispatch, now, [])
-            if len(probe.round_trips_ns) >= probe.count:
-                self._probes.popleft().done.set()
-            return
-        scheduler.advance_to(now)
-        del self._by_fence[dispatch.fence]
-        answers = dispatch.answers
-        timing = execution_timing(dispatch, now, self._world)
-        rank_ns, readiness = timing.rank_device_ns, timing.readiness_delay_ns
-        assert self.facts is not None
-        vocab = self.facts.vocab_size
-        check_token_ids(answers[0], vocab)  # a corrupt or forged answer fails fast
-        records = completion_records(answers[0], dispatch.ignore_eos)
-        try:
-            generated = self._complete(dispatch, records, timing)
-        except CompletionError as exc:
-            raise EngineError(
-                f"fence {dispatch.fence}: rank 0's results were refused: {exc}"
-            ) from exc
-        self.rank_metrics.record(answers, dispatch.plan.reason.value)
-        if self.trace is not None:
-            self.trace.applied(dispatch, now, scheduler.drain_trace())
-        else:  # no trace file: keep a short recent tail for in-process readers, so an
-            # undrained buffer does not grow for the server's life
-            scheduler.trim_trace(UNREAD_TRACE_RECORDS)
-        lanes = dispatch.plan.lanes
-        asked = [self._by_handle[lane.handle.id].stream.sampling.logprobs for lane in lanes]
-        graph = dispatch.plan.graph
-        if graph.kind is GraphKind.SPECULATIVE or graph.token_capacity > 1:  # a row per token
-            entries = token_logprobs(answers[0], asked, vocab)
-        else:
-            entries = [None if e is None else (e,) for e in lane_logprobs(answers[0], asked, vocab)]
-        by_handle = {
-            lane.handle.id: entry for lane, entry in zip(lanes, entries) if entry is not None
-        }
-        tokens = finished = 0
-        for item in generated:
-            live = self._by_handle.get(item.handle.id)
-            if live is None:  # pragma: no cover - the scheduler only reports live requests
-                continue
-            reason = item.finish_reason if item.finished else None
-            entry = by_handle.get(item.handle.id)
-            logprobs = entry if entry is not None and len(item.tokens) == len(entry) else ()
-            live.stream.cached_tokens = item.cached_tokens
-            if live.stream._push(item.tokens, reason, item.fence, logprobs):
-                tokens += len(item.tokens)
-                finished += item.finished
-            if item.tokens and not self.config.external_publication:
-                # (A terminal snapshot's finish carries no tokens: nothing to publish.)
-                scheduler.published_output(item.handle, item.fence, now)
-        for lane in dispatch.plan.lanes:
-            live = self._by_handle.get(lane.handle.id)
-            if live is not None:
-                self._retire_if_gone(live)
-        self.stats.add(tokens_out=tokens, requests_finished=finished)
-        self.stats.record_frame(
-            FrameStat(
-                fence=dispatch.fence,
-                graph=dispatch.plan.graph.describe(),
-                lanes=len(dispatch.plan.lanes),
-                queued=dispatch.queued,
-                plan_ns=dispatch.plan_ns,
-                sent_ns=dispatch.sent_ns,
-                completed_ns=now,
-                rank_device_ns=rank_ns,
-                readiness_delay_ns=readiness,
-            ),
-            dispatch.plan.graph.kind.value,
-        )
-
-    def _complete(self, dispatch: Dispatch, records: list, timing) -> list:
-        """Hand the frame to the scheduler; a speculative round with its sidecars:
-        rank 0's confidence [2, slots, depth] (device-allocated programs) and
-        survival rows [lanes, depth] (when the program writes them); every
-        rank's must be valid probabilities."""
-        scheduler = self.scheduler
-        assert scheduler is not None and dispatch.plan is not None
-        graph = dispatch.plan.graph
-        if graph.kind is not GraphKind.SPECULATIVE:
-            return scheduler.complete(dispatch.fence, records, timing)
-        confidence = survival = None
-        for rank, answer in sorted(dispatch.answers.items()):
-            c, s = sidecar_rows(answer, "confidence", 3), sidecar_rows(answer, "survival", 2)
-            if rank == 0:
-                confidence, survival = c, s
-        if graph.device_allocated:
-            if confidence is None:
-                raise EngineError(
-                    f"fence {dispatch.fence}: rank 0 sent no confidence sidecar for the "
-                    f"device-allocated {graph.describe()}"
-                )
-            if survival is not None:
-                return scheduler.complete_packed_round_with_survival(
-                    dispatch.fence, records, timing, confidence, survival
-                )
-            return scheduler.complete_packed_round(dispatch.fence, records, timing, confidence)
-        if survival is not None:
-            return scheduler.complete_with_survival(dispatch.fence, records, timing, survival)
-        return scheduler.complete(dispatch.fence, records, timing)
-
-    def _check_overdue(self) -> None:
-        """The per-frame watchdog (and the ``completion_timeout_s`` cap) on the head
-        frame; tells the liveness watcher when the head frame should end."""
-        liveness = self.liveness
-        if not self._inflight:
-            if liveness is not None:
-                liveness.expect_until(0)
-            return
-        head = self._inflight[0]
-        if liveness is not None:
-            liveness.expect_until(head.expected_end_ns)
-        cfg = self.config
-        now = time.monotonic_ns()
-        since = max(head.sent_ns, self._head_since_ns)  # queued: from the frame before's end
-        expected = head.plan.estimated_duration_ns if head.plan is not None else 0
-        limit = frame_watchdog_ns(
-            expected,
-            cfg.frame_watchdog_multiple,
-            cfg.frame_watchdog_margin_s,
-            cfg.frame_watchdog_floor_s,
-            known=True if head.plan is None else None,
-        )
-        what = "frame watchdog"
-        cap = cfg.completion_timeout_s
-        if cap is not None and cap * 1e9 < limit:
-            since, limit, what = head.sent_ns, round(cap * 1e9), "completion_timeout_s"
-        if now - since <= limit:
-            return
-        missing = sorted(set(range(self._world)) - set(head.answers))
-        cost = f"expected {expected / 1e6:.3f} ms" if expected else "cost still unknown"
-        raise EngineError(
-            f"fence {head.fence}: no completion from rank(s) {missing} within "
-            f"{limit / 1e9:.6g} s ({what}; {cost}); a hung rank or collective cannot be "
-            "recovered in place: the deployment shuts down"
-        )
-
     # ------------------------------------------------------------------ inspection
-    @property
-    def in_flight_fences(self) -> list[int]:
-        with self._state_lock:
-            return [d.fence for d in self._inflight]
-
     @property
     def rejected_messages(self) -> int:
         """Messages the channel refused as malformed or misdirected."""
@@ -1058,9 +421,7 @@ class Engine:
             out["in_flight"] = scheduler.in_flight
             out["free_pages"] = scheduler.free_pages
             out["num_pages"] = scheduler.config.num_pages
-            memory = getattr(scheduler, "memory_stats", None)  # direct mode has none
-            if memory is not None:
-                out.update(memory())
+            out.update(scheduler.memory_stats())  # direct mode: none
         return out
 
     def graph_estimates(self) -> dict[str, int]:
@@ -1084,75 +445,3 @@ class Engine:
                 "pending_commands": len(self._commands),
                 "rejected_messages": self.rejected_messages,
             }
-
-    # ------------------------------------------------------------------ shutdown
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop, tell the ranks to shut down, close the channel.
-
-        Requests still running end with finish_reason "aborted".
-        """
-        self._stopping.set()
-        self._wake.set()
-        starting = self._start_thread
-        if starting is not None and starting is not threading.current_thread():
-            # start() owns the channel until it returns: end its wait, let it go.
-            self.abort_start("the engine is stopping")
-            starting.join(timeout_s)
-        thread = self._thread
-        try:
-            if thread is not None and thread is not threading.current_thread():
-                thread.join(timeout_s)
-                if thread.is_alive():
-                    raise EngineError(f"the engine thread did not stop within {timeout_s:g} s")
-        finally:
-            self._shutdown(ABORTED)
-
-    close = stop
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        if self.failed_at is None:
-            self.failed_at = time.monotonic()
-        log.error("engine failed: %s", exc, exc_info=exc)
-        self._shutdown(ERROR, exc)
-
-    def _shutdown(self, reason: str, exc: BaseException | None = None) -> None:
-        """Abort every open stream, send shutdown to the ranks, close (idempotent)."""
-        with self._command_lock:
-            already = self._closed
-            self._closed = True
-            pending = [item for kind, item in self._commands if kind == "submit"]
-            self._commands.clear()
-        with self._state_lock:
-            streams = pending + [live.stream for live in self._by_request.values()]
-            self._by_request.clear()
-            self._by_handle.clear()
-            self._queries.close()
-        for stream in streams:
-            if exc is not None and stream.error is None:
-                stream.error = exc
-            stream._push((), reason)
-        if already:
-            return
-        if self.liveness is not None:  # its socket goes before the channel's context
-            # The ranks hear "shutdown" on their heartbeat sockets: one still busy in
-            # a long frame does not take the silence that follows for a dead coordinator.
-            self.liveness.close(farewell=True)
-        channel = self._channel
-        if channel is not None and not channel.closed:
-            try:
-                channel.shutdown_ranks()
-                if self.config.shutdown_grace_s:
-                    time.sleep(self.config.shutdown_grace_s)  # let the message leave
-            except TransportError as err:
-                log.warning("could not send shutdown to the ranks: %s", err)
-            channel.close()
-        if self.trace is not None:
-            self.trace.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from runtime.catalog import GraphKind
 from runtime.coordinator.engine.config import EngineError
 from runtime.coordinator.engine.stream import RequestStream
-from runtime.coordinator.plan import LanePhase, ScheduledPlan
+from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import GenerationStart, RequestHandle
 from runtime.transport.api import TokenLogprobs
@@ -117,61 +117,12 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
     kind = plan.graph.kind
     if kind not in RUNNABLE_KINDS:
         raise EngineError(f"fence {fence}: the engine cannot run {kind.value} programs yet")
-    slot: list[int] = []
-    generation: list[int] = []
-    phase: list[int] = []
-    position: list[int] = []
-    query_len: list[int] = []
-    commits: list[int] = []
-    prompt_start: list[int] = []
-    prompt_tokens: list[int] = []
-    page_count: list[int] = []
-    pages: list[int] = []
-    sampling: list[tuple[int, SamplingParams]] = []
-    restores: list[tuple[int, Restore]] = []
-    copies: list[tuple[int, int]] = []
+    columns = _FrameColumns()
     for i, (lane, live) in enumerate(zip(plan.lanes, lives, strict=True)):
-        stream = live.stream
-        slot.append(lane.slot)
-        generation.append(lane.generation)
-        prompt_start.append(lane.prompt_start)
-        if lane.phase in (LanePhase.RESTORE, LanePhase.TERMINAL):
-            # A state program's row feeds and commits nothing.  A restore starts
-            # the new generation: its record, settings and copies; a terminal
-            # row drops a known generation.
-            phase.append(PHASE_STATE)
-            position.append(lane.prompt_start)
-            query_len.append(0)
-            commits.append(0)
-            begin = live.start
-            if lane.phase is LanePhase.RESTORE:
-                if begin is None:
-                    raise EngineError(f"fence {fence}: lane {i} restores without a start")
-                sampling.append((i, stream.sampling))
-                restores.append((i, Restore(begin.tokens, begin.output_start)))
-                copies += begin.copies
-        elif lane.phase is LanePhase.PREFILL:
-            start, count = lane.prompt_start, lane.prompt_tokens
-            phase.append(PHASE_PREFILL)
-            position.append(start)
-            query_len.append(count)
-            commits.append(lane.max_tokens)
-            prompt_tokens += live.tokens()[start : start + count]
-            sampling.append((i, stream.sampling))
-            begin = live.start
-            if begin is not None and not live.start_sent and not begin.plain:
-                restores.append((i, Restore(begin.tokens, begin.output_start)))
-                copies += begin.copies
-        else:
-            phase.append(PHASE_DECODE)
-            position.append(len(stream.prompt_token_ids) + lane.output_start - 1)
-            query_len.append(lane.max_tokens)
-            commits.append(lane.max_tokens)
-        unsent = live.pages[live.pages_sent :]
-        page_count.append(len(unsent))
-        pages += unsent
+        columns.add(i, lane, live, fence)
     prompt_row = -1
     if kind is GraphKind.MIXED:
+        phase = columns.phase
         prefill = [i for i, (_, p) in enumerate(zip(plan.lanes, phase)) if p == PHASE_PREFILL]
         if len(prefill) > 1:
             raise EngineError(f"fence {fence}: a mixed plan has {len(prefill)} prefill lanes")
@@ -179,23 +130,84 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
     return Frame(
         fence,
         plan.graph,
-        slot=array("q", slot),
-        generation=array("q", generation),
-        phase=array("q", phase),
-        position=array("q", position),
-        query_len=array("q", query_len),
-        commits=array("q", commits),
-        prompt_start=array("q", prompt_start),
-        prompt_tokens=array("q", prompt_tokens),
-        page_count=array("q", page_count),
-        pages=array("q", pages),
-        sampling=tuple(sampling),
+        slot=array("q", columns.slot),
+        generation=array("q", columns.generation),
+        phase=array("q", columns.phase),
+        position=array("q", columns.position),
+        query_len=array("q", columns.query_len),
+        commits=array("q", columns.commits),
+        prompt_start=array("q", columns.prompt_start),
+        prompt_tokens=array("q", columns.prompt_tokens),
+        page_count=array("q", columns.page_count),
+        pages=array("q", columns.pages),
+        sampling=tuple(columns.sampling),
         prompt_row=prompt_row,
-        release_slots=tuple(sorted(release.difference(slot))),
+        release_slots=tuple(sorted(release.difference(columns.slot))),
         expected_ns=plan.estimated_duration_ns,
-        copies=tuple(copies),
-        restores=tuple(restores),
+        copies=tuple(columns.copies),
+        restores=tuple(columns.restores),
     )
+
+
+@dataclass(slots=True)
+class _FrameColumns:
+    """A frame's columns, filled lane by lane (:func:`build_frame`)."""
+
+    slot: list[int] = field(default_factory=list)
+    generation: list[int] = field(default_factory=list)
+    phase: list[int] = field(default_factory=list)
+    position: list[int] = field(default_factory=list)
+    query_len: list[int] = field(default_factory=list)
+    commits: list[int] = field(default_factory=list)
+    prompt_start: list[int] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    page_count: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    sampling: list[tuple[int, SamplingParams]] = field(default_factory=list)
+    restores: list[tuple[int, Restore]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, i: int, lane: LaneWork, live: Live, fence: int) -> None:
+        """Lane ``i`` (``live``'s request) appended to every column."""
+        stream = live.stream
+        self.slot.append(lane.slot)
+        self.generation.append(lane.generation)
+        self.prompt_start.append(lane.prompt_start)
+        if lane.phase in (LanePhase.RESTORE, LanePhase.TERMINAL):
+            # A state program's row feeds and commits nothing.  A restore starts
+            # the new generation: its record, settings and copies; a terminal
+            # row drops a known generation.
+            self.phase.append(PHASE_STATE)
+            self.position.append(lane.prompt_start)
+            self.query_len.append(0)
+            self.commits.append(0)
+            begin = live.start
+            if lane.phase is LanePhase.RESTORE:
+                if begin is None:
+                    raise EngineError(f"fence {fence}: lane {i} restores without a start")
+                self.sampling.append((i, stream.sampling))
+                self.restores.append((i, Restore(begin.tokens, begin.output_start)))
+                self.copies += begin.copies
+        elif lane.phase is LanePhase.PREFILL:
+            start, count = lane.prompt_start, lane.prompt_tokens
+            self.phase.append(PHASE_PREFILL)
+            self.position.append(start)
+            self.query_len.append(count)
+            self.commits.append(lane.max_tokens)
+            self.prompt_tokens += live.tokens()[start : start + count]
+            self.sampling.append((i, stream.sampling))
+            begin = live.start
+            if begin is not None and not live.start_sent and not begin.plain:
+                self.restores.append((i, Restore(begin.tokens, begin.output_start)))
+                self.copies += begin.copies
+        else:
+            self.phase.append(PHASE_DECODE)
+            self.position.append(len(stream.prompt_token_ids) + lane.output_start - 1)
+            self.query_len.append(lane.max_tokens)
+            self.commits.append(lane.max_tokens)
+        unsent = live.pages[live.pages_sent :]
+        self.page_count.append(len(unsent))
+        self.pages += unsent
 
 
 def mark_pages_sent(lives: Sequence[Live]) -> None:

@@ -1,4 +1,4 @@
-"""The per-request token stream handed to callers of :meth:`Engine.submit`."""
+"""The per-request token stream handed to callers of ``Engine.submit``."""
 
 from __future__ import annotations
 
@@ -8,12 +8,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from runtime.transport.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from runtime.coordinator.engine.core import Engine
 
 log = logging.getLogger("runtime.coordinator.engine")
 
@@ -58,7 +54,7 @@ class RequestStream:
 
     def __init__(
         self,
-        engine: Engine,
+        cancel: Callable[[RequestStream], None],
         request_id: int,
         prompt_token_ids: tuple[int, ...],
         max_tokens: int,
@@ -67,7 +63,7 @@ class RequestStream:
         listener: Callable[[RequestStream, TokenEvent], None] | None = None,
         group: int | None = None,
     ) -> None:
-        self._engine = engine
+        self._cancel = cancel  # the engine's cancel (Engine.cancel)
         # Called with every event right after it is queued, on the producing
         # thread (the engine thread, or the thread that stops the engine): it
         # must be quick and must not call back into the engine.
@@ -166,7 +162,7 @@ class RequestStream:
             return StreamResult(list(self._tokens), self._finish_reason)
 
     def cancel(self) -> None:
-        self._engine.cancel(self)
+        self._cancel(self)
 
     def __repr__(self) -> str:
         state = self.finish_reason or "running"

@@ -18,21 +18,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from runtime.catalog import MAX_BATCH_CAPACITY, PROMPT_ALIGNMENT, GraphDescriptor, GraphKind
-from runtime.coordinator import (
-    AdmissionError,
-    CommitError,
-    CompletionError,
+from runtime.coordinator.errors import CommitError, CompletionError
+from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan, SelectionReason
+from runtime.coordinator.records import (
     CompletionRecord,
     ExecutionTiming,
     GeneratedToken,
-    LanePhase,
-    LaneWork,
-    RequestHandle,
-    RequestSpec,
-    ScheduledPlan,
-    SelectionReason,
+    validate_records,
+    validate_timing,
 )
-from runtime.coordinator.records import validate_records, validate_timing
+from runtime.coordinator.requests import AdmissionError, RequestHandle, RequestSpec
 
 
 def _next_power_of_two(n: int) -> int:

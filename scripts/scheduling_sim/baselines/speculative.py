@@ -29,7 +29,7 @@ import math
 from collections.abc import Sequence
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator import CompletionRecord
+from runtime.coordinator.records import CompletionRecord
 from scripts.scheduling_sim.baselines._base import StepRow, check_positive_int
 from scripts.scheduling_sim.baselines.sglang import DEFAULT_CHUNKED_PREFILL_SIZE, SglangScheduler
 

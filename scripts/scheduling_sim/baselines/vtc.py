@@ -28,7 +28,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from runtime.catalog import GraphDescriptor
-from runtime.coordinator import CompletionRecord, RequestHandle, RequestSpec
+from runtime.coordinator.records import CompletionRecord
+from runtime.coordinator.requests import RequestHandle, RequestSpec
 from scripts.scheduling_sim.baselines._base import Request, StepRow
 from scripts.scheduling_sim.baselines.vllm import DEFAULT_MAX_NUM_BATCHED_TOKENS, VllmScheduler
 
