@@ -7,6 +7,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 
 from runtime.ranks.model import default_model_dir
 from tests.server.harness import Server, body, words
+from tests.support.background import BackgroundStarts, wanted
 
 AUTH = {"authorization": "Bearer sekrit"}
 
@@ -38,6 +40,34 @@ def wait_for(predicate, timeout_s: float = 15.0) -> bool:
             return True
         time.sleep(0.1)
     return predicate()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[BackgroundStarts]:
+    """The servers this module's selected tests take (``server``, ``keyed_server``),
+    started together as its first test begins."""
+    keyed = tmp_path_factory.mktemp("keyed")
+    makers = {
+        "server": (Server, Server.stop),
+        "keyed_server": (lambda: api_key_server(keyed), Server.stop),
+    }
+    starts = BackgroundStarts(makers, wanted(request, list(makers)))
+    yield starts
+    starts.close()
+
+
+@pytest.fixture
+def server(started: BackgroundStarts) -> Server:
+    """A default server of this test's own: the test stops it (or has it exit)."""
+    return started.take("server")
+
+
+@pytest.fixture
+def keyed_server(started: BackgroundStarts) -> Server:
+    """:func:`api_key_server`'s server, the test's own to stop."""
+    return started.take("keyed_server")
 
 
 class Stream(threading.Thread):
@@ -69,7 +99,9 @@ class Stream(threading.Thread):
         return out
 
 
-def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
+def api_key_server(tmp_path: Path) -> Server:
+    """A server with an API key, a config file the command line overrides, and the
+    embedded model with a generation_config.json and a chat template of our own."""
     config = tmp_path / "serve.toml"
     config.write_text("[run]\nnum-pages = 64\nmax-concurrency = 2\n")
     # The embedded model with a generation_config.json, and a chat template of our own.
@@ -83,6 +115,11 @@ def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
     s = Server("--api-key", "sekrit", "--config", str(config), "--num-pages", "200",
                "--max-choices-per-request", "8", "--model", str(model),
                "--chat-template", str(template))  # fmt: skip
+    return s
+
+
+def test_api_key_config_precedence_and_a_leaving_client(keyed_server: Server):
+    s = keyed_server
     try:
         assert "sekrit" not in " ".join(" ".join(p.cmdline()) for p in children(s, "coordinator"))
         assert httpx.get(f"{s.base}/health").status_code == 200
@@ -123,8 +160,8 @@ def test_api_key_config_precedence_and_a_leaving_client(tmp_path):
         assert s.stop() == 0
 
 
-def test_ctrl_c_ends_open_streams_cleanly():
-    s = Server()
+def test_ctrl_c_ends_open_streams_cleanly(server: Server):
+    s = server
     stream = Stream(s)
     assert wait_for(lambda: len(stream.lines) >= 3)
     s.proc.send_signal(signal.SIGINT)
@@ -134,8 +171,8 @@ def test_ctrl_c_ends_open_streams_cleanly():
     assert s.stop() == 0
 
 
-def test_a_dead_rank_fails_requests_and_the_server_exits():
-    s = Server()
+def test_a_dead_rank_fails_requests_and_the_server_exits(server: Server):
+    s = server
     stream = Stream(s)
     assert wait_for(lambda: len(stream.lines) >= 3)
     (rank,) = children(s, "runtime.ranks")
@@ -147,8 +184,8 @@ def test_a_dead_rank_fails_requests_and_the_server_exits():
     assert s.stop() == 1  # the coordinator exited on the engine failure, then the frontend
 
 
-def test_a_dead_coordinator_fails_streams_and_the_server_exits():
-    s = Server()
+def test_a_dead_coordinator_fails_streams_and_the_server_exits(server: Server):
+    s = server
     stream = Stream(s)
     assert wait_for(lambda: len(stream.lines) >= 3)
     (coordinator,) = children(s, "runtime.coordinator")

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -42,6 +43,7 @@ from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.launch import free_port
 from runtime.ranks.model import default_model_dir
 from tests.server.harness import ROOT, START_S, Server, body, words
+from tests.support.background import BackgroundStarts, wanted
 from tests.support.scripted_client import MODEL, ScriptedClient, script_for
 
 SEQ_FLAGS = ["--max-num-seqs", "1", "--max-prefill-tokens", "4096", "--device", "cpu"]
@@ -195,11 +197,37 @@ def all_gone(procs: list[psutil.Process]) -> bool:
     return not any(alive(proc) for proc in procs)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def started(request: pytest.FixtureRequest) -> Iterator[BackgroundStarts]:
+    """The servers this module's selected process tests take, started together as
+    its first test begins: HTTPS with --max-waiting-requests 1, and one with short
+    heartbeats."""
+    makers = {
+        "https_server": (lambda: HttpsServer("--max-waiting-requests", "1"), HttpsServer.close),
+        "heartbeat_server": (lambda: Server(*HEARTBEAT), Server.stop),
+    }
+    starts = BackgroundStarts(makers, wanted(request, list(makers)))
+    yield starts
+    starts.close()
+
+
+@pytest.fixture
+def https_server(started: BackgroundStarts) -> HttpsServer:
+    return started.take("https_server")
+
+
+@pytest.fixture
+def heartbeat_server(started: BackgroundStarts) -> Server:
+    return started.take("heartbeat_server")
+
+
 # ------------------------------------------------------------------ HTTPS, 429, abort
 
 
-def test_https_overload_429_and_sigterm_aborts_running_and_waiting_requests():
-    s = HttpsServer("--max-waiting-requests", "1")
+def test_https_overload_429_and_sigterm_aborts_running_and_waiting_requests(
+    https_server: HttpsServer,
+):
+    s = https_server
     try:
         assert f"at https://127.0.0.1:{s.port}/v1" in s.output()
         # HTTPS verified against the test's own certificate; plain HTTP gets nothing.
@@ -246,8 +274,10 @@ def test_https_overload_429_and_sigterm_aborts_running_and_waiting_requests():
 # ------------------------------------------------------------------ a stuck coordinator
 
 
-def test_a_stopped_coordinator_gets_503_error_events_and_an_unhealthy_health():
-    s = Server(*HEARTBEAT)
+def test_a_stopped_coordinator_gets_503_error_events_and_an_unhealthy_health(
+    heartbeat_server: Server,
+):
+    s = heartbeat_server
     coordinator = None
     try:
         procs = tree(s.proc.pid)

@@ -11,6 +11,7 @@ import re
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import httpx
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from tests.server.harness import Server, words
+from tests.support.background import BackgroundStarts
 
 # Every test runs against ordinary decoding and against fixed-width speculative
 # rounds of the embedded draft (bursts of up to 4 tokens: stops, logprobs and
@@ -32,10 +34,28 @@ MODES = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def started(request: pytest.FixtureRequest) -> Iterator[BackgroundStarts]:
+    """The servers of the modes this module's selected tests run in, started together
+    as the first of them is needed (their start-ups overlap)."""
+    modes = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None:
+            modes.add(callspec.params.get("server"))
+    makers = {
+        mode: (lambda flags=flags: Server(*flags), Server.stop)
+        for mode, (flags, _) in MODES.items()
+    }
+    starts = BackgroundStarts(makers, Counter(mode for mode in MODES if mode in modes))
+    yield starts
+    starts.close()
+
+
 @pytest.fixture(scope="module", params=list(MODES))
-def server(request: pytest.FixtureRequest) -> Iterator[Server]:
-    flags, programs = MODES[request.param]
-    s = Server(*flags)
+def server(request: pytest.FixtureRequest, started: BackgroundStarts) -> Iterator[Server]:
+    _, programs = MODES[request.param]
+    s = started.take(request.param)
     s.mode = request.param
     # One summary line once listening: model, TP, catalog size, address.
     # (The forward + state split: runtime.catalog.describe_counts.)
