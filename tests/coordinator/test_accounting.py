@@ -19,7 +19,7 @@ from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.scheduler import Scheduler
 from runtime.coordinator.service import update_rate
 from scripts.scheduling_sim import Simulation, WorkloadConfig, make_workload
-from tests.coordinator.rig import BaseRig
+from tests.support.coordinator_rig import BaseRig
 
 MS = 1_000_000
 TOKEN = 7

@@ -10,7 +10,7 @@ import pytest
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import AdmissionError, RequestSpec
-from tests.coordinator.rig import BaseRig
+from tests.support.coordinator_rig import BaseRig
 
 MS = 1_000_000
 CATALOG = (

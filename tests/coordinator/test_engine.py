@@ -2,7 +2,7 @@
 
 Each fake rank is a spawned process speaking the rank protocol (handshake,
 catalog report, one completion per frame, shutdown) with deterministic
-"sampling" (``tests/coordinator/fake_rank.py``), so every request's tokens are
+"sampling" (``tests/support/fake_rank.py``), so every request's tokens are
 known in advance.
 """
 
@@ -22,8 +22,8 @@ from runtime.transport.codec import encode
 from runtime.transport.completion import Completion
 from runtime.transport.control import Control
 from runtime.transport.security import secure_client
-from tests.coordinator import fake_rank
-from tests.coordinator.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks
+from tests.support import fake_rank
+from tests.support.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks
 
 WAIT_S = 20.0
 

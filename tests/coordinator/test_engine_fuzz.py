@@ -47,8 +47,8 @@ from runtime.transport.control import Control
 from runtime.transport.fields import INT64_MAX, ProtocolError
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import Tensor
-from tests.coordinator import fake_rank
-from tests.coordinator.fake_rank import FakeSpec, LocalRanks, reference
+from tests.support import fake_rank
+from tests.support.fake_rank import FakeSpec, LocalRanks, reference
 from tests.support.fuzz_strategies import junk_values, mutate_bytes
 
 WAIT_S = 10.0

@@ -12,8 +12,8 @@ from runtime.coordinator.engine import Engine, EngineConfig
 from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
 from runtime.frontend.client import CoordinatorClient
 from runtime.transport.sampling import SamplingParams
-from tests.coordinator import fake_rank
-from tests.coordinator.fake_rank import FakeSpec, join_ranks, spawn_ranks
+from tests.support import fake_rank
+from tests.support.fake_rank import FakeSpec, join_ranks, spawn_ranks
 
 WAIT_S = 20.0
 SPEC = FakeSpec(sleep_s=0.002)

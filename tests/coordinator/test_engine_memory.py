@@ -1,5 +1,5 @@
 """The engine with pages on demand, the prefix cache and preemption, against fake
-ranks that model each page's KV (tests/coordinator/fake_rank.py): an attached
+ranks that model each page's KV (tests/support/fake_rank.py): an attached
 prefix and a copy-on-write page must hold exactly the tokens the coordinator
 claims, or the fake refuses the frame."""
 
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from tests.coordinator import fake_rank
-from tests.coordinator.fake_rank import FakeSpec
-from tests.coordinator.test_engine_protocol import check, prompts, rig_factory  # noqa: F401
+from tests.support import fake_rank
+from tests.support.engine_rig import check, prompts, rig_factory  # noqa: F401
+from tests.support.fake_rank import FakeSpec
 
 
 def test_a_shared_prefix_is_attached_on_the_ranks_and_tokens_are_unchanged(

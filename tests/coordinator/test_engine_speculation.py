@@ -13,8 +13,8 @@ import pytest
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.engine import ERROR
-from tests.coordinator.fake_rank import DESCRIPTORS, FakeSpec
-from tests.coordinator.test_engine_protocol import Rig, check, prompts
+from tests.support.engine_rig import Rig, check, prompts
+from tests.support.fake_rank import DESCRIPTORS, FakeSpec
 
 
 @pytest.fixture

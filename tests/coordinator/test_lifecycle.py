@@ -20,7 +20,7 @@ from runtime.coordinator.plan import LanePhase, SelectionReason
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import Phase, RequestSpec
 from runtime.coordinator.scheduler import Scheduler
-from tests.coordinator.rig import BaseRig
+from tests.support.coordinator_rig import BaseRig
 
 MS = 1_000_000
 TOKEN = 7

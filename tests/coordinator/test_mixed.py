@@ -20,7 +20,7 @@ from runtime.coordinator.plan import LanePhase, LaneWork, SelectionReason
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import Phase
 from runtime.ranks.capacity import mixed_shapes
-from tests.coordinator.test_selection import (
+from tests.support.selection_driver import (
     ENUM_BATCHES,
     ENUM_BUCKETS,
     MS,
@@ -36,7 +36,7 @@ from tests.coordinator.test_selection import (
     spec_objective,
     table_cost,
 )
-from tests.coordinator.test_selection import random_costs as separate_random_costs
+from tests.support.selection_driver import random_costs as separate_random_costs
 
 S = 1000 * MS
 BUCKETS = ENUM_BUCKETS  # (64, 128, 256)

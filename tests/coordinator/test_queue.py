@@ -13,7 +13,7 @@ from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.service import update_rate
 from runtime.coordinator.utility import decode_lane_value
-from tests.coordinator.rig import BaseRig
+from tests.support.coordinator_rig import BaseRig
 
 MS = 1_000_000
 TOKEN = 7

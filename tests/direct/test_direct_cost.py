@@ -8,7 +8,7 @@ from runtime.coordinator.errors import SchedulerError
 from runtime.coordinator.records import ExecutionTiming
 from runtime.direct import DirectConfig, cost_sample_ns
 from runtime.direct.cost import DirectCatalog
-from tests.direct.rig import MS, Rig, S, catalog, decode, prefill, timing
+from tests.support.direct_rig import MS, Rig, S, catalog, decode, prefill, timing
 
 TTL = 30 * S
 

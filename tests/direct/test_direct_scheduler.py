@@ -14,7 +14,7 @@ from runtime.coordinator.plan import LanePhase, SelectionReason
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import RequestSpec
 from runtime.direct import DirectScheduler
-from tests.direct.rig import MS, Rig, S, catalog, decode, prefill, records_for, timing
+from tests.support.direct_rig import MS, Rig, S, catalog, decode, prefill, records_for, timing
 
 
 def table(ms: dict[GraphDescriptor, float]):

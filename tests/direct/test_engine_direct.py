@@ -1,6 +1,6 @@
 """The engine with ``EngineConfig(direct=True)`` against fake rank processes.
 
-The fake ranks (``tests/coordinator/fake_rank.py``) check every frame against
+The fake ranks (``tests/support/fake_rank.py``) check every frame against
 their slot state and "sample" deterministically, so each request's tokens are
 known in advance: direct mode must deliver exactly those, free every page and
 slot, and trace every frame.
@@ -18,8 +18,8 @@ import pytest
 from runtime.coordinator.engine import CANCELLED, Engine, EngineConfig
 from runtime.direct import DirectScheduler
 from runtime.trace.writer import TraceOptions
-from tests.coordinator import fake_rank
-from tests.coordinator.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks
+from tests.support import fake_rank
+from tests.support.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks
 
 WAIT_S = 20.0
 

@@ -433,7 +433,7 @@ def test_the_bridge_heartbeat_reaches_the_client_and_says_when_the_engine_stops(
     from runtime.coordinator.engine import Engine, EngineConfig
     from runtime.coordinator.engine.bridge import FrontendBridge, ServingInfo
     from runtime.frontend.client import CoordinatorClient
-    from tests.coordinator import fake_rank
+    from tests.support import fake_rank
 
     wait_s = 20.0
     timeouts = {"handshake_timeout_s": wait_s, "catalog_timeout_s": wait_s,

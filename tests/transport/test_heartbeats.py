@@ -27,7 +27,7 @@ from runtime.transport.coordinator_channel import CoordinatorChannel
 from runtime.transport.fields import MAX_ERROR_CHARS, ProtocolError
 from runtime.transport.liveness import CoordinatorLiveness, LivenessConfig, RankHeartbeat
 from runtime.transport.rank_channel import RankChannel
-from tests.coordinator.fake_rank import FakeSpec, LocalRanks
+from tests.support.fake_rank import FakeSpec, LocalRanks
 
 FAST = LivenessConfig(interval_s=0.05, timeout_s=0.4)
 WAIT_S = 10.0
