@@ -18,11 +18,10 @@ device's ``CUDA_VISIBLE_DEVICES``) is replayed with it.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.launch import spawn_ranks, stop_ranks
+from runtime.deploy.launch import spawn_ranks, stop_ranks
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.completion import Completion
 from runtime.transport.coordinator_channel import CoordinatorChannel
@@ -155,24 +154,3 @@ def _collect(channel, kind, world: int, timeout_s: float, fence: int | None) -> 
         if isinstance(message, kind) and (fence is None or message.fence == fence):
             got[message.rank] = message
     return [got[r] for r in range(world)]
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="flare replay", description=__doc__.splitlines()[0])
-    p.add_argument("directory")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
-    p.add_argument("--rank", type=int, default=None)
-    args = p.parse_args(argv)
-    try:
-        report = replay(args.directory, tensor_parallel_size=args.tensor_parallel_size,
-                        rank=args.rank)  # fmt: skip
-    except (ReplayError, ValueError) as exc:
-        print(f"flare replay: {exc}", file=sys.stderr)
-        return 2
-    return 0 if report.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -63,7 +63,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 from runtime.ranks.model import default_model_dir
 from runtime.trace.writer import TraceOptions
 

@@ -5,7 +5,7 @@ Usage: ``python scripts/bench_serving.py --base-url http://127.0.0.1:8000
 --concurrency 16] [--prompt-len uniform:64:256] [--output-len 128] [--ignore-eos]
 [--ttft-slo-ms 500 --tpot-slo-ms 50] [--result-json out.json]``
 
-See ``runtime.loadgen.cli`` for every flag; the last stdout line is one JSON
+See ``runtime.cli.commands.bench`` for every flag; the last stdout line is one JSON
 object with every figure printed.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.loadgen.cli import main
+from runtime.cli.commands.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

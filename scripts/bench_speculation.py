@@ -45,7 +45,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 from runtime.ranks.model import default_model_dir
 from runtime.speculation import SpeculationConfig
 

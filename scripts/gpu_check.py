@@ -383,7 +383,8 @@ def check_kv_memory(device: str) -> bool:
     device: 6 requests in a pool too small for them at once give the tokens of a
     large pool (float32, greedy), with preemptions, restore and snapshot rows run
     (copies and restored rows before graph replay), and every page back."""
-    from runtime.local import DeploymentConfig, LocalDeployment
+    from runtime.deploy.config import DeploymentConfig
+    from runtime.deploy.local import LocalDeployment
 
     prompts = [[(11 * i + 5 * j + 1) % 500 for j in range(60 + 10 * i)] for i in range(6)]
     shared = [[*prompts[0][:48], *p[:20]] for p in prompts]  # a cached 48-token prefix
@@ -500,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     for graph, us in table.items():
         print(f"  {graph:<30} {us:>10.1f}")
 
-    from runtime.local import DeploymentConfig, LocalDeployment
+    from runtime.deploy.config import DeploymentConfig
+    from runtime.deploy.local import LocalDeployment
 
     ref, _ = generate(graphs, prompts, greedy, 8)
     gpus = torch.cuda.device_count() if cuda else 0

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from runtime.catalog import describe_counts
+from runtime.deploy.launch import spawn_coordinator
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.client import CoordinatorClient, CoordinatorGone
 from runtime.frontend.connections import (
@@ -60,7 +61,6 @@ from runtime.frontend.server.admission import Gate
 from runtime.frontend.server.app import create_app
 from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
-from runtime.launch import spawn_coordinator
 from runtime.logs import basic_config, install_rate_limit
 
 log = logging.getLogger("runtime.frontend")
@@ -71,7 +71,7 @@ STOP_COORDINATOR_S = 60.0  # its engine stops, then its ranks
 STOP_FAILED_COORDINATOR_S = 5.0  # one that is silent or failed: SIGKILL after this
 WATCH_S = 0.1  # how often _watch looks whether the coordinator process exited
 # A coordinator whose engine failed exits by itself within a few seconds (its
-# ranks get 2 s, runtime.local); one still there after this is stopped.
+# ranks get 2 s, runtime.deploy.local); one still there after this is stopped.
 FAILED_EXIT_S = 8.0
 GRACEFUL_SHUTDOWN_S = 5  # uvicorn's wait for responses still being written
 
@@ -222,7 +222,7 @@ async def _start_coordinator(
 
 def _stop_coordinator(proc, grace_s: float = STOP_COORDINATOR_S) -> None:
     """SIGTERM (the coordinator stops its ranks), SIGKILL after ``grace_s`` (its
-    ranks then get SIGTERM as their parent dies, runtime.launch)."""
+    ranks then get SIGTERM as their parent dies, runtime.deploy.launch)."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:

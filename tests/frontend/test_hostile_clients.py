@@ -28,7 +28,9 @@ import time
 import psutil
 import pytest
 from fastapi.testclient import TestClient
+from tests.server.harness import ROOT, START_S
 
+from runtime.deploy.launch import free_port
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.metrics import ServingMetrics
@@ -40,9 +42,7 @@ from runtime.frontend.protocol.requests import GenerationRequest, ServingLimits
 from runtime.frontend.server.app import create_app
 from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
-from runtime.launch import free_port
 from runtime.ranks.model import default_model_dir
-from tests.server.harness import ROOT, START_S
 from tests.support.scripted_client import MODEL, ScriptedClient
 
 HOST = "127.0.0.1"

@@ -30,9 +30,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
+from tests.server.harness import ROOT, START_S, Server, body, words
 
-from runtime.cli import _run_parser, build_parser
-from runtime.cli_serving import serving_options
+from runtime.cli.app import build_parser
+from runtime.cli.flags.serving import serving_options
+from runtime.cli.parsing import run_parser as _run_parser
+from runtime.deploy.launch import free_port
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.metrics import ServingMetrics
 from runtime.frontend.protocol.requests import ServingLimits
@@ -40,9 +43,7 @@ from runtime.frontend.server.admission import Gate
 from runtime.frontend.server.app import create_app
 from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
-from runtime.launch import free_port
 from runtime.ranks.model import default_model_dir
-from tests.server.harness import ROOT, START_S, Server, body, words
 from tests.support.background import BackgroundStarts, wanted
 from tests.support.scripted_client import MODEL, ScriptedClient, script_for
 

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from runtime.local import DeploymentConfig, LocalDeployment
 from tests.checkpoints import greedy, write_tiny
+
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW = 8
@@ -130,7 +131,7 @@ def test_a_rank_that_dies_at_start_up_fails_the_start_at_once(tmp_path):
 
 
 def test_spin_budget_needs_a_core_per_process(monkeypatch):
-    from runtime import local
+    from runtime.deploy import config as local
 
     monkeypatch.setattr(local.os, "sched_getaffinity", lambda pid: set(range(2)), raising=False)
     assert local.spin_budget_us(1) == local.DEFAULT_SPIN_US  # coordinator + 1 rank, 2 cores

@@ -9,9 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from runtime.local import DeploymentConfig, LocalDeployment
 from tests.checkpoints import greedy, write_tiny
+
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 
 NEW = 40
 

@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from runtime.launch import free_port, rank_command, spawn_ranks, stop_ranks
 from tests.server.harness import Server
 
 from runtime.coordinator.engine import ERROR, Engine, EngineConfig, EngineError
-from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.launch import free_port, rank_command, spawn_ranks, stop_ranks
+from runtime.deploy.local import LocalDeployment
 from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.frame import Frame
 from runtime.transport.liveness import COORDINATOR_GONE_EXIT_CODE

@@ -31,9 +31,9 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from runtime.launch import spawn_ranks, stop_ranks
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.deploy.launch import spawn_ranks, stop_ranks
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.codec import decode, encode
 from runtime.transport.completion import Completion

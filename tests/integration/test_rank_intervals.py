@@ -12,9 +12,10 @@
 from __future__ import annotations
 
 import pytest
-
-from runtime.local import DeploymentConfig, LocalDeployment
 from tests.checkpoints import write_tiny
+
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 
 DELAY = 100_000_000  # ns: well above a frame here (about 15 ms at TP=2 on two cores)
 

@@ -13,7 +13,8 @@ import msgpack
 import pytest
 from tests.checkpoints import write_tiny
 
-from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 from runtime.replay import replay
 from runtime.transport.codec import decode, encode
 from runtime.transport.frame import Frame

@@ -12,7 +12,8 @@ import threading
 import pytest
 from tests.checkpoints import greedy, write_tiny
 
-from runtime.local import DeploymentConfig, LocalDeployment
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 from runtime.speculation import SpeculationConfig
 from runtime.transport.sampling import SamplingParams
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from runtime.coordinator.engine import Engine, EngineConfig, EngineStartError
+from runtime.deploy.launch import ROOT, free_port, rank_command, stop_ranks
 from runtime.identity import expected_identity
-from runtime.launch import ROOT, free_port, rank_command, stop_ranks
 from runtime.ranks.model.default import default_model_dir
 from runtime.transport.schema import PROTOCOL_VERSION
 

@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from runtime.cli.commands.bench import main
 from runtime.loadgen import progress
-from runtime.loadgen.cli import main
 from runtime.loadgen.client import ClientConfig, RequestRecord, run_benchmark
 from runtime.loadgen.progress import ProgressLines
 from runtime.loadgen.report import format_table, percentile, summarize

@@ -20,8 +20,10 @@ import itertools
 import random
 import time
 
-from runtime.local import DeploymentConfig, LocalDeployment
 from tests.server.harness import Server, body, stream_times, words
+
+from runtime.deploy.config import DeploymentConfig
+from runtime.deploy.local import LocalDeployment
 
 STREAMS = 4
 LONG_PROMPT = 2500

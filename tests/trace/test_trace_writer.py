@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from runtime.cli.converters import trace_bytes as parse_bytes
+from runtime.cli.flags.debugging import check_trace_path
 from runtime.coordinator.config import ConfigError
-from runtime.trace.cli import check_trace_path, parse_bytes
 from runtime.trace.clocks import ROUND_TRIPS, SAME_HOST, RankClocks
 from runtime.trace.files import read_trace, trace_files
 from runtime.trace.lines import lane_list

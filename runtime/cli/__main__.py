@@ -1,0 +1,7 @@
+"""``python -m runtime.cli ...``: the same as ``flare ...``."""
+
+import sys
+
+from runtime.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The ``flare`` commands: run (serve), bench, trace, replay, ranks, keys."""

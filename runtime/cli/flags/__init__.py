@@ -1,0 +1,1 @@
+"""The flag families of ``flare run`` (families.py), one module each."""
