@@ -20,42 +20,38 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.launch import free_port  # noqa: E402
+from runtime.loadgen.launcher import ServerProcess, ServerStartError  # noqa: E402
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def start(slots: int, args: argparse.Namespace, log) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "runtime.cli", "run", "--max-num-seqs", str(slots),
-           "--device", args.device, "--port", str(port)]  # fmt: skip
+def start(slots: int, args: argparse.Namespace, log) -> ServerProcess:
+    """``flare run --max-num-seqs SLOTS`` healthy on a free port; ``stop()`` sends SIGINT."""
+    flags = ["--max-num-seqs", str(slots), "--device", args.device]
     if args.model:
-        cmd.append(args.model)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"flare run --max-num-seqs {slots} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"flare run --max-num-seqs {slots} did not become healthy")
+        flags.append(args.model)
+    try:
+        return ServerProcess(
+            flags,
+            start_timeout_s=args.startup_timeout,
+            stop_timeout_s=60.0,
+            stop_signal=signal.SIGINT,
+            own_group=False,
+            tmp_prefix=None,
+            log=log,
+            poll_s=0.5,
+        )
+    except ServerStartError as exc:
+        if exc.code is not None:
+            raise SystemExit(f"flare run --max-num-seqs {slots} exited with {exc.code}") from None
+        raise SystemExit(f"flare run --max-num-seqs {slots} did not become healthy") from None
 
 
 def bench(base: str, rate: int, args: argparse.Namespace, out: Path) -> dict:
@@ -84,18 +80,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="flare-bench-concurrency-") as tmp:
         for slots in args.slots:
             with open(Path(tmp) / f"server-{slots}.log", "w") as log:
-                proc, base = start(slots, args, log)
+                server = start(slots, args, log)
                 try:
                     for rate in args.rates:
-                        r = bench(base, rate, args, Path(tmp) / f"{slots}-{rate}.json")
+                        r = bench(server.base, rate, args, Path(tmp) / f"{slots}-{rate}.json")
                         rows.append({"slots": slots, "rate": rate} | {
                             k: r[k] for k in ("request_throughput", "output_throughput",
                                               "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                                               "p99_tpot_ms", "request_goodput", "completed")
                         })  # fmt: skip
                 finally:
-                    proc.send_signal(signal.SIGINT)
-                    proc.wait(timeout=60)
+                    server.stop()
     print(f"{'slots':>5} {'rate':>4} {'req/s':>6} {'out tok/s':>9} {'TTFT med/p99 ms':>16} "
           f"{'TPOT med/p99 ms':>16} {'goodput':>8}")  # fmt: skip
     for r in rows:

@@ -71,25 +71,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
-import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ROOT = Path(__file__).resolve().parent.parent
+if TYPE_CHECKING:
+    from runtime.loadgen.launcher import ServerProcess
+
 CONFIGS = {"cache_on": (), "cache_off": ("--no-enable-prefix-caching",)}
 GOAL_COMPUTED_OVER_NEW = 1.2
 GOAL_TTFT_SPEEDUP = 3.0
@@ -495,75 +491,18 @@ async def run_workloads(base: str, chat: Chat, work: Workload, args) -> list[Rec
 # ------------------------------------------------------------------ the server
 
 
-class ServerProcess:
-    """``flare run`` as its own process group on a free port; ``stop()`` ends it all."""
+def start_server(flags: Sequence[str], start_timeout: float, stop_timeout: float) -> ServerProcess:
+    """``flare run`` as its own process group on a free port (runtime.loadgen.launcher):
+    ``stop()`` sends SIGTERM, then SIGKILL to its group after ``stop_timeout`` s (or to
+    anything of the group left once the server has exited)."""
+    from runtime.loadgen.launcher import ServerProcess
 
-    def __init__(self, flags: Sequence[str], start_timeout: float, stop_timeout: float) -> None:
-        from runtime.launch import free_port
-
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.stop_timeout = stop_timeout
-        self.tmp = tempfile.mkdtemp(prefix="flare-bench-prefix-")
-        self.log = open(os.path.join(self.tmp, "server.log"), "w+")  # noqa: SIM115
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=self.tmp)
-        self.cmd = [sys.executable, "-m", "runtime.cli", "run", "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(
-            self.cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group: coordinator and ranks too
-        )
-        try:
-            self._wait_healthy(start_timeout)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self, timeout: float) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"flare run exited with code {self.proc.returncode}: {self.tail()}"
-                )
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"flare run not healthy after {timeout:g} s: {self.tail()}")
-            time.sleep(0.3)
-
-    def tail(self, lines: int = 15) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return " | ".join(self.log.read().strip().splitlines()[-lines:])
-
-    def stop(self) -> int | None:
-        """SIGTERM to the server, SIGKILL to its group after ``stop_timeout`` s (or to
-        anything of the group left once the server has exited)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, 0)  # anyone of the group still there?
-            time.sleep(1.0)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return self.proc.returncode
+    return ServerProcess(
+        flags,
+        start_timeout_s=start_timeout,
+        stop_timeout_s=stop_timeout,
+        tmp_prefix="flare-bench-prefix-",
+    )
 
 
 def run_config(name: str, chat: Chat, work: Workload, args) -> tuple[list[Record] | None, str]:
@@ -575,7 +514,7 @@ def run_config(name: str, chat: Chat, work: Workload, args) -> tuple[list[Record
     print(f"[{name}] starting flare run {' '.join(flags)}", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
-        server = ServerProcess(flags, args.start_timeout, args.stop_timeout)
+        server = start_server(flags, args.start_timeout, args.stop_timeout)
     except RuntimeError as exc:
         print(f"[{name}] server failed to start: {exc}", file=sys.stderr, flush=True)
         return None, str(exc)

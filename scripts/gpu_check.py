@@ -69,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import gpu_realistic
 import gpu_speculative
 import torch
+from gpu_timing import event_us
 
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig
@@ -284,18 +285,6 @@ def check_speculative_kernels() -> bool:
     return ok
 
 
-def _event_us(fn, args: tuple, repeat: int = 20) -> float:
-    """Mean CUDA-event time of ``fn(*args)`` in microseconds, after one warm call."""
-    fn(*args)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeat):
-        fn(*args)
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) * 1e3 / repeat
-
-
 def check_verify_attention() -> bool:
     """The verify attention kernel (W > 1 queries per lane, flash-decoding) compiled
     on the device against its torch reference: W 2..16, GQA 4 and 8, fp16/bf16,
@@ -339,7 +328,7 @@ def check_verify_attention() -> bool:
                 detail.append(f"H{heads}/{kv_heads} W{w} {str(dtype)[6:]} s={splits}: {diff:.1e}")
             if dtype == torch.bfloat16:
                 for name, fn in (("verify", paged_verify_attention), ("prefill", prefill)):
-                    us = _event_us(fn, args)
+                    us = event_us(fn, args)
                     RESULTS[f"kernel_{name}_w{w}_h{heads}_bf16_us"] = round(us, 1)
     return check("verify_attention_equals_reference", ok, "; ".join(detail))
 

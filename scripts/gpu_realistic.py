@@ -34,6 +34,7 @@ from pathlib import Path
 
 import psutil
 import torch
+from gpu_timing import event_us
 
 from runtime.catalog import GraphKind
 from runtime.ranks.capacity import CapacityConfig
@@ -209,20 +210,9 @@ def check_kernels(check: Check, results: dict) -> bool:
             ("decode", paged_decode_attention, decode_args),
             ("prefill", paged_prefill_attention, args),
         ):
-            us = _event_us(fn, fn_args, 20)
+            us = event_us(fn, fn_args, 20)
             results[f"kernel_{name}_{str(dtype)[6:]}_us"] = round(us, 1)
     return check("kernels_equal_references", ok, "; ".join(detail))
-
-
-def _event_us(fn: Callable[..., object], args: tuple, repeat: int) -> float:
-    fn(*args)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeat):
-        fn(*args)
-    end.record()
-    end.synchronize()
-    return begin.elapsed_time(end) * 1e3 / repeat
 
 
 def graph_vs_eager(check: Check, results: dict, path, device, cuda: bool) -> bool:

@@ -47,14 +47,17 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+if TYPE_CHECKING:
+    from runtime.loadgen.launcher import ServerProcess
 
 HOST = "127.0.0.1"
 START_S = 240.0
@@ -64,12 +67,6 @@ WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", 
 
 
 # ------------------------------------------------------------------ processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def frontend_rss(pid: int) -> tuple[int, dict[str, int]]:
@@ -97,52 +94,35 @@ def request(port: int, method: str, path: str, body: bytes | None = None, timeou
         conn.close()
 
 
-class Server:
-    def __init__(self, extra: list[str]) -> None:
-        self.port = free_port()
-        self.tmp = tempfile.mkdtemp(prefix="flare-hostile-")
-        self.log_path = Path(self.tmp) / "server.log"
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=self.tmp)
-        cmd = [sys.executable, "-m", "runtime.cli", "run", "--port", str(self.port)]
-        self.proc = subprocess.Popen(
-            [*cmd, *SERVER_FLAGS, *extra],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
+def start_server(extra: list[str]) -> ServerProcess:
+    """``flare run SERVER_FLAGS extra`` (runtime.loadgen.launcher), stopped with SIGINT."""
+    from runtime.loadgen.launcher import ServerProcess, ServerStartError
+
+    try:
+        return ServerProcess(
+            [*SERVER_FLAGS, *extra],
+            start_timeout_s=START_S,
+            stop_timeout_s=60.0,
+            stop_signal=signal.SIGINT,
+            own_group=False,
+            tmp_prefix="flare-hostile-",
         )
-        deadline = time.monotonic() + START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"flare run exited: {self.log_path.read_text()[-3000:]}")
-            with contextlib.suppress(OSError, http.client.HTTPException):
-                if request(self.port, "GET", "/health", timeout=2)[0] == 200:
-                    break
-            if time.monotonic() > deadline:
-                self.stop()
-                raise SystemExit("flare run did not become healthy")
-            time.sleep(0.3)
+    except ServerStartError as exc:
+        if exc.code is None:
+            raise SystemExit("flare run did not become healthy") from None
+        raise SystemExit(f"flare run exited: {exc.output[-3000:]}") from None
 
-    def log_lines(self) -> int:
-        with open(self.log_path, "rb") as f:
-            return f.read().count(b"\n")
 
-    def fds(self) -> int:
-        try:
-            return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
-        except OSError:
-            return -1
+def log_lines(server: ServerProcess) -> int:
+    with open(Path(server.tmp) / "server.log", "rb") as f:
+        return f.read().count(b"\n")
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+
+def fds(server: ServerProcess) -> int:
+    try:
+        return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+    except OSError:
+        return -1
 
 
 # ------------------------------------------------------------------ the monitor process
@@ -410,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     print("building the attack bodies...", file=sys.stderr)
     attacks = [] if args.skip_attacks else attack_bodies()
     print("starting flare run...", file=sys.stderr)
-    server = Server(args.server_arg)
+    server = start_server(args.server_arg)
     samples_path = os.path.join(server.tmp, "monitor.txt")
     monitor = None
     results: dict[str, dict] = {}
@@ -449,16 +429,16 @@ def main(argv: list[str] | None = None) -> int:
         print("attack mid_upload_disconnect...", file=sys.stderr)
         if args.skip_attacks:
             print("(attacks skipped)", file=sys.stderr)
-        lines_before = server.log_lines()
+        lines_before = log_lines(server)
         t0 = time.monotonic()
         cut_upload(port)
         time.sleep(1.5)
         windows["mid_upload_disconnect"] = (t0, time.monotonic())
         results["mid_upload_disconnect"] = {
             "status": None,
-            "answer": f"{server.log_lines() - lines_before} log line(s)",
+            "answer": f"{log_lines(server) - lines_before} log line(s)",
             "seconds": 0.0,
-            "log_lines": server.log_lines() - lines_before,
+            "log_lines": log_lines(server) - lines_before,
         }
         # The frontend's memory, once settled.
         deadline = time.monotonic() + 30
@@ -544,10 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_flood(server: Server, args: argparse.Namespace) -> dict:
+def run_flood(server: ServerProcess, args: argparse.Namespace) -> dict:
     """Open the idle connections from several processes, hold them, close them."""
     print(f"idle flood of {args.connections} connections...", file=sys.stderr)
-    lines_before = server.log_lines()
+    lines_before = log_lines(server)
     procs = []
     per = -(-args.connections // args.flood_processes)
     left = args.connections
@@ -569,10 +549,10 @@ def run_flood(server: Server, args: argparse.Namespace) -> dict:
     for proc in procs:
         fields = proc.stdout.readline().split()
         connected += int(fields[1]) if len(fields) == 3 else 0
-        fds_max = max(fds_max, server.fds())
+        fds_max = max(fds_max, fds(server))
     ready = time.monotonic()
     while time.monotonic() < ready + args.hold:
-        fds_max = max(fds_max, server.fds())
+        fds_max = max(fds_max, fds(server))
         time.sleep(0.5)
     held = time.monotonic()
     print(f"flood: opened {started:.3f} ready {ready:.3f} held until {held:.3f}", file=sys.stderr)
@@ -590,7 +570,7 @@ def run_flood(server: Server, args: argparse.Namespace) -> dict:
         "connections": args.connections,
         "connected": connected,
         "times": (started, ready, held),
-        "log_lines": server.log_lines() - lines_before,
+        "log_lines": log_lines(server) - lines_before,
         "fds_max": fds_max,
         "answers": answers,
     }

@@ -72,19 +72,19 @@ import contextlib
 import json
 import os
 import random
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+if TYPE_CHECKING:
+    from runtime.loadgen.launcher import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 REPLACEMENT = "\ufffd"  # how a byte token decodes on its own
@@ -335,89 +335,33 @@ def ambiguous_strings(model_dir: Path) -> set[str]:
 # ------------------------------------------------------------------ the server
 
 
-class ServerProcess:
-    """``flare run`` as its own process group on a free port; ``stop()`` ends it all."""
+def start_server(flags: Sequence[str], start_timeout: float, stop_timeout: float) -> ServerProcess:
+    """``flare run`` as its own process group on a free port (runtime.loadgen.launcher):
+    ``stop()`` sends SIGTERM, then SIGKILL to its group after ``stop_timeout`` s (or to
+    anything of the group left once the server has exited)."""
+    from runtime.loadgen.launcher import ServerProcess
 
-    def __init__(self, flags: Sequence[str], start_timeout: float, stop_timeout: float) -> None:
-        from runtime.launch import free_port
+    return ServerProcess(
+        flags,
+        start_timeout_s=start_timeout,
+        stop_timeout_s=stop_timeout,
+        tmp_prefix="flare-soak-",
+    )
 
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.stop_timeout = stop_timeout
-        self.tmp = tempfile.mkdtemp(prefix="flare-soak-")
-        self.log = open(os.path.join(self.tmp, "server.log"), "w+")  # noqa: SIM115
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=self.tmp)
-        self.cmd = [sys.executable, "-m", "runtime.cli", "run", "--port", str(self.port), *flags]
-        self.proc = subprocess.Popen(
-            self.cmd,
-            cwd=ROOT,
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own process group: coordinator and ranks too
-        )
-        try:
-            self._wait_healthy(start_timeout)
-        except BaseException:
-            self.stop()
-            raise
 
-    def _wait_healthy(self, timeout: float) -> None:
-        import httpx
+def server_rss(server: ServerProcess) -> dict[int, tuple[str, int]]:
+    """pid -> (a short name, RSS bytes) of the server and all its descendants."""
+    import psutil
 
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"flare run exited with code {self.proc.returncode}: {self.tail()}"
-                )
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"flare run not healthy after {timeout:g} s: {self.tail()}")
-            time.sleep(0.3)
-
-    def tail(self, lines: int = 15) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return " | ".join(self.log.read().strip().splitlines()[-lines:])
-
-    def rss(self) -> dict[int, tuple[str, int]]:
-        """pid -> (a short name, RSS bytes) of the server and all its descendants."""
-        import psutil
-
-        root = psutil.Process(self.proc.pid)
-        out: dict[int, tuple[str, int]] = {}
-        for proc in [root, *root.children(recursive=True)]:
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                name = _short_name(proc.cmdline())
-                if name == "ranks":
-                    name = f"rank {proc.environ().get('RANK', '?')}"
-                out[proc.pid] = (name, proc.memory_info().rss)
-        return out
-
-    def stop(self) -> int | None:
-        """SIGTERM to the server, SIGKILL to its group after ``stop_timeout`` s (or to
-        anything of the group left once the server has exited)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=self.stop_timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, 0)  # anyone of the group still there?
-            time.sleep(1.0)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return self.proc.returncode
+    root = psutil.Process(server.proc.pid)
+    out: dict[int, tuple[str, int]] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            name = _short_name(proc.cmdline())
+            if name == "ranks":
+                name = f"rank {proc.environ().get('RANK', '?')}"
+            out[proc.pid] = (name, proc.memory_info().rss)
+    return out
 
 
 def _short_name(cmdline: Sequence[str]) -> str:
@@ -587,7 +531,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"[soak] starting flare run {' '.join(flags)}", file=sys.stderr, flush=True)
     started = time.monotonic()
     try:
-        server = ServerProcess(flags, args.start_timeout, args.stop_timeout)
+        server = start_server(flags, args.start_timeout, args.stop_timeout)
     except RuntimeError as exc:
         print(f"[soak] server failed to start: {exc}", file=sys.stderr, flush=True)
         print(json.dumps({"requests": 0, "completed": 0, "errors": 0, "mismatched_streams": 0,
@@ -612,7 +556,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"[soak] round {r}: {len(jobs)} streams", file=sys.stderr, flush=True)
             out = asyncio.run(run_round(server.base, jobs, args))
             m, settle_s = settle(server.base, args.settle_timeout)
-            rss_after.append(server.rss())
+            rss_after.append(server_rss(server))
             count = dict.fromkeys(totals, 0)
             for job, stream, twin in zip(jobs, out["streams"], out["twins"]):
                 count["requests"] += 1

@@ -21,7 +21,7 @@ import pytest
 
 from runtime.deploy.launch import free_port
 from runtime.ranks.model import default_model_dir
-from tests.checkpoints import write_tiny
+from tests.support.checkpoints import write_tiny
 
 pytestmark = pytest.mark.process  # every test here starts flare or rank processes
 

@@ -22,7 +22,7 @@ from runtime.cli.commands.prompt import describe_summary
 from runtime.frontend.chat import load_chat_template
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
-from tests.checkpoints import write_tiny
+from tests.support.checkpoints import write_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ["run", "--tensor-parallel-size", "2", "--prompt", "Hello"]  # the README's first command

@@ -25,6 +25,8 @@ from runtime.transport.security import secure_client
 from tests.support import fake_rank
 from tests.support.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks
 
+pytestmark = pytest.mark.process
+
 WAIT_S = 20.0
 
 

@@ -15,6 +15,8 @@ from runtime.transport.sampling import SamplingParams
 from tests.support import fake_rank
 from tests.support.fake_rank import FakeSpec, join_ranks, spawn_ranks
 
+pytestmark = pytest.mark.process
+
 WAIT_S = 20.0
 SPEC = FakeSpec(sleep_s=0.002)
 

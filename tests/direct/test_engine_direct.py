@@ -21,6 +21,8 @@ from runtime.trace.writer import TraceOptions
 from tests.support import fake_rank
 from tests.support.fake_rank import FakeSpec, join_ranks, reference, spawn_ranks
 
+pytestmark = pytest.mark.process
+
 WAIT_S = 20.0
 
 

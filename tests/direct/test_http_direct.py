@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.server.harness import Server, words
+from tests.support.server import Server, words
 
 FLAGS = ("--max-prefill-tokens", "64")  # after the harness's own flags: this one wins
 PROMPTS = [words(3), words(40, seed=1), words(120, seed=2), "Hello", words(9, seed=5)]

@@ -28,7 +28,6 @@ import time
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from tests.server.harness import ROOT, START_S
 
 from runtime.deploy.launch import free_port
 from runtime.frontend.chat import load_chat_template
@@ -44,6 +43,9 @@ from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
 from tests.support.scripted_client import MODEL, ScriptedClient
+from tests.support.server import ROOT, START_S
+
+pytestmark = pytest.mark.process
 
 HOST = "127.0.0.1"
 HEADER_TIMEOUT_S = 2.0

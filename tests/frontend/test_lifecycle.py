@@ -16,8 +16,10 @@ import psutil
 import pytest
 
 from runtime.ranks.model import default_model_dir
-from tests.server.harness import Server, body, words
 from tests.support.background import BackgroundStarts, wanted
+from tests.support.server import Server, body, words
+
+pytestmark = pytest.mark.process
 
 AUTH = {"authorization": "Bearer sekrit"}
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import json
 import os
 import shutil
 import signal
@@ -23,14 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi.testclient import TestClient
-from tests.server.harness import ROOT, START_S, Server, body, words
 
 from runtime.cli.app import build_parser
 from runtime.cli.flags.serving import serving_options
@@ -45,7 +42,11 @@ from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
 from tests.support.background import BackgroundStarts, wanted
+from tests.support.processes import all_gone, tree, wait_for
 from tests.support.scripted_client import MODEL, ScriptedClient, script_for
+from tests.support.server import ROOT, START_S, Server, Stream
+
+pytestmark = pytest.mark.process
 
 SEQ_FLAGS = ["--max-num-seqs", "1", "--max-prefill-tokens", "4096", "--device", "cpu"]
 HEARTBEAT = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"]
@@ -89,7 +90,7 @@ def self_signed(directory: Path) -> tuple[Path, Path]:
 
 
 class HttpsServer:
-    """``flare run`` over HTTPS (tests.server.harness.Server speaks plain HTTP)."""
+    """``flare run`` over HTTPS (tests.support.server.Server speaks plain HTTP)."""
 
     def __init__(self, *extra: str) -> None:
         self.tmp = tempfile.mkdtemp(prefix="flare-test-")
@@ -136,66 +137,6 @@ class HttpsServer:
             self.proc.wait()
         self.log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-class Stream(threading.Thread):
-    """A streaming completion (long by default) read in the background; keeps its
-    status code, every data line and when it ended."""
-
-    def __init__(
-        self, base: str, verify: ssl.SSLContext | bool = True, max_tokens: int = 3000
-    ) -> None:
-        super().__init__(daemon=True)
-        self.base, self.verify, self.max_tokens = base, verify, max_tokens
-        self.status: int | None = None
-        self.lines: list[str] = []
-        self.error: BaseException | None = None
-        self.ended_at: float | None = None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            request = body(words(5), self.max_tokens)
-            url = f"{self.base}/v1/completions"
-            with httpx.stream("POST", url, json=request, timeout=60, verify=self.verify) as r:
-                self.status = r.status_code
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        self.lines.append(line[6:])
-        except httpx.HTTPError as exc:
-            self.error = exc
-        self.ended_at = time.monotonic()
-
-    def chunks(self) -> list[dict]:
-        return [json.loads(line) for line in self.lines if line != "[DONE]"]
-
-    def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for k in self.chunks() for c in k.get("choices", [])
-                if c["finish_reason"]]  # fmt: skip
-
-
-def wait_for(predicate, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-def tree(pid: int) -> list[psutil.Process]:
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
-
-
-def all_gone(procs: list[psutil.Process]) -> bool:
-    def alive(proc: psutil.Process) -> bool:
-        try:
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    return not any(alive(proc) for proc in procs)
 
 
 @pytest.fixture(scope="module", autouse=True)

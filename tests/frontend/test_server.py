@@ -18,8 +18,10 @@ import httpx
 import openai
 import pytest
 
-from tests.server.harness import Server, words
 from tests.support.background import BackgroundStarts
+from tests.support.server import Server, words
+
+pytestmark = pytest.mark.process
 
 # Every test runs against ordinary decoding and against fixed-width speculative
 # rounds of the embedded draft (bursts of up to 4 tokens: stops, logprobs and

@@ -23,11 +23,13 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from tests.server.harness import Server
 
 from runtime.deploy.launch import free_port, loopback_interface
 from runtime.deploy.local import LocalDeployment
 from runtime.ranks.model.default import default_model_dir
+from tests.support.server import Server
+
+pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_FLAGS = ["--max-concurrency", "4", "--device", "cpu", "--num-pages", "128"]

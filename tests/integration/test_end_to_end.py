@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
+from tests.support.checkpoints import greedy, write_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 NEW = 8
@@ -51,6 +51,7 @@ def deployment(path, tp: int) -> LocalDeployment:
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.process
 def test_sixteen_concurrent_requests_match_transformers(reference, tp):
     path, prompts, expected = reference
     with deployment(path, tp) as d:
@@ -62,6 +63,7 @@ def test_sixteen_concurrent_requests_match_transformers(reference, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.process
 def test_qwen2_with_bias_and_tied_embeddings_matches_transformers(qwen2_reference, tp):
     path, prompts, expected = qwen2_reference
     with deployment(path, tp) as d:
@@ -69,6 +71,7 @@ def test_qwen2_with_bias_and_tied_embeddings_matches_transformers(qwen2_referenc
         assert [s.result(timeout=300).token_ids for s in streams] == expected[:8]
 
 
+@pytest.mark.process
 def test_a_slower_rank_sets_the_cost_estimate(reference, monkeypatch):
     """Every rank reports its interval; the coordinator's cost sample is the maximum."""
     path, prompts, _ = reference
@@ -85,6 +88,7 @@ def test_a_slower_rank_sets_the_cost_estimate(reference, monkeypatch):
     assert used and all(estimates[g] >= 30_000_000 for g in used)
 
 
+@pytest.mark.process
 def test_each_request_alone_matches_the_batched_run(reference):
     """Batch invariance: the same greedy tokens alone as among sixteen."""
     path, prompts, expected = reference
@@ -95,6 +99,7 @@ def test_each_request_alone_matches_the_batched_run(reference):
             )
 
 
+@pytest.mark.process
 def test_flare_run_cli_generates_with_the_embedded_model(tmp_path):
     env = dict(os.environ, FLARE_HOME=str(tmp_path), PYTHONPATH=str(ROOT))
     done = subprocess.run(
@@ -111,6 +116,7 @@ def test_flare_run_cli_generates_with_the_embedded_model(tmp_path):
     assert frames >= 5
 
 
+@pytest.mark.process
 def test_flare_run_rejects_bad_flags_naming_them():
     done = subprocess.run(
         [sys.executable, "-m", "runtime.cli", "run", "--tensor-parallel-size", "0"],
@@ -119,6 +125,7 @@ def test_flare_run_rejects_bad_flags_naming_them():
     assert done.returncode == 2 and "--tensor-parallel-size" in done.stderr
 
 
+@pytest.mark.process
 def test_a_rank_that_dies_at_start_up_fails_the_start_at_once(tmp_path):
     start = time.monotonic()
     deployment = LocalDeployment(

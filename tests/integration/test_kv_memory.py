@@ -9,10 +9,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
+from tests.support.checkpoints import greedy, write_tiny
+
+pytestmark = pytest.mark.process
 
 NEW = 40
 

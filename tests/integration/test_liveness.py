@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from tests.server.harness import Server
 
 from runtime.coordinator.engine import ERROR, Engine, EngineConfig, EngineError
 from runtime.deploy.config import DeploymentConfig
@@ -28,6 +27,9 @@ from runtime.deploy.local import LocalDeployment
 from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.frame import Frame
 from runtime.transport.liveness import COORDINATOR_GONE_EXIT_CODE
+from tests.support.server import Server
+
+pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
 HEARTBEAT = {"heartbeat_interval_s": 0.5, "heartbeat_timeout_s": 2.0}

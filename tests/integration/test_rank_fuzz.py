@@ -339,6 +339,7 @@ def _assert_unchanged(before: RankStatus | None, after: RankStatus | None) -> No
     assert (after.frames, after.last_fence) == (before.frames, before.last_fence)
 
 
+@pytest.mark.process
 def test_near_valid_frames_are_refused_with_an_error_completion_naming_the_fence(
     live: tuple[LiveRank, list[int]],
 ) -> None:
@@ -355,6 +356,7 @@ def test_near_valid_frames_are_refused_with_an_error_completion_naming_the_fence
     assert rank.generate(PROMPT, DECODES) == baseline
 
 
+@pytest.mark.process
 def test_a_hundred_broken_messages_are_each_answered_and_the_rank_keeps_serving(
     live: tuple[LiveRank, list[int]],
 ) -> None:

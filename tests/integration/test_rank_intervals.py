@@ -12,10 +12,12 @@
 from __future__ import annotations
 
 import pytest
-from tests.checkpoints import write_tiny
 
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
+from tests.support.checkpoints import write_tiny
+
+pytestmark = pytest.mark.process
 
 DELAY = 100_000_000  # ns: well above a frame here (about 15 ms at TP=2 on two cores)
 

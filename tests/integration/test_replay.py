@@ -11,7 +11,6 @@ from array import array
 
 import msgpack
 import pytest
-from tests.checkpoints import write_tiny
 
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
@@ -19,6 +18,9 @@ from runtime.replay import replay
 from runtime.transport.codec import decode, encode
 from runtime.transport.frame import Frame
 from runtime.transport.recording import LOG, read_recording
+from tests.support.checkpoints import write_tiny
+
+pytestmark = pytest.mark.process
 
 PROMPTS = [[5, 17, 33, 3, 60], [9, 9, 41, 77, 12, 3, 50], [88, 7]]
 

@@ -108,11 +108,13 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
-from tests.checkpoints import write_tiny  # noqa: E402
 
 from runtime.deploy.config import DeploymentConfig  # noqa: E402
 from runtime.deploy.local import LocalDeployment  # noqa: E402
 from runtime.transport.security import ENV_CLIENT_SECRET  # noqa: E402
+from tests.support.checkpoints import write_tiny  # noqa: E402
+
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")

@@ -10,12 +10,14 @@ import random
 import threading
 
 import pytest
-from tests.checkpoints import greedy, write_tiny
 
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
 from runtime.speculation import SpeculationConfig
 from runtime.transport.sampling import SamplingParams
+from tests.support.checkpoints import greedy, write_tiny
+
+pytestmark = pytest.mark.process
 
 NEW = 16
 

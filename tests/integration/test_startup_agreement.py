@@ -19,6 +19,8 @@ from runtime.identity import expected_identity
 from runtime.ranks.model.default import default_model_dir
 from runtime.transport.schema import PROTOCOL_VERSION
 
+pytestmark = pytest.mark.process
+
 START_S = 180.0  # generous: two CPU ranks load torch and the model on a shared machine
 COMMON = [
     "--device", "cpu", "--max-concurrency", "2", "--max-prefill-tokens", "64",

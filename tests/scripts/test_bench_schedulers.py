@@ -76,6 +76,7 @@ def test_pareto_domination_and_vllm_goals():
     assert g["dominated_by"] == ["vllm"]
 
 
+@pytest.mark.process
 def test_bench_schedulers_quick_run_prints_tables_and_json_last():
     out = subprocess.run(
         [sys.executable, "scripts/bench_schedulers.py", "--quick", "--profiles", "llama1b-h100",
@@ -110,6 +111,7 @@ def test_explain_names_the_winner_and_the_requests_best_candidate(capsys):
                 assert mine["score"] <= row["winner"]["score"] or row["winner"]["t_ms"] == 0
 
 
+@pytest.mark.process
 def test_bench_concurrency_starts_a_server_per_slot_count_and_prints_json_last():
     out = subprocess.run(
         [sys.executable, "scripts/bench_concurrency.py", "--slots", "2", "--rates", "20",

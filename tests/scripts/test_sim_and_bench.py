@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from runtime.coordinator.config import PRESETS, PolicyConfig
 from scripts.scheduling_sim.__main__ import main as sim_main
 
@@ -62,6 +64,7 @@ def test_fcfs_baseline_runs_same_workload(capsys):
     assert report["finished"] == 6 and report["scheduler"] == "fcfs"
 
 
+@pytest.mark.process
 def test_bench_scheduler_prints_json_last():
     out = subprocess.run(
         [sys.executable, "scripts/bench_scheduler.py", "--iterations", "20"],
@@ -94,6 +97,7 @@ def test_config_file_errors_name_the_problem(tmp_path):
         raise AssertionError("negative token_fairness accepted")
 
 
+@pytest.mark.process
 def test_gpu_check_dry_runs_on_cpu(tmp_path):
     """The prepared CUDA check must work when a GPU session finally runs it."""
     done = subprocess.run(

@@ -13,7 +13,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.harness import Server, body, words
+from tests.support.server import Server, body, words
+
+pytestmark = pytest.mark.process
 
 CLIENTS = 200
 # Far more tokens than a client waits for: no request can finish on its own

@@ -23,9 +23,12 @@ import time
 
 import httpx
 import psutil
+import pytest
 
-from tests.frontend.test_reliability import all_gone, tree, wait_for
-from tests.server.harness import Server
+from tests.support.processes import all_gone, tree, wait_for
+from tests.support.server import Server
+
+pytestmark = pytest.mark.process
 
 BEAT = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"]
 TIMEOUT_S = 2.0  # the heartbeat timeout above

@@ -16,14 +16,20 @@ four-slot scenarios are tests/server/test_scheduler.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import time
+from collections import Counter
 
-from tests.server.harness import Server, body, stream_times, words
+import pytest
 
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
+from tests.support.background import BackgroundStarts
+from tests.support.server import Server, body, stream_times, words
+
+pytestmark = pytest.mark.process
 
 STREAMS = 4
 LONG_PROMPT = 2500
@@ -129,35 +135,48 @@ def _gaps_ms(times: list[float]) -> list[float]:
     return [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
 
 
+def _gaps_scenario(server: Server, label: str) -> tuple:
+    """The long prompt during four decode streams on ``server`` (ended here): the
+    frames by kind while it ran, each stream's stall around it, its first token."""
+    try:
+        prompt = server.prompt_of(LONG_PROMPT)
+        decodes, (arrived, long_times, long_usage), before, after = asyncio.run(
+            _scenario(server, prompt)
+        )
+    finally:
+        assert server.stop() == 0
+    assert long_usage["completion_tokens"] == 4 and long_usage["prompt_tokens"] >= 2200
+    delta = {
+        k.split(":", 1)[1]: after[k] - before.get(k, 0.0)
+        for k in after
+        if k.startswith("flare_frames_total:") and after[k] != before.get(k, 0.0)
+    }
+    stall = []  # each stream's longest gap around the long prompt's consumption
+    for times, usage in decodes:
+        assert usage["completion_tokens"] == 200
+        around = [t for t in times if t >= arrived - 0.5]
+        stall.append(max(_gaps_ms(around), default=0.0))
+    first_token_ms = (long_times[0] - arrived) * 1e3
+    if label == "mixed":
+        assert delta.get("prefill", 0) == 0, delta  # no prefill-only frame stalled them
+        assert delta.get("mixed", 0) >= 1, delta
+    else:
+        assert delta.get("prefill", 0) >= 1, delta
+    return delta, stall, first_token_ms, decodes
+
+
 def test_sse_gaps_with_and_without_mixed_programs():
     report = {}
-    for label, extra in (("separate", ()), ("mixed", ("--mixed-prefill",))):
-        server = Server(*FLAGS, *extra)
-        try:
-            prompt = server.prompt_of(LONG_PROMPT)
-            decodes, (arrived, long_times, long_usage), before, after = asyncio.run(
-                _scenario(server, prompt)
-            )
-        finally:
-            assert server.stop() == 0
-        assert long_usage["completion_tokens"] == 4 and long_usage["prompt_tokens"] >= 2200
-        delta = {
-            k.split(":", 1)[1]: after[k] - before.get(k, 0.0)
-            for k in after
-            if k.startswith("flare_frames_total:") and after[k] != before.get(k, 0.0)
-        }
-        stall = []  # each stream's longest gap around the long prompt's consumption
-        for times, usage in decodes:
-            assert usage["completion_tokens"] == 200
-            around = [t for t in times if t >= arrived - 0.5]
-            stall.append(max(_gaps_ms(around), default=0.0))
-        first_token_ms = (long_times[0] - arrived) * 1e3
-        report[label] = (delta, stall, first_token_ms, decodes)
-        if label == "mixed":
-            assert delta.get("prefill", 0) == 0, delta  # no prefill-only frame stalled them
-            assert delta.get("mixed", 0) >= 1, delta
-        else:
-            assert delta.get("prefill", 0) >= 1, delta
+    configs = {"separate": (), "mixed": ("--mixed-prefill",)}
+    # Both servers start at once (their start-ups overlap); each scenario runs alone.
+    makers = {label: (functools.partial(Server, *FLAGS, *extra), Server.stop)
+              for label, extra in configs.items()}  # fmt: skip
+    starts = BackgroundStarts(makers, Counter(configs))
+    try:
+        for label in configs:
+            report[label] = _gaps_scenario(starts.take(label), label)
+    finally:
+        starts.close()
     print()
     for label, (delta, stall, first_ms, decodes) in report.items():
         print(f"{label}: frames by kind while the long prompt ran {delta}")

@@ -27,7 +27,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.harness import Server, body, stream_times, words
+from tests.support.server import Server, body, stream_times, words
+
+pytestmark = pytest.mark.process
 
 # Every scenario runs in ordinary decoding and in both speculative modes (issue
 # 13): fixed-width rounds of copy proposals and adaptive selection with the

@@ -10,9 +10,12 @@ import signal
 import time
 
 import httpx
+import pytest
 
-from tests.frontend.test_reliability import Stream, all_gone, tree, wait_for
-from tests.server.harness import Server
+from tests.support.processes import all_gone, tree, wait_for
+from tests.support.server import Server, Stream
+
+pytestmark = pytest.mark.process
 
 DRAIN_S = 8.0
 

@@ -12,10 +12,12 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from tests.server.harness import Server, body, stream_times
 
 from runtime.cli import main as flare_main
 from runtime.transport.completion import STAGE_NAMES
+from tests.support.server import Server, body, stream_times
+
+pytestmark = pytest.mark.process
 
 KEY = "ranks-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

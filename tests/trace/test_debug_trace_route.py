@@ -6,17 +6,56 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
+import pytest
 
-from tests.server.harness import Server
+from tests.support.background import BackgroundStarts, wanted
+from tests.support.server import Server
+
+pytestmark = pytest.mark.process
 
 KEY = "trace-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def test_absent_without_the_flag_even_with_the_key():
-    server = Server("--api-key", KEY)
+@pytest.fixture(scope="module")
+def trace_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trace") / "traces" / "run.jsonl"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(request: pytest.FixtureRequest, trace_path: Path) -> Iterator[BackgroundStarts]:
+    """The servers this module's selected tests take, started together (their
+    start-ups overlap) as its first test begins; each test stops its own."""
+    makers = {
+        "plain_server": (lambda: Server("--api-key", KEY), Server.stop),
+        "debug_server": (
+            lambda: Server("--debug-endpoints", "--api-key", KEY, "--trace", str(trace_path)),
+            Server.stop,
+        ),
+    }
+    starts = BackgroundStarts(makers, wanted(request, list(makers)))
+    yield starts
+    starts.close()
+
+
+@pytest.fixture
+def plain_server(started: BackgroundStarts) -> Server:
+    """``flare run --api-key KEY``, the test's own to stop."""
+    return started.take("plain_server")
+
+
+@pytest.fixture
+def debug_server(started: BackgroundStarts) -> Server:
+    """``flare run --debug-endpoints --api-key KEY --trace PATH``, the test's own to stop."""
+    return started.take("debug_server")
+
+
+def test_absent_without_the_flag_even_with_the_key(plain_server):
+    server = plain_server
     try:
         assert httpx.get(f"{server.base}/debug/trace", headers=AUTH).status_code == 404
         assert httpx.get(f"{server.base}/debug/trace").status_code == 401  # the key comes first
@@ -27,9 +66,8 @@ def test_absent_without_the_flag_even_with_the_key():
         server.stop()
 
 
-def test_needs_the_key_and_returns_the_trace_lines(tmp_path):
-    path = tmp_path / "traces" / "run.jsonl"
-    server = Server("--debug-endpoints", "--api-key", KEY, "--trace", str(path))
+def test_needs_the_key_and_returns_the_trace_lines(debug_server, trace_path):
+    path, server = trace_path, debug_server
     url = f"{server.base}/debug/trace"
     try:
         assert httpx.get(url).status_code == 401

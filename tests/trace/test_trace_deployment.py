@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.checkpoints import write_tiny
 
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
 from runtime.trace.files import read_trace
 from runtime.trace.writer import TraceOptions
+from tests.support.checkpoints import write_tiny
+
+pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
 DELAY_NS = 2_000_000

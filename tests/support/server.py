@@ -1,91 +1,60 @@
 """A `flare run` process tree for HTTP tests, and client-side helpers.
 
 ``Server()`` starts ``flare run`` (frontend, coordinator, rank) on a free
-loopback port and waits for /health; ``Server.external(url)`` wraps a server
-someone else started (``FLARE_SCHEDULER_TEST_URL``), e.g. a GPU deployment.
+loopback port and waits for /health (runtime.loadgen.launcher, the scripts'
+launcher too); ``Server(url=...)`` wraps a server someone else started
+(``FLARE_SCHEDULER_TEST_URL``), e.g. a GPU deployment.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
-import subprocess
-import sys
-import tempfile
+import ssl
+import threading
 import time
-from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.launch import free_port
+from runtime.loadgen.launcher import ROOT, ServerProcess
 
-ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["ROOT", "START_S", "Server", "Stream", "body", "stream_times", "words"]
+
 START_S = 180.0
 # The spec's HTTP scenarios: four request slots, a 4096-token prefill capacity.
 FLAGS = ["--max-concurrency", "4", "--max-prefill-tokens", "4096", "--device", "cpu"]
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "light", "sand"]
 
 
-class Server:
+class Server(ServerProcess):
+    """``flare run FLAGS *extra``, stopped with SIGINT (as Ctrl-C would), killed after 60 s.
+
+    The processes' run directories (ipc sockets) go to a private temporary
+    directory, so a test that kills a process leaves nothing behind in the
+    system temp directory.
+    """
+
     def __init__(self, *extra: str, url: str | None = None) -> None:
-        self.port: int | None
         self.mode = ""  # what a parametrized fixture started it as
-        self.proc: subprocess.Popen | None = None
-        self.log = None
         if url is not None:
-            self.base, self.port = url.rstrip("/"), None
+            self.base, self.port, self.proc = url.rstrip("/"), None, None
             return
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        # The processes' run directories (ipc sockets) go here, so a test that kills
-        # a process leaves nothing behind in the system temp directory.
-        self.tmp = tempfile.mkdtemp(prefix="flare-test-")
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=self.tmp)
-        # A file, so a chatty server never blocks on a full pipe.
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "run", "--port", str(self.port), *FLAGS, *extra],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
+        super().__init__(
+            [*FLAGS, *extra],
+            start_timeout_s=START_S,
+            stop_timeout_s=60.0,
+            stop_signal=signal.SIGINT,
+            own_group=False,
+            tmp_prefix="flare-test-",
+            tail_lines=None,
         )
-        deadline = time.monotonic() + START_S
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"flare run exited: {self.output()}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("flare run did not become healthy")
-            time.sleep(0.3)
 
     def output(self) -> str:
-        if self.log is None:
-            return ""
-        self.log.seek(0)
-        return self.log.read()
+        return "" if self.proc is None else super().output()
 
-    def stop(self) -> int:
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        code = self.proc.wait()
-        self.log.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        return code
+    def stop(self) -> int | None:
+        return 0 if self.proc is None else super().stop()
 
     # -------------------------------------------------------------- client side
     def post(self, path: str, body: object, **kwargs) -> httpx.Response:
@@ -148,3 +117,39 @@ async def stream_times(
             elif chunk["choices"] and chunk["choices"][0]["text"]:
                 times.append(time.monotonic())
     return times, usage
+
+
+class Stream(threading.Thread):
+    """A streaming completion (long by default) read in the background; keeps its
+    status code, every data line and when it ended."""
+
+    def __init__(
+        self, base: str, verify: ssl.SSLContext | bool = True, max_tokens: int = 3000
+    ) -> None:
+        super().__init__(daemon=True)
+        self.base, self.verify, self.max_tokens = base, verify, max_tokens
+        self.status: int | None = None
+        self.lines: list[str] = []
+        self.error: BaseException | None = None
+        self.ended_at: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            request = body(words(5), self.max_tokens)
+            url = f"{self.base}/v1/completions"
+            with httpx.stream("POST", url, json=request, timeout=60, verify=self.verify) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.lines.append(line[6:])
+        except httpx.HTTPError as exc:
+            self.error = exc
+        self.ended_at = time.monotonic()
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(line) for line in self.lines if line != "[DONE]"]
+
+    def finish_reasons(self) -> list[str]:
+        return [c["finish_reason"] for k in self.chunks() for c in k.get("choices", [])
+                if c["finish_reason"]]  # fmt: skip
