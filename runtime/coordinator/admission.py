@@ -227,9 +227,9 @@ class SchedulerAdmission:
 
     # ----------------------------------------------------------- selection
     def _context(self) -> SelectionContext | None:
-        runnable = []
-        terminal = []
-        restoring = []
+        runnable: list[Request] = []
+        terminal: list[Request] = []
+        restoring: list[Request] = []
         for r in self._resident.values():
             if r.runnable:
                 runnable.append(r)

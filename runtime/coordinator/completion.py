@@ -271,6 +271,7 @@ class SchedulerCompletion(SchedulerPlanning):
         completed joint prefix probabilities into the forecast, up to the lane's
         frozen ceiling.  Every committed token ages the request's estimates."""
         state = r.speculation
+        assert state is not None  # a speculative round's requests were admitted speculating
         count = len(record.tokens)
         if offered_rows is not None and offered_rows > 1:
             terminated = record.finish_reason is not None or (

@@ -43,7 +43,12 @@ class EngineScheduler(Protocol):
     """Everything the engine calls or reads on its scheduler."""
 
     config: SchedulerConfig
-    catalog: CostEstimates
+
+    @property
+    def catalog(self) -> CostEstimates:
+        """The scheduler's cost catalog (read-only here: each scheduler keeps its own kind)."""
+        ...
+
     executions: dict[SelectionReason, int]  # frames applied, by execution class
     execution_ns: dict[SelectionReason, int]  # their charged nanoseconds
 

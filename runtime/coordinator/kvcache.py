@@ -56,7 +56,7 @@ class Node:
         self.tokens = tokens
         self.parent = parent
         self.children: dict[tuple[int, ...], Node] = {}
-        self.endpoint = (parent.endpoint if parent is not None else 0) + len(tokens)
+        self.endpoint: int = (parent.endpoint if parent is not None else 0) + len(tokens)
         self.role = Role.PLAIN
         self.demand = 0
         self.version = 0  # bumped whenever its eviction key or eligibility changes

@@ -105,7 +105,9 @@ class SchedulerPlanning(SchedulerAdmission):
         source = self.config.proposer
 
         def weight(cand: Candidate, i: int, depth: int) -> float:
-            return cand.lanes[i].request.speculation.acceptance(source).weight(depth)
+            state = cand.lanes[i].request.speculation
+            assert state is not None  # speculative candidates hold speculating requests
+            return state.acceptance(source).weight(depth)
 
         return choose_probe(optimistic, winner, self.learning_ledger, weight)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from runtime.coordinator.speculation import SpeculationState
+
 
 class AdmissionError(ValueError):
     """An admission request is invalid; the message names the field."""
@@ -199,7 +201,7 @@ class Request:
         self.pending_delivery: tuple[int, float | None] | None = None
         # Acceptance and confidence estimates (runtime.coordinator.speculation),
         # set at admission when the catalog has speculative programs.
-        self.speculation = None
+        self.speculation: SpeculationState | None = None
 
     # -- derived phase -------------------------------------------------------
     @property

@@ -53,6 +53,7 @@ from runtime.coordinator.engine.stream import CANCELLED, ERROR, RequestStream, T
 from runtime.coordinator.engine.submission import check_submission
 from runtime.coordinator.errors import SchedulerError
 from runtime.coordinator.requests import RequestSpec
+from runtime.transport.control import Control
 from runtime.transport.inspection import RankStatus
 from runtime.transport.sampling import SamplingParams
 
@@ -217,8 +218,8 @@ class Engine(CompletionHandling):
         once the frames have)."""
         ask = RankAsk("profile", count=frames, timeout_ns=int(timeout_s * 1e9))
         ask = self._ask_ranks(ask, timeout_s)
-        counts = {rank: answer.count for rank, answer in sorted(ask.answers.items())}
-        return counts, ask.nonce  # type: ignore[return-value]
+        counts = {rank: _profiled(answer) for rank, answer in sorted(ask.answers.items())}
+        return counts, ask.nonce
 
     def _ask_ranks(self, ask: RankAsk, timeout_s: float) -> RankAsk:
         if not self.started:
@@ -445,3 +446,9 @@ class Engine(CompletionHandling):
                 "pending_commands": len(self._commands),
                 "rejected_messages": self.rejected_messages,
             }
+
+
+def _profiled(answer: RankStatus | Control) -> int:
+    """The frames one rank profiled: the ranks answer ``profile`` with a ``profiled`` Control."""
+    assert isinstance(answer, Control), answer
+    return answer.count

@@ -5,6 +5,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.engine.config import EngineError
@@ -309,7 +310,7 @@ def lane_logprobs(
             f"fence {completion.fence}: logprob sidecars of shape {list(values.shape)} and "
             f"{list(ids.shape)} do not fit {len(asked)} lanes"
         )
-    flat, flat_ids = values.values(), ids.values()
+    flat, flat_ids = values.values(), cast("list[int]", ids.values())  # the ids column is int32
     k_max = width - 1
     for lane, k in enumerate(asked):
         if k < 0:
@@ -339,7 +340,7 @@ def token_logprobs(
             f"fence {completion.fence}: logprob sidecars of shape {list(values.shape)} and "
             f"{list(ids.shape)} do not fit {sum(counts)} emitted tokens"
         )
-    flat, flat_ids = values.values(), ids.values()
+    flat, flat_ids = values.values(), cast("list[int]", ids.values())  # the ids column is int32
     k_max = width - 1
     row = 0
     for lane, k in enumerate(asked):

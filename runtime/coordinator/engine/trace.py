@@ -12,6 +12,7 @@ estimates when the ranks report timestamps.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from runtime.coordinator.engine.frames import Dispatch
@@ -73,7 +74,7 @@ class FrameTrace:
         completions = [answers[rank] for rank in range(self._world)]
         if arrivals is not None:
             for rank, completion in enumerate(completions):
-                times = getattr(completion, "host_times", ())
+                times: Sequence[int] = getattr(completion, "host_times", ())
                 if len(times) == 4 and arrivals[rank]:
                     self.clocks.observe(rank, dispatch.sent_ns, times[0], times[3], arrivals[rank])
         if dispatch.plan is None:  # a round-trip probe: clocks only
