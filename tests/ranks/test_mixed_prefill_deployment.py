@@ -12,6 +12,8 @@ from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
 from tests.support.checkpoints import greedy, write_tiny
 
+pytestmark = pytest.mark.process
+
 NEW = 8
 
 

@@ -24,6 +24,8 @@ from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.model.loader import load_model
 from runtime.ranks.model.parallel import TPGroup
 
+pytestmark = pytest.mark.process
+
 PAGE_SIZE = 4
 NUM_PAGES = 96
 SEQ_LEN = 16  # (b): chunks of 6 and 5, then 5 decode steps

@@ -162,6 +162,7 @@ def _digest(model_dir: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(model_dir.iterdir())}
 
 
+@pytest.mark.process
 def test_default_model_is_deterministic(tmp_path: Path) -> None:
     first = _digest(create_default_model(tmp_path / "a"))
     assert set(first) == {"config.json", "model.safetensors", "tokenizer.json"}

@@ -18,6 +18,8 @@ from runtime.transport.sampling import SamplingParams
 from tests.support.checkpoints import greedy, write_tiny
 from tests.support.rank_messages import collect
 
+pytestmark = pytest.mark.process
+
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 NEW = 5
 

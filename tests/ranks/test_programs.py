@@ -226,6 +226,7 @@ def runs(checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.process
 def test_mixed_frames_equal_separate_frames_and_transformers(checkpoint, runs, tp):
     _, reference = checkpoint
     got = runs[tp]
@@ -242,6 +243,7 @@ def test_mixed_frames_equal_separate_frames_and_transformers(checkpoint, runs, t
     assert got["mixed_pending"] == got["separate_pending"]
 
 
+@pytest.mark.process
 def test_tp2_ranks_agree(runs):
     assert runs["rank1"]["mixed_pending"] == runs[2]["mixed_pending"]
     assert runs["rank1"]["mixed"]["tokens"] == {}  # only rank 0 reports lanes
@@ -316,6 +318,7 @@ def test_mixed_program_shape_is_the_spec_packed_extent():
     assert ProgramShape.of(prefill_program(64)) == ProgramShape(64, 1, 64)
 
 
+@pytest.mark.process
 def test_wider_mixed_programs_need_a_proposer(checkpoint):
     """Wide mixed programs verify proposals (tests/ranks/test_speculative.py
     runs them); without a proposal source there is nothing to verify."""
@@ -548,6 +551,7 @@ def test_report_lists_mixed_programs_and_decode_lanes_keep_their_state(checkpoin
     assert changed(before, snapshot(d.w)) == []
 
 
+@pytest.mark.process
 def test_rank_process_with_mixed_prefill_runs_a_mixed_frame(checkpoint, tmp_path):
     """``python -m runtime.ranks --mixed-prefill`` reports and runs mixed programs."""
     from runtime.deploy.launch import spawn_ranks, stop_ranks

@@ -19,6 +19,8 @@ from runtime.transport.inspection import RankStatus
 from runtime.transport.sampling import SamplingParams
 from tests.support.checkpoints import write_tiny
 
+pytestmark = pytest.mark.process
+
 PROMPT = [5, 17, 33, 3, 60, 9, 41]
 
 

@@ -351,6 +351,7 @@ def test_restored_rows_feed_speculation_like_a_fresh_request(checkpoint, propose
 # ---------------------------------------------------------------- two rank processes
 
 
+@pytest.mark.process
 def test_two_ranks_attach_and_copy_their_own_shards(tmp_path):
     """TP=2 over gloo (each rank holds one of the two KV heads of every page): a
     request attaching another's pages with a copy-on-write page gets

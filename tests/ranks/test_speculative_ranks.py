@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.deploy.launch import spawn_ranks, stop_ranks
 from runtime.transport.catalog_report import CatalogReport
@@ -19,6 +21,8 @@ from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
 from tests.support.checkpoints import greedy, write_tiny
 from tests.support.rank_messages import collect
+
+pytestmark = pytest.mark.process
 
 PROMPTS = [[5, 17, 33, 3, 60, 5, 17, 33, 3, 60, 5, 17], [9, 9, 9, 41, 77, 12, 3, 50, 21]]
 NEW = 20

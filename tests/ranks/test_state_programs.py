@@ -346,6 +346,7 @@ def test_a_decode_ready_restore_feeds_speculation_like_the_original(checkpoint, 
 # ---------------------------------------------------------------- two rank processes
 
 
+@pytest.mark.process
 def test_two_ranks_restore_and_retire(tmp_path):
     """TP=2 over gloo: a request stopped after 5 tokens, restored decode-ready in
     another slot from its pages (one copied) while its own row retires, goes on

@@ -52,6 +52,7 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+@pytest.mark.process
 def test_a_hung_rank_fails_the_requests_within_its_timeout(checkpoint, monkeypatch):
     monkeypatch.setenv("FLARE_DEBUG_HANG_FENCE_RANK0", "1")  # the first frame that runs
     config = DeploymentConfig(

@@ -68,6 +68,7 @@ def coordinator_factory() -> Iterator[Any]:
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
+@pytest.mark.process
 def test_two_rank_processes_receive_every_frame_in_order(
     transport: str, coordinator_factory: Any
 ) -> None:

@@ -59,6 +59,7 @@ def test_a_run_dir_is_private_and_names_its_process(tmp_path):
     assert (path / "pid").read_text() == f"{os.getpid()}\n"
 
 
+@pytest.mark.process
 def test_only_provably_stale_dirs_of_this_user_are_removed(tmp_path):
     dead = dead_pid()
     stale, _ = left_behind(tmp_path, "flare-api-stale", dead)
@@ -87,6 +88,7 @@ def test_only_provably_stale_dirs_of_this_user_are_removed(tmp_path):
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a directory of another user")
+@pytest.mark.process
 def test_another_users_dir_is_left_alone(tmp_path):
     theirs, _ = left_behind(tmp_path, "flare-api-theirs", dead_pid())
     os.chown(theirs, 12345, 12345)
@@ -94,6 +96,7 @@ def test_another_users_dir_is_left_alone(tmp_path):
     assert theirs.exists()
 
 
+@pytest.mark.process
 def test_a_killed_frontend_and_coordinators_dirs_go_at_the_next_start(tmp_path):
     """SIGKILL skips every clean-up; the next CoordinatorClient and CoordinatorChannel
     in the same temp dir remove what the dead process left."""

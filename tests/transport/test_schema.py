@@ -184,6 +184,7 @@ def test_tensor_torch_helpers_round_trip() -> None:
         tensor_from_torch(torch.zeros(2, dtype=torch.float64))
 
 
+@pytest.mark.process
 def test_schema_module_does_not_import_torch() -> None:
     code = (
         "import sys, runtime.transport.schema, runtime.transport.codec, "
