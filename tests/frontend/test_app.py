@@ -3,6 +3,9 @@ frontend-side stops, health.  (tests/frontend/test_server.py runs the real proce
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -159,3 +162,18 @@ def test_the_choices_of_one_request_share_an_admission_group(tokenizer):
         assert r.status_code == 200 and len(r.json()["choices"]) == 6
         assert http.post("/v1/completions", json={"prompt": "c"}).status_code == 200
     assert client.groups == [1] * 6 + [2]
+
+
+def test_a_many_choice_response_renders_a_choice_at_a_time_to_the_same_json():
+    from runtime.frontend.server.responses import rendered
+
+    content = {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "model": 'odd "choices":[] name',
+        "choices": [{"index": i, "text": f"é {i}", "finish_reason": "length"} for i in range(20)],
+        "usage": {"prompt_tokens": 3},
+    }
+    response = asyncio.run(rendered(content))
+    assert json.loads(response.body) == content
+    assert response.headers["content-type"] == "application/json"
