@@ -171,7 +171,7 @@ def test_sse_gaps_with_and_without_mixed_programs():
     # Both servers start at once (their start-ups overlap); each scenario runs alone.
     makers = {label: (functools.partial(Server, *FLAGS, *extra), Server.stop)
               for label, extra in configs.items()}  # fmt: skip
-    starts = BackgroundStarts(makers, Counter(configs))
+    starts = BackgroundStarts(makers, Counter(list(configs)))
     try:
         for label in configs:
             report[label] = _gaps_scenario(starts.take(label), label)
