@@ -19,6 +19,8 @@ import pytest
 
 from tests.support.server import Server, words
 
+pytestmark = pytest.mark.process
+
 FLAGS = ("--max-prefill-tokens", "64")  # after the harness's own flags: this one wins
 PROMPTS = [words(3), words(40, seed=1), words(120, seed=2), "Hello", words(9, seed=5)]
 MAX_TOKENS = 12
