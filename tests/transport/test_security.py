@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import zmq
-from runtime.cli_keys import rank_keys, transport_config
 
 from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.cli.flags.security import rank_keys, transport_config
 from runtime.ranks.watchdog import Watchdog
 from runtime.transport.channels import MAX_SOCKET_MESSAGE_BYTES, ChannelEndpoints, HandshakeTimeout
 from runtime.transport.codec import MAX_MESSAGE_BYTES, encode
