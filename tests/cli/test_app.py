@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -196,19 +195,36 @@ def fill(items: list[str], models: dict[str, Path]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def outcomes(models, tmp_path_factory) -> dict[str, tuple]:
-    """Every failing command line, run at once (each is mostly interpreter start-up)."""
+    """Every failing command line, each in a process of its own, forked from one
+    driver that imported the CLI and torch once (tests/support/flare_forks.py):
+    a refusal's cost is mostly that start-up, paid here once instead of 47 times.
+    The real command line's own start-up is the other tests' (below)."""
     root = tmp_path_factory.mktemp("runs")
-
-    def one(case):
-        name, argv, _ = case
+    cases = []
+    for name, argv, _ in CASES:
         # A free port, so a check that fails to fail cannot meet another server.
-        argv = [*fill(argv, models), "--port", str(free_port())]
-        if "--port" in case[1]:
-            argv = argv[:-2]
-        return name, (*flare(argv, root / name), root / name)
-
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, CASES))
+        filled = fill(argv, models)
+        if "--port" not in argv:
+            filled += ["--port", str(free_port())]
+        cases.append({"name": name, "argv": filled, "tmpdir": str(root / name)})
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("FLARE_API_KEY", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.flare_forks"],
+        input=json.dumps(cases),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    ran = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["name"] for r in ran] == [c["name"] for c in cases], done.stderr
+    return {
+        r["name"]: (r["code"], r["stdout"], r["stderr"], r["seconds"], root / r["name"])
+        for r in ran
+    }
 
 
 @pytest.mark.parametrize(("name", "argv", "words"), CASES, ids=[c[0] for c in CASES])
