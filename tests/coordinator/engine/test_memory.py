@@ -6,6 +6,7 @@ claims, or the fake refuses the frame."""
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import pytest
@@ -124,13 +125,15 @@ def test_a_restore_row_makes_a_resumed_decoder_ready_on_the_ranks(
     streams = [rig.engine.submit(p, n, ignore_eos=True) for p, n in cases]
     scheduler = rig.engine.scheduler
     victim = None
-    for _ in range(2000):  # drive until the second request has decoded a few tokens
+    # Drive until the second request has decoded a few tokens (a deadline, not a
+    # step count: on a loaded machine a step may find no completion yet).
+    deadline = time.monotonic() + 60
+    while victim is None and time.monotonic() < deadline:
         rig.engine.step(0)
         rig.ranks.serve(timeout_ms=1)
         r = next((q for q in scheduler.active_requests() if q.handle.id == 1), None)
         if r is not None and r.committed_output >= 5 and not r.inflight_fences:
             victim = r
-            break
     assert victim is not None
     scheduler._res.preempt(victim)  # the preemption rule itself is tested in the scheduler
     victim.terminal_since_ns = scheduler.now_ns
