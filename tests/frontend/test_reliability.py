@@ -171,7 +171,9 @@ def test_https_overload_429_and_sigterm_aborts_running_and_waiting_requests(
 ):
     s = https_server
     try:
-        assert f"at https://127.0.0.1:{s.port}/v1" in s.output()
+        # The summary line follows the listening socket (health may answer first).
+        announced = f"at https://127.0.0.1:{s.port}/v1"
+        assert wait_for(lambda: announced in s.output(), timeout_s=10), s.output()
         # HTTPS verified against the test's own certificate; plain HTTP gets nothing.
         r = s.post("/v1/completions", {"prompt": "Hello", "max_tokens": 3, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
