@@ -41,10 +41,10 @@ class Rig(BaseRig):
             self.s.published_output(g.handle, g.fence)
 
 
-def frames_to_first_token(grouped: bool) -> tuple[int, int]:
-    """A request of 256 short choices is running and waiting when a one-choice
-    request arrives: frames from its arrival to its first token, and the waiting
-    count then."""
+def frames_to_first_token(grouped: bool, small_prompt: int = 16) -> tuple[int, int]:
+    """A request of 256 short choices (16-token prompts) is running and waiting
+    when a one-choice request of ``small_prompt`` tokens arrives: frames from its
+    arrival to its first token, and the waiting count then."""
     rig = Rig()
     big = 1 if grouped else None
     for _ in range(256):
@@ -55,7 +55,7 @@ def frames_to_first_token(grouped: bool) -> tuple[int, int]:
     assert rig.s.running == 8 and waiting > 200
     arrival = rig.frames
     small = rig.s.admit(
-        RequestSpec(prompt_len=16, max_output_tokens=4, group=2 if grouped else None)
+        RequestSpec(prompt_len=small_prompt, max_output_tokens=4, group=2 if grouped else None)
     )
     while small.id not in rig.first_token:
         rig.step()
@@ -70,6 +70,20 @@ def test_a_small_request_starts_within_a_few_frames_of_a_big_ones_choices():
     # Without groups it is first come, first served: behind every waiting choice.
     fcfs, _ = frames_to_first_token(grouped=False)
     assert fcfs > 10 * frames and fcfs > waiting // 8
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 26 (the price flow, occupancy): resident at the next turn, but a "
+    "1-token prompt's prefill is worth 1/16 of a 16-token one at the same frame cost "
+    "and waits 322 frames, until 19 of the 256 choices remain",
+)
+def test_a_one_token_prompt_starts_within_a_few_frames_of_a_big_ones_choices():
+    """As above with a one-token prompt (was the HTTP test
+    tests/frontend/test_server.py::test_a_small_request_completes_while_a_big_one_runs,
+    which failed or passed by timing)."""
+    frames, _ = frames_to_first_token(grouped=True, small_prompt=1)
+    assert frames <= 12, frames
 
 
 def test_residency_rotates_across_groups_fcfs_within_each():

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -320,32 +319,3 @@ def test_tokenize_detokenize_version_and_a_logit_bias_that_reaches_the_ranks(ser
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     r = server.post("/v1/completions", {**body, "response_format": {"type": "json_object"}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-
-
-def test_a_small_request_completes_while_a_big_one_runs(server):
-    """32 choices of 16 tokens on 4 slots: the small request, sent once they queue, is
-    admitted at the next turn of the rotation, not after all 32."""
-    big = {"prompt": [words(4, i) for i in range(8)], "n": 4, "max_tokens": 16,
-           "ignore_eos": True, "temperature": 0}  # fmt: skip
-    done: dict[str, float] = {}
-
-    def run_big() -> None:
-        out = server.post("/v1/completions", big).json()
-        assert len(out["choices"]) == 32
-        done["big"] = time.monotonic()
-
-    thread = threading.Thread(target=run_big, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    # 28 choices wait at first; a loaded machine may poll late, so any time a
-    # dozen still wait is early enough for the rotation to show.
-    while server.metrics()["flare_num_requests_waiting"] < 12:
-        assert time.monotonic() < deadline and thread.is_alive()
-        time.sleep(0.05)
-    small = {"prompt": "x", "max_tokens": 4, "ignore_eos": True}
-    assert server.post("/v1/completions", small).json()["usage"]["completion_tokens"] == 4
-    done["small"] = time.monotonic()
-    waiting = server.metrics()["flare_num_requests_waiting"]
-    thread.join(120)
-    assert done["small"] < done["big"]
-    assert waiting > 0  # the big request still had choices queued

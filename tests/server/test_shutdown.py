@@ -17,7 +17,10 @@ from tests.support.server import Server, Stream
 
 pytestmark = pytest.mark.process
 
-DRAIN_S = 8.0
+DRAIN_S = 4.0
+# The endless stream's length: the context's worth (4,096 positions), several
+# times what a fast machine decodes within the drain period.
+ENDLESS_TOKENS = 4000
 
 
 def test_sigterm_with_a_drain_period_lets_open_requests_finish_then_exits_0():
@@ -25,7 +28,7 @@ def test_sigterm_with_a_drain_period_lets_open_requests_finish_then_exits_0():
     try:
         procs = tree(s.proc.pid)
         assert len(procs) >= 3  # frontend, coordinator, rank
-        endless = Stream(s.base)  # still open when the drain period ends
+        endless = Stream(s.base, max_tokens=ENDLESS_TOKENS)  # open when the period ends
         assert wait_for(lambda: len(endless.lines) >= 2, 60)
         short = Stream(s.base, max_tokens=24)
         assert wait_for(lambda: len(short.lines) >= 1, 60)
