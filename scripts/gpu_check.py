@@ -337,7 +337,7 @@ def check_debugging(engine, prompts, profiles: Path, cuda: bool, tp: int) -> boo
     """Rank inspection and the on-demand profiler on the device (issue 11)."""
     import threading
 
-    from runtime.ranks.profiling import profile_path
+    from runtime.transport.control import profile_path
 
     statuses = engine.inspect_ranks()
     ok = check(f"inspect_tp{tp}", len(statuses) == tp and all(

@@ -22,6 +22,9 @@ from typing import Any
 
 import pytest
 
+# Fixtures every test module may ask for by name.
+pytest_plugins = ["tests.support.paths"]
+
 MARK = "process"
 # os functions that start a process without going through subprocess.Popen.
 OS_STARTERS = ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system")

@@ -27,6 +27,20 @@ PACKAGES = ("runtime", "kernels")
 # and everything it imports from the repository may never import.
 IMPURE = ("torch", "zmq", "time", "threading")
 
+# The processes that need no torch: the frontend (``flare run`` itself, and
+# ``flare run --prompt``'s in-process coordinator) and the coordinator process.
+# What their entry modules run at import (their module-level imports, the
+# packages above each module) may not reach these; imports inside functions
+# (``--device auto`` asking torch for CUDA) are paid only when called.
+TORCH_FREE_ENTRIES = (
+    "runtime.cli.app",
+    "runtime.cli.commands.run",
+    "runtime.cli.coordinator_process",
+    "runtime.coordinator.engine.main",
+    "runtime.frontend.serve",
+)
+DEVICE_LIBRARIES = ("torch", "triton", "safetensors.torch")
+
 # Shape: files and functions past these sizes want splitting along a concept.
 MAX_FILE_LINES = 520
 MAX_FUNCTION_LINES = 85
@@ -217,6 +231,66 @@ def test_the_frontend_depends_on_transport_not_on_the_coordinator() -> None:
     coordinator = ("runtime.coordinator", "runtime.direct")
     leaks = sorted(name for name in reached if name.startswith(coordinator))
     assert not leaks, f"runtime.frontend reaches coordinator modules: {leaks}"
+
+
+def _runs_at_import(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports a module executes when imported: none inside a function, none
+    under ``if TYPE_CHECKING:``."""
+    todo: list[ast.AST] = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+        elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            todo += [child for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt)]
+
+
+def _import_time_closure(start: str) -> tuple[set[str], list[str]]:
+    """The repository modules importing ``start`` runs, and the external modules
+    they import (``source:line target``)."""
+    known = modules()
+    seen: set[str] = set()
+    external: list[str] = []
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parent = name.rpartition(".")[0]
+        if parent in known:
+            todo.append(parent)  # a package's __init__ runs before its modules
+        path = known[name]
+        for node in _runs_at_import(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = _resolve(name, path, node.level, node.module)
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            for target in targets:
+                internal = _internal(target)
+                if internal is not None:
+                    todo.append(internal)
+                elif target.split(".")[0] not in PACKAGES:
+                    external.append(f"{name}:{node.lineno} {target}")
+    return seen, external
+
+
+@pytest.mark.parametrize("entry", TORCH_FREE_ENTRIES)
+def test_the_frontend_and_coordinator_start_without_torch(entry: str) -> None:
+    """Importing torch costs ~1.5 s of CPU and ~300 MB per process; only the ranks
+    need it."""
+    reached, external = _import_time_closure(entry)
+    assert "runtime.deploy.local" in reached or entry != "runtime.coordinator.engine.main"
+    leaks = [
+        line
+        for line in external
+        if any(line.split()[1] == lib or line.split()[1].startswith(f"{lib}.")
+               for lib in DEVICE_LIBRARIES)
+    ]  # fmt: skip
+    assert not leaks, f"importing {entry} imports a device library:\n" + "\n".join(leaks)
 
 
 def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:

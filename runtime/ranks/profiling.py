@@ -24,16 +24,11 @@ from collections.abc import Iterator
 import torch
 
 from runtime.private_files import FILE_MODE, make_private_dirs
-from runtime.transport.control import Control
+from runtime.transport.control import Control, profile_path
 
 log = logging.getLogger("runtime.ranks.profiling")
 
 NO_RANGE = contextlib.nullcontext()
-
-
-def profile_path(directory: str, nonce: int, rank: int) -> str:
-    """Where rank ``rank`` writes the trace of profile ``nonce``."""
-    return os.path.join(directory, f"profile-{nonce}", f"rank{rank}.json")
 
 
 class RankProfiler:

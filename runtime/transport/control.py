@@ -3,6 +3,7 @@ profiling, shutdown, heartbeats and a rank's decode errors)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,12 @@ CONTROL_COMMANDS = (
 RANK_COMMANDS = ("ready", "profiled", "error")  # sent by a rank
 MAX_PROFILE_FRAMES = 1 << 16
 COORDINATOR_RANK = -1
+
+
+def profile_path(directory: str, nonce: int, rank: int) -> str:
+    """Where rank ``rank`` writes the trace of profile ``nonce`` (``profile``
+    below): both sides of the profiling exchange name the file here."""
+    return os.path.join(directory, f"profile-{nonce}", f"rank{rank}.json")
 
 
 @dataclass(frozen=True)

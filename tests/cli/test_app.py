@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -248,14 +247,6 @@ def test_serve_and_prompt_mode_refuse_the_same_pool_the_same_way(outcomes):
 
 
 # -- what works ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def short_tmp():
-    """A TMPDIR short enough for the ipc:// socket paths (about 100 bytes at most)."""
-    path = Path(tempfile.mkdtemp(prefix="flare-cli-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_help_shows_every_default(tmp_path):

@@ -43,8 +43,8 @@ def flare(argv: list[str], tmp_path: Path, merged: bool = False) -> subprocess.C
 
 
 @pytest.mark.process
-def test_the_readme_command_prints_the_completion_apart_and_no_info_lines(tmp_path):
-    done = flare(README, tmp_path)
+def test_the_readme_command_prints_the_completion_apart_and_no_info_lines(short_tmp):
+    done = flare(README, short_tmp)
     assert done.returncode == 0, done.stderr[-3000:]
     for line in [*done.stderr.splitlines(), *done.stdout.splitlines()]:
         assert not re.search(r"\b(INFO|DEBUG)\b", line), line
@@ -72,8 +72,8 @@ def test_the_readme_command_prints_the_completion_apart_and_no_info_lines(tmp_pa
 
 
 @pytest.mark.process
-def test_at_log_level_info_the_ranks_count_the_catalog_as_the_summary_does(tmp_path):
-    done = flare([*README, "--max-tokens", "4", "--log-level", "info"], tmp_path, merged=True)
+def test_at_log_level_info_the_ranks_count_the_catalog_as_the_summary_does(short_tmp):
+    done = flare([*README, "--max-tokens", "4", "--log-level", "info"], short_tmp, merged=True)
     assert done.returncode == 0, done.stdout[-3000:]
     lines = done.stdout.splitlines()
     summary = next(line for line in lines if line.startswith("flare: serving "))

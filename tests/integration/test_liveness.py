@@ -94,9 +94,9 @@ time.sleep(600)
 """
 
 
-def test_every_rank_exits_when_the_coordinator_is_killed(tmp_path, cleanup) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(tmp_path))
-    out = open(tmp_path / "coordinator.out", "w+")  # noqa: SIM115 - closed below
+def test_every_rank_exits_when_the_coordinator_is_killed(short_tmp, cleanup) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(short_tmp))
+    out = open(short_tmp / "coordinator.out", "w+")  # noqa: SIM115 - closed below
     coordinator = subprocess.Popen(
         [sys.executable, "-c", COORDINATOR], env=env, stdout=out, stderr=subprocess.STDOUT,
         start_new_session=True, text=True,
@@ -115,7 +115,7 @@ def test_every_rank_exits_when_the_coordinator_is_killed(tmp_path, cleanup) -> N
     port = free_port()
     logs, ranks = [], []
     for rank in range(2):
-        log = open(tmp_path / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
+        log = open(short_tmp / f"rank{rank}.log", "w+")  # noqa: SIM115 - closed below
         logs.append(log)
         rank_env = dict(
             env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",

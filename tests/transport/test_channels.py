@@ -305,10 +305,10 @@ def test_loopback_tcp_binds_any_free_port(host: str, coordinator_factory: Any) -
     assert coordinator.run_dir is None
 
 
-def test_ipc_run_directory_is_private_and_removed_on_close(tmp_path: Any) -> None:
-    coordinator = CoordinatorChannel(1, run_dir=str(tmp_path))
+def test_ipc_run_directory_is_private_and_removed_on_close(short_tmp: Any) -> None:
+    coordinator = CoordinatorChannel(1, run_dir=str(short_tmp))
     run_dir = coordinator.run_dir
-    assert run_dir is not None and os.path.dirname(run_dir) == str(tmp_path)
+    assert run_dir is not None and os.path.dirname(run_dir) == str(short_tmp)
     assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
     assert coordinator.endpoints == ChannelEndpoints(
         frames=f"ipc://{run_dir}/frames", completions=f"ipc://{run_dir}/completions"

@@ -97,7 +97,7 @@ def test_another_users_dir_is_left_alone(tmp_path):
 
 
 @pytest.mark.process
-def test_a_killed_frontend_and_coordinators_dirs_go_at_the_next_start(tmp_path):
+def test_a_killed_frontend_and_coordinators_dirs_go_at_the_next_start(short_tmp):
     """SIGKILL skips every clean-up; the next CoordinatorClient and CoordinatorChannel
     in the same temp dir remove what the dead process left."""
     script = textwrap.dedent(
@@ -105,8 +105,8 @@ def test_a_killed_frontend_and_coordinators_dirs_go_at_the_next_start(tmp_path):
         import sys, time
         from runtime.frontend.client import CoordinatorClient
         from runtime.transport.coordinator_channel import CoordinatorChannel
-        client = CoordinatorClient({str(tmp_path)!r})
-        channel = CoordinatorChannel(1, run_dir={str(tmp_path)!r})
+        client = CoordinatorClient({str(short_tmp)!r})
+        channel = CoordinatorChannel(1, run_dir={str(short_tmp)!r})
         print("ready", flush=True)
         time.sleep(60)
         """
@@ -116,27 +116,27 @@ def test_a_killed_frontend_and_coordinators_dirs_go_at_the_next_start(tmp_path):
     assert proc.stdout.readline().strip() == "ready"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    left = sorted(p.name.split("-")[1] for p in tmp_path.iterdir())
+    left = sorted(p.name.split("-")[1] for p in short_tmp.iterdir())
     assert left == ["api", "transport"]
 
-    channel = CoordinatorChannel(1, run_dir=str(tmp_path))
-    assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir()) == ["api", "transport"]
+    channel = CoordinatorChannel(1, run_dir=str(short_tmp))
+    assert sorted(p.name.split("-")[1] for p in short_tmp.iterdir()) == ["api", "transport"]
     assert Path(channel.run_dir).exists()  # the live one is its own
-    client = CoordinatorClient(str(tmp_path))
+    client = CoordinatorClient(str(short_tmp))
     mine = {Path(channel.run_dir), Path(client.run_dir)}
-    assert set(tmp_path.iterdir()) == mine
+    assert set(short_tmp.iterdir()) == mine
     channel.close()
     asyncio.run(client.close())
-    assert list(tmp_path.iterdir()) == []  # closing removes the pid file too
+    assert list(short_tmp.iterdir()) == []  # closing removes the pid file too
 
 
-def test_the_transport_dir_holds_its_sockets_and_pid(tmp_path):
-    channel = CoordinatorChannel(1, run_dir=str(tmp_path))
+def test_the_transport_dir_holds_its_sockets_and_pid(short_tmp):
+    channel = CoordinatorChannel(1, run_dir=str(short_tmp))
     names = {p.name for p in Path(channel.run_dir).iterdir()}
     assert names == {"pid", "frames", "completions"}  # a bare channel binds no heartbeat
     assert Path(channel.run_dir).name.startswith(TRANSPORT_RUN_PREFIX)
     channel.close()
-    channel = CoordinatorChannel(1, run_dir=str(tmp_path), heartbeat=True)
+    channel = CoordinatorChannel(1, run_dir=str(short_tmp), heartbeat=True)
     try:
         names = {p.name for p in Path(channel.run_dir).iterdir()}
         assert names == {"pid", *TRANSPORT_RUN_FILES}

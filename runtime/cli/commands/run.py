@@ -160,8 +160,8 @@ def _checked_model(
         parser.error(f"{named}: no such directory")
     if not os.path.isdir(directory):
         parser.error(f"{named}: not a directory")
+    from runtime.ranks.model.checkpoint import check_model_dir
     from runtime.ranks.model.errors import LoadError, ModelConfigError
-    from runtime.ranks.model.loader import check_model_dir
 
     try:
         model = check_model_dir(directory)

@@ -151,8 +151,8 @@ def _checked_draft(
 ) -> SpeculationConfig:
     from dataclasses import replace
 
+    from runtime.ranks.model.checkpoint import check_model_dir
     from runtime.ranks.model.errors import LoadError, ModelConfigError
-    from runtime.ranks.model.loader import check_model_dir
 
     path = config.draft_model
     assert path is not None

@@ -213,7 +213,7 @@ class Engine(CompletionHandling):
         """Have every rank run ``torch.profiler`` over its next ``frames`` frames
         (any thread).  Returns the frames profiled by rank (0: the rank could not
         write its trace) and the profile's number, which names its traces
-        (``runtime.ranks.profiling.profile_path``).  Raises EngineError naming the
+        (``runtime.transport.control.profile_path``).  Raises EngineError naming the
         ranks that did not answer in time (say, no frames ran; their traces come
         once the frames have)."""
         ask = RankAsk("profile", count=frames, timeout_ns=int(timeout_s * 1e9))

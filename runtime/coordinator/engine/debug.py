@@ -33,8 +33,8 @@ import zmq
 
 from runtime.coordinator.engine.config import EngineError
 from runtime.coordinator.engine.core import Engine
-from runtime.ranks.profiling import profile_path
 from runtime.transport.channels import make_socket
+from runtime.transport.control import profile_path
 from runtime.transport.links import LINK_VERSION
 
 log = logging.getLogger("runtime.coordinator.debug")

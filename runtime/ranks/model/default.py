@@ -25,12 +25,14 @@ import shutil
 import tempfile
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from runtime.ranks.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DEFAULT_CONFIG",
@@ -173,6 +175,8 @@ def build_tokenizer() -> Tokenizer:
 
 def _weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Hugging Face named tensors, drawn in a fixed order from one CPU generator."""
+    import torch  # here, not at the top: the first-use copy needs no torch
+
     gen = torch.Generator().manual_seed(seed)
 
     def normal(*shape: int, std: float = 0.02) -> torch.Tensor:
@@ -208,6 +212,8 @@ def _weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
 def write_random_checkpoint(model_dir: str | Path, config: ModelConfig, *, seed: int) -> Path:
     """Write ``config.json`` and a random ``model.safetensors`` (Hugging Face names)
     for any supported config: the default model, test and benchmark checkpoints."""
+    from safetensors.torch import save_file
+
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     config_text = json.dumps(config.to_hf(), indent=2, sort_keys=True) + "\n"

@@ -9,7 +9,6 @@ LoadError naming it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -17,15 +16,14 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
+from runtime.ranks.model.checkpoint import checkpoint_files
 from runtime.ranks.model.config import ModelConfig
-from runtime.ranks.model.errors import LoadError, ModelConfigError
+from runtime.ranks.model.errors import LoadError
 from runtime.ranks.model.llama import PACKED_MODULES, LlamaForCausalLM
 from runtime.ranks.model.parallel import TPGroup, default_weight_loader
 
 __all__ = [
     "LoadError",
-    "check_model_dir",
-    "checkpoint_files",
     "load_model",
     "load_tokenizer",
     "load_weights",
@@ -33,7 +31,6 @@ __all__ = [
 
 # Checkpoint tensors that carry nothing the model needs (recomputed buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-_INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(
@@ -57,67 +54,6 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     if not path.is_file():
         raise LoadError(f"tokenizer.json not found in {model_dir}")
     return Tokenizer.from_file(str(path))
-
-
-def check_model_dir(model_dir: str | Path, tensor_parallel_size: int = 1) -> ModelConfig:
-    """What a deployment needs from ``model_dir``, checked without loading a weight.
-
-    Reads ``config.json`` through :class:`ModelConfig` (architecture, shapes, the
-    tensor-parallel split over ``tensor_parallel_size`` ranks), and checks that
-    ``tokenizer.json`` and the safetensors files (or those the index names) exist.
-    Raises ModelConfigError or LoadError with a one-line message naming the file.
-    """
-    model_dir = Path(model_dir)
-    if not model_dir.exists():
-        raise LoadError(f"{model_dir} does not exist")
-    if not model_dir.is_dir():
-        raise LoadError(f"{model_dir} is not a directory")
-    if not (model_dir / "config.json").is_file():
-        raise LoadError(
-            f"{model_dir} has no config.json (a Hugging Face model directory holds "
-            "config.json, tokenizer.json and *.safetensors)"
-        )
-    try:
-        config = ModelConfig.from_dir(model_dir)
-    except ModelConfigError as exc:
-        raise ModelConfigError(f"{model_dir / 'config.json'}: {exc}") from None
-    except OSError as exc:
-        raise LoadError(f"{model_dir / 'config.json'}: {exc.strerror or exc}") from None
-    if not (model_dir / "tokenizer.json").is_file():
-        raise LoadError(
-            f"{model_dir} has no tokenizer.json (flare reads the tokenizers library's "
-            "tokenizer.json; save one with tokenizer.save_pretrained)"
-        )
-    try:
-        checkpoint_files(model_dir)
-    except (ValueError, AttributeError, OSError) as exc:  # an unreadable index file
-        raise LoadError(f"{model_dir / _INDEX_FILE} cannot be read: {exc}") from None
-    try:
-        config.check_tensor_parallel(tensor_parallel_size)
-    except ModelConfigError as exc:
-        allowed = ", ".join(map(str, config.tensor_parallel_sizes()))
-        raise ModelConfigError(
-            f"{model_dir / 'config.json'}: {exc}; tensor-parallel sizes this model "
-            f"allows: {allowed}"
-        ) from None
-    return config
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, in a stable order."""
-    model_dir = Path(model_dir)
-    index = model_dir / _INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = [model_dir / name for name in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise LoadError(f"{_INDEX_FILE} names {file.name}, which does not exist")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise LoadError(f"no *.safetensors files in {model_dir}")
-    return files
 
 
 def _target(name: str, tied: bool) -> tuple[str, Hashable] | None:
