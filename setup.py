@@ -40,6 +40,7 @@ setup(
     extras_require={
         "test": [
             "pytest>=8",
+            "pytest-xdist>=3.5",
             "ruff==0.17.6",
             "mypy==2.4.1",
             "transformers>=4.45",
