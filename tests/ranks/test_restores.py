@@ -33,7 +33,7 @@ from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
 from tests.support.checkpoints import greedy, write_tiny
 from tests.support.rank_messages import collect
-from tests.support.rank_state import changed, snapshot
+from tests.support.rank_state import PENALIZED, changed, snapshot
 
 PAGE = 16
 PROMPT = [(7 * i + 3) % 120 + 2 for i in range(40)]  # 40 tokens: pages of 16, 16 and 8
@@ -42,15 +42,6 @@ PREFILL = GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64)
 DECODE = GraphDescriptor(GraphKind.DECODE, 1)
 GREEDY = SamplingParams(logprobs=20)
 SEEDED = SamplingParams(temperature=0.8, top_k=40, seed=5, logprobs=20)
-PENALIZED = SamplingParams(
-    temperature=0.9,
-    top_p=0.95,
-    seed=123,
-    min_tokens=8,
-    presence_penalty=0.5,
-    frequency_penalty=0.4,
-    repetition_penalty=1.3,
-)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from runtime.transport.restore import Restore
 from runtime.transport.sampling import SamplingParams
 from tests.support.checkpoints import greedy, write_tiny
 from tests.support.rank_messages import collect
-from tests.support.rank_state import changed, snapshot
+from tests.support.rank_state import PENALIZED, changed, snapshot
 
 PAGE = 16
 PROMPT = [(7 * i + 3) % 120 + 2 for i in range(40)]  # 40 tokens: pages of 16, 16 and 8
@@ -42,15 +42,6 @@ DECODE = GraphDescriptor(GraphKind.DECODE, 1)
 RESTORE = GraphDescriptor(GraphKind.RESTORE, 2)
 SNAPSHOT = GraphDescriptor(GraphKind.SNAPSHOT, 2)
 GREEDY = SamplingParams()
-PENALIZED = SamplingParams(
-    temperature=0.9,
-    top_p=0.95,
-    seed=123,
-    min_tokens=8,
-    presence_penalty=0.5,
-    frequency_penalty=0.4,
-    repetition_penalty=1.3,
-)
 
 
 @pytest.fixture(scope="module")

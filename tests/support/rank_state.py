@@ -14,6 +14,19 @@ import numpy as np
 import torch
 
 from runtime.ranks.worker import RankWorker
+from runtime.transport.sampling import SamplingParams
+
+# Every per-slot sampling state at once (penalties, min_tokens, a seed): what a
+# restore or a snapshot must carry over exactly.
+PENALIZED = SamplingParams(
+    temperature=0.9,
+    top_p=0.95,
+    seed=123,
+    min_tokens=8,
+    presence_penalty=0.5,
+    frequency_penalty=0.4,
+    repetition_penalty=1.3,
+)
 
 SLOT_COLUMNS = ("generation", "next_position", "pending", "page_count", "full", "logprobs", "step")
 
