@@ -19,7 +19,7 @@ from typing import Any
 from runtime.catalog import PROMPT_ALIGNMENT
 from runtime.deploy.devices import is_device
 from runtime.loadgen.workload import Distribution, parse_distribution
-from runtime.ranks.memory import MIN_CONTEXT
+from runtime.ranks.memory import MIN_CONTEXT, parse_bytes
 from runtime.transport.recording import recording_exists
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -229,6 +229,15 @@ def device(text: str) -> str:
     if is_device(value):
         return value
     raise argparse.ArgumentTypeError(f"must be auto, cpu, cuda or cuda:N, got {text!r}")
+
+
+def kv_bytes(text: str) -> int:
+    """``4294967296``, ``4GiB``, ``512MiB``: :func:`runtime.ranks.memory.parse_bytes`
+    (the KV cache budget of ``--kv-cache-memory``)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def trace_bytes(text: str) -> int:

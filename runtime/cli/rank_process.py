@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from runtime.cli.converters import LOG_LEVELS, device
+from runtime.cli.converters import LOG_LEVELS, device, kv_bytes
 from runtime.cli.flags.liveness import (
     add_heartbeat_endpoint_flag,
     add_heartbeat_flags,
@@ -48,7 +48,7 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None, help="default: from the budget")
     p.add_argument(
         "--kv-cache-memory",
-        type=memory.bytes_flag,
+        type=kv_bytes,
         default=None,
         help="KV budget per rank in bytes (default: CPU 512 MiB, CUDA --gpu-memory-utilization)",
     )

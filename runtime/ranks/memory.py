@@ -29,7 +29,6 @@ flag that sized the pool and names the numbers.
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 from dataclasses import dataclass
@@ -90,14 +89,6 @@ def parse_bytes(text: str) -> int:
     if value < 1:
         raise ValueError(f"must be at least 1 byte, got {text!r}")
     return value
-
-
-def bytes_flag(text: str) -> int:
-    """:func:`parse_bytes` as an argparse ``type`` (the error names the flag)."""
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def kv_bytes_per_token(config: ModelConfig, world_size: int, dtype_bytes: int) -> int:

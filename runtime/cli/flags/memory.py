@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from runtime.cli.converters import fraction, positive_int
+from runtime.cli.converters import fraction, kv_bytes, positive_int
 from runtime.cli.flags.families import flag_group
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.devices import uses_cuda
@@ -35,7 +35,7 @@ def add_kv_flags(run: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--kv-cache-memory",
         metavar="BYTES",
-        type=memory.bytes_flag,
+        type=kv_bytes,
         help="KV cache budget per rank: bytes, or 4GiB, 512MiB...; on CUDA it replaces "
         "the --gpu-memory-utilization rule (default: "
         f"{memory.format_bytes(memory.DEFAULT_CPU_KV_CACHE_BYTES)} on CPU)",
