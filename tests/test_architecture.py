@@ -233,6 +233,60 @@ def test_the_frontend_depends_on_transport_not_on_the_coordinator() -> None:
     assert not leaks, f"runtime.frontend reaches coordinator modules: {leaks}"
 
 
+# ARCHITECTURE.md's layers, bottom up: a module may import its own layer or a
+# lower one, never a higher one.  The first prefix that a module name starts
+# with places it (so ``runtime.coordinator.engine`` before ``runtime.coordinator``).
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("runtime.catalog", "runtime.identity", "runtime.logs", "runtime.private_files",
+     "runtime.speculation"),  # shared leaves
+    ("runtime.transport",),
+    ("runtime.coordinator",),  # the pure scheduler
+    ("runtime.coordinator.engine", "runtime.direct", "runtime.ranks", "kernels",
+     "runtime.trace"),
+    ("runtime.deploy",),
+    ("runtime.frontend", "runtime.loadgen", "runtime.replay", "runtime.local"),
+    ("runtime.cli",),
+)  # fmt: skip
+# The top of a process: what its ``__main__`` runs once the command line is parsed.
+# It assembles the process from every layer (the rank's device checks, the
+# coordinator's deployment config), and only runtime.cli imports it.
+PROCESS_MAINS = ("runtime.ranks.process", "runtime.coordinator.engine.main")
+
+
+def _layer(module: str) -> int:
+    placed = [
+        (len(prefix), index)
+        for index, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(f"{prefix}.")
+    ]
+    assert placed, f"{module} is on no layer of ARCHITECTURE.md (add it to LAYERS)"
+    return max(placed)[1]
+
+
+def test_imports_run_down_the_layers() -> None:
+    up = []
+    for source, targets in graph().items():
+        if _is_entry_point(source) or source in PROCESS_MAINS:
+            continue
+        for target in sorted(targets):
+            if _layer(target) > _layer(source):
+                up.append(f"{source} (layer {_layer(source)}) imports {target} "
+                          f"(layer {_layer(target)})")  # fmt: skip
+    assert not up, "imports that run up ARCHITECTURE.md's layers:\n" + "\n".join(up)
+
+
+def test_only_the_command_line_imports_a_process_main() -> None:
+    importers = sorted(
+        f"{source} imports {target}"
+        for source, targets in graph().items()
+        for target in targets
+        if target in PROCESS_MAINS and not _is_cli(source)
+    )
+    assert not importers, "\n".join(importers)
+    assert all(name in modules() for name in PROCESS_MAINS)
+
+
 def _runs_at_import(tree: ast.Module) -> Iterator[ast.Import | ast.ImportFrom]:
     """The imports a module executes when imported: none inside a function, none
     under ``if TYPE_CHECKING:``."""
