@@ -107,8 +107,13 @@ class SchedulerCompletion(SchedulerPlanning):
 
         generated: list[GeneratedToken] = []
         frame_ms = credited / 1e6 if raw > 0 else 0.0  # no device interval: not measured
+        graph = frame.plan.graph
+        # Forecasts observe up to the program's frozen min(D + 1, W), whatever a
+        # lane's output limit: the sidecar holds every produced prefix.
+        reach = min(graph.proposal_depth + 1, graph.token_capacity)
         for i, (lane, r, record) in enumerate(zip(frame.plan.lanes, frame.lane_requests, records)):
-            item = self._apply_lane(fence, lane, r, record, frame_ms, (i, offers, joint, rows))
+            sidecars = (i, offers, joint, rows, reach)
+            item = self._apply_lane(fence, lane, r, record, frame_ms, sidecars)
             if item is not None:
                 generated.append(item)
         if raw > 0:
@@ -161,11 +166,14 @@ class SchedulerCompletion(SchedulerPlanning):
         r: Request,
         record: CompletionRecord,
         frame_ms: float,
-        sidecars: tuple[int, list[int] | None, list[list[float]] | None, list[list[float]] | None],
+        sidecars: tuple[
+            int, list[int] | None, list[list[float]] | None, list[list[float]] | None, int
+        ],
     ) -> GeneratedToken | None:
         """One lane's results applied to its request; what it gives the caller, if anything.
         ``sidecars``: the lane's index and the round's checked offers, joint
-        probabilities and survival rows (:meth:`_check_completion`)."""
+        probabilities and survival rows (:meth:`_check_completion`), and the
+        program's forecast ceiling min(D + 1, W)."""
         now = self.now_ns
         r.inflight_fences.remove(fence)
         r.inflight_prompt -= lane.prompt_tokens
@@ -198,10 +206,10 @@ class SchedulerCompletion(SchedulerPlanning):
             self._res.publish_computed(r)  # its full pages, for requests sharing them
         tokens = tuple(record.tokens)
         if r.speculation is not None and tokens:
-            i, offers, joint, rows = sidecars
+            i, offers, joint, rows, reach = sidecars
             self._observe_round(
                 r, record, None if offers is None else offers[i],
-                None if joint is None else (joint[i], lane.max_tokens),
+                None if joint is None else (joint[i], reach),
                 None if rows is None else rows[i],
             )  # fmt: skip
         if not tokens:
@@ -268,8 +276,9 @@ class SchedulerCompletion(SchedulerPlanning):
         acceptance"): acceptance of its offered proposals against the tokens it
         committed (a stop or the output limit inside the accepted run censors the
         rest; survival rows replace the binary values at their depths); the
-        completed joint prefix probabilities into the forecast, up to the lane's
-        frozen ceiling.  Every committed token ages the request's estimates."""
+        completed joint prefix probabilities into the forecast, up to the
+        program's frozen min(D + 1, W) (not shortened by the lane's output
+        limit).  Every committed token ages the request's estimates."""
         state = r.speculation
         assert state is not None  # a speculative round's requests were admitted speculating
         count = len(record.tokens)

@@ -306,6 +306,40 @@ def test_a_device_allocated_round_completes_with_its_confidence_sidecar():
     assert first.forecast.means(3)[0] == pytest.approx(expected)
 
 
+def test_forecast_observes_to_min_d_plus_1_w_even_when_the_output_limit_caps_the_lane():
+    """Spec: "Forecast observations stop at each lane's frozen min(D + 1, W)
+    ceiling."  A device-allocated round with D = 3 whose lane has only 2 output
+    tokens left still produced all three proposals: its forecast observes depths
+    1..3, not only depth 1."""
+    descs = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
+             GraphDescriptor(GraphKind.DECODE, 1),
+             GraphDescriptor(GraphKind.SPECULATIVE, 1, token_capacity=4, proposal_depth=3,
+                             target_capacity=4, device_allocated=True)]  # fmt: skip
+    rig = Rig(SchedulerConfig(16, 16, 4096), descs)
+    rig.s.speculation.preseed("draft", [0.95, 0.9, 0.85])
+    rig.measure_all()
+    (handle,) = rig.admit(1, 0.9, out=3)  # the prefill commits one: 2 left
+    while rig.s.plan() is None or rig.s.plan().graph.kind is not GraphKind.SPECULATIVE:
+        assert rig.step()
+    plan = rig.s.plan()
+    assert [lane.max_tokens for lane in plan.lanes] == [2]  # capped by the output limit
+    rig.fence += 1
+    rig.s.commit(plan, rig.fence)
+    (lane,) = plan.lanes
+    forecast = rig.s.request(handle).speculation.forecast
+    before = forecast.means(3)
+    weights = [forecast.weight(d) for d in (1, 2, 3)]
+    joint = [[0.7, 0.4, 0.2]]
+    conditional = [[0.7, 4 / 7, 0.5]]
+    timing = ExecutionTiming((9 * MS,), host_wall_ns=9 * MS)
+    records = [CompletionRecord(lane.slot, lane.generation, (1, 2))]
+    rig.s.complete_packed_round(rig.fence, records, timing, [conditional, joint])
+    after = forecast.means(3)
+    for d in range(3):
+        assert after[d] == pytest.approx((weights[d] * before[d] + joint[0][d]) / (weights[d] + 1))
+        assert after[d] != pytest.approx(before[d])
+
+
 def test_survival_rows_replace_the_binary_observations():
     rig = Rig(SchedulerConfig(16, 16, 4096), catalog(widths=(4,), batches=(1,)))
     rig.s.speculation.preseed("draft", [0.9, 0.8, 0.7])
