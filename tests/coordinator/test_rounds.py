@@ -41,13 +41,29 @@ def cost_ms(desc: GraphDescriptor) -> float:
     return 5.0 + 0.05 * desc.target_capacity + 0.6 * desc.proposal_depth
 
 
+def isolated_timing(device_ns: int) -> ExecutionTiming:
+    """One rank, host wall time equal to the device interval, isolated."""
+    return ExecutionTiming((device_ns,), host_wall_ns=device_ns, queued=False)
+
+
 class Rig:
     """Drives a Scheduler with synthetic costs; speculative lanes accept each
-    proposal with the request's probability."""
+    proposal with the request's probability.  ``timing`` turns a frame's device
+    interval into what the rig reports; ``completed`` keeps each completed
+    frame's plan and reported timing, in completion order."""
 
-    def __init__(self, config: SchedulerConfig, descs=None, seed: int = 0, cost=cost_ms) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        descs=None,
+        seed: int = 0,
+        cost=cost_ms,
+        timing=isolated_timing,
+    ) -> None:
         self.s = Scheduler(descs or catalog(), config)
         self.cost = cost
+        self.timing = timing
+        self.completed: list[tuple] = []
         self.now = 0
         self.fence = 0
         self.inflight: list = []
@@ -88,7 +104,8 @@ class Rig:
                 while count < lane.max_tokens and self.rng.random() < self.accept[lane.handle.id]:
                     count += 1
             records.append(CompletionRecord(lane.slot, lane.generation, tuple(range(count))))
-        timing = ExecutionTiming((end - start,), host_wall_ns=end - start, queued=False)
+        timing = self.timing(end - start)
+        self.completed.append((plan, timing))
         for g in self.s.complete(fence, records, timing):
             self.tokens[g.handle.id] = self.tokens.get(g.handle.id, 0) + len(g.tokens)
             self.s.published_output(g.handle, g.fence, self.now)
@@ -220,23 +237,67 @@ def test_fixed_width_runs_only_that_width_and_never_probes():
     assert {p.graph.kind for p in decode_plans(ordinary.plans)} == {GraphKind.DECODE}
 
 
-def test_funded_probes_offer_deeper_prefixes_and_respect_the_ledger_bound():
-    rig = Rig(SchedulerConfig(16, 16, 4096))
+def stalled_timing(device_ns: int) -> ExecutionTiming:
+    """Two ranks; the longer interval holds a readiness stall of a tenth of it,
+    and the host observes completion 2 ms after the device finished (isolated)."""
+    return ExecutionTiming(
+        (device_ns, device_ns - MS // 10),
+        readiness_delay_ns=device_ns // 10,
+        host_wall_ns=device_ns + 2 * MS,
+        queued=False,
+    )
+
+
+def probe_run() -> tuple[Rig, list[int], int]:
+    """Four requests the prior (0.5^d) underrates, 1,500 frames with
+    :func:`stalled_timing`: the rig, the raw device interval (the longest rank's,
+    its readiness stall included) it reported for each completed acceptance
+    probe, in order, and the sum of those it reported for ordinary frames.
+    (Acceptance 0.7 keeps deeper prefixes worth probing: several episodes.)"""
+    rig = Rig(SchedulerConfig(16, 16, 4096), timing=stalled_timing)
     rig.measure_all()
-    rig.admit(4, 0.95, out=3000)  # the prior (0.5^d) underrates these requests
+    rig.admit(4, 0.7, out=3000)
     rig.run(1500)
-    probes = [p for p in rig.plans if p.reason is SelectionReason.ACCEPTANCE_LEARNING]
-    assert probes, "no acceptance probe after 495 ms of ordinary execution"
-    ordinary_ns = rig.s.execution_ns[SelectionReason.ORDINARY]
-    assert ordinary_ns >= 495 * MS
-    ledger = rig.s.learning_ledger
-    # P <= 0.01/0.99 * O + one episode (the spec's bound), on raw physical time.
-    episode = max(int(cost_ms(p.graph) * MS) for p in probes)
-    assert ledger.spent_ns <= ordinary_ns / 99 + episode
+    probes = [
+        max(timing.rank_device_ns)
+        for plan, timing in rig.completed
+        if plan.reason is SelectionReason.ACCEPTANCE_LEARNING
+    ]
+    ordinary = sum(
+        max(timing.rank_device_ns)
+        for plan, timing in rig.completed
+        if plan.reason is SelectionReason.ORDINARY
+    )
+    return rig, probes, ordinary
+
+
+def test_funded_probes_offer_deeper_prefixes_and_respect_the_ledger_bound():
+    """The spec's bound P <= 0.01/0.99 * O + D on what the rig reported: P the
+    probes' raw device intervals, O the ordinary frames' raw device intervals,
+    D the last completed probe's (the episode that may overrun its credit)."""
+    rig, probes, ordinary = probe_run()
+    assert len(probes) >= 5, f"{len(probes)} acceptance probes: the bound would be idle"
+    assert ordinary >= 495 * MS
+    # Exact: 99 P <= O + 99 D.
+    assert 99 * sum(probes) <= ordinary + 99 * probes[-1], (sum(probes), ordinary, probes[-1])
     # Learning moved the choice: later rounds run wider than the prior alone allowed.
     first = decode_plans(rig.plans)[:5]
     last = decode_plans(rig.plans)[-50:]
     assert max(p.graph.token_capacity for p in last) > max(p.graph.token_capacity for p in first)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue 25 item 4: an isolated probe is charged max(raw, wall)"
+)
+def test_an_acceptance_probe_pays_its_raw_device_interval_including_readiness_stalls():
+    """Spec: "An acceptance episode pays one complete graph interval, including
+    readiness stalls" and "exploration budgets use raw physical time": each probe
+    costs the learning ledger the longest rank interval the rig reported (not
+    less its readiness stall, not the longer host wall interval)."""
+    rig, probes, _ = probe_run()
+    assert probes
+    assert rig.s.executions[SelectionReason.ACCEPTANCE_LEARNING] == len(probes)
+    assert rig.s.learning_ledger.spent_ns == sum(probes)
 
 
 def test_device_allocation_admits_the_best_causal_frontier_within_p():

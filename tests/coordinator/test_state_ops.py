@@ -17,7 +17,6 @@ from runtime.coordinator.prerequisites import following_contribution, sequence_r
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.scheduler import Scheduler
-from runtime.coordinator.state_ops import RESTORE
 
 MS = 1_000_000
 CATALOG = (
@@ -67,6 +66,12 @@ class Sim:
         plan = s.plan()
         if plan is None:
             return None
+        self.execute(plan)
+        return plan
+
+    def execute(self, plan, cost: int | None = None) -> None:
+        """Commit ``plan`` and complete it ``cost`` ns later (default: its COST_MS)."""
+        s = self.s
         self.fence += 1
         s.commit(plan, self.fence)
         self.kinds.append(plan.graph.kind)
@@ -76,7 +81,8 @@ class Sim:
             k = len(self.out[h])
             tokens = tuple(1000 * h + k + j for j in range(lane.max_tokens))
             records.append(CompletionRecord(lane.slot, lane.generation, tokens))
-        cost = int(COST_MS[(plan.graph.kind, plan.graph.batch_capacity)] * MS)
+        if cost is None:
+            cost = int(COST_MS[(plan.graph.kind, plan.graph.batch_capacity)] * MS)
         self.now += cost
         s.advance_to(self.now)
         timing = ExecutionTiming((cost,), host_wall_ns=cost)
@@ -87,7 +93,6 @@ class Sim:
             if g.finished:
                 assert g.handle.id not in self.finished
                 self.finished[g.handle.id] = self.fence
-        return plan
 
     def run(self, limit: int = 3000) -> None:
         for _ in range(limit):
@@ -178,11 +183,14 @@ def test_enabling_a_shared_decode_batch_wins_only_with_enough_value_per_time():
     """The spec's snapshot-cost check on the scheduler: sweep the restore's
     measured cost T; the restore (followed by a decode batch that the resumed
     request shares with the three ready decoders) is selected exactly when that
-    whole sequence's value per time beats the best alternative's."""
-    sim, _, victim = drive_to_restore()
+    whole sequence's value per time beats the best alternative's; and a selected
+    restore does enable that batch: once it completes, the next plan is the
+    four-row decode serving the resumed request beside the three others."""
+    sim, handles, victim = drive_to_restore()
     chosen = []
     for t_ms in (0.05, 0.2, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 40.0):
-        s = copy.deepcopy(sim.s)
+        trial = copy.deepcopy(sim)
+        s = trial.s
         restore = next(d for d in CATALOG if d.kind is GraphKind.RESTORE)
         entry = s.catalog.entry(restore)
         assert not entry.known
@@ -207,10 +215,15 @@ def test_enabling_a_shared_decode_batch_wins_only_with_enough_value_per_time():
             assert [lane.phase for lane in plan.lanes] == [LanePhase.RESTORE]
             assert plan.lanes[0].handle == victim.handle
             assert plan.estimated_duration_ns == int(t_ms * MS)  # T only: no lookahead time
+            trial.execute(plan, int(t_ms * MS))  # the restore runs and takes its T
+            following = s.plan()
+            assert following is not None and following.graph.kind is GraphKind.DECODE
+            assert following.graph.batch_capacity == 4
+            assert sorted(lane.handle.id for lane in following.lanes) == sorted(handles)
+            assert all(lane.phase is LanePhase.DECODE for lane in following.lanes)
         chosen.append(wins)
     assert True in chosen and False in chosen  # both sides of the crossover were seen
     assert chosen == sorted(chosen, reverse=True)  # cheaper restores win, dearer ones lose
-    assert RESTORE == "restore"
 
 
 def test_a_restore_can_enable_the_prompt_row_of_a_following_mixed_program():

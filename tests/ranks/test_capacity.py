@@ -13,6 +13,7 @@ from runtime.ranks.capacity import (
     mixed_shapes,
     padded_concurrency,
 )
+from runtime.ranks.shapes import ProgramShape
 
 
 @pytest.mark.parametrize(("n", "padded"), [(1, 1), (2, 2), (3, 4), (6, 8), (8, 8), (33, 64)])
@@ -98,9 +99,15 @@ def test_mixed_shapes_reproduce_the_spec_counts():
     ]
     # The balanced bucket minimizes max(P/64, 4096/P): 512 gives 8 on both sides.
     assert {d.prompt_capacity for d in wide} == {512}
-    # The maximum packed extent C + (B - 1) * W fits the widest prompt row.
-    for d in speculative:
-        assert d.prompt_capacity >= d.token_capacity
+    # The maximum packed extent C + (B - 1) * W (spec, "Mixed execution
+    # contract"), by hand: the wide graphs pack a 512-token prompt row beside one
+    # and three rows of six; the width-one ones a prompt bucket beside B - 1
+    # pending tokens, the largest 4096 + 3 = 4099 (the capture headroom).
+    assert [ProgramShape.of(d).tokens for d in wide] == [512 + 6, 512 + 3 * 6]
+    width_one = [ProgramShape.of(d).tokens for d in speculative if d.token_capacity == 1]
+    assert sorted(width_one) == sorted(c + b - 1 for b in (2, 4) for c in SPEC_LADDER)
+    assert max(ProgramShape.of(d).tokens for d in speculative) == 4099
+    assert max(ProgramShape.of(d).tokens for d in ordinary) == 4099
 
 
 def test_mixed_shapes_envelope_limits_batch_and_depth():
