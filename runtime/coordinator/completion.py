@@ -298,7 +298,12 @@ class SchedulerCompletion(SchedulerPlanning):
     def _account_execution(
         self, reason: SelectionReason, raw_ns: int, credited_ns: int, wall_ns: int
     ) -> None:
-        charged = credited_ns if raw_ns > 0 else wall_ns
+        if raw_ns <= 0:
+            charged = wall_ns  # no device interval: the isolated wall time pays
+        elif reason is SelectionReason.ACCEPTANCE_LEARNING:
+            charged = raw_ns  # one complete graph interval, readiness stalls included
+        else:
+            charged = credited_ns
         self.executions[reason] += 1
         self.execution_ns[reason] += charged
         if reason is SelectionReason.ORDINARY and raw_ns > 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from runtime.catalog import GraphKind
+from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.admission import SchedulerAdmission
 from runtime.coordinator.commit_checks import (
     STATE_KINDS,
@@ -40,7 +40,12 @@ from runtime.coordinator.policy import (
 from runtime.coordinator.queue import Participant, QueuedFrame
 from runtime.coordinator.refresh import choose_refresh
 from runtime.coordinator.requests import Request
-from runtime.coordinator.rounds import expected_tokens, round_candidates, speculative_candidates
+from runtime.coordinator.rounds import (
+    complete_prefix_value,
+    expected_tokens,
+    round_candidates,
+    speculative_candidates,
+)
 from runtime.coordinator.state_ops import RESTORE as RESTORE_ROLE
 from runtime.coordinator.state_ops import state_candidates
 from runtime.coordinator.utility import log_scale_for
@@ -81,9 +86,12 @@ class SchedulerPlanning(SchedulerAdmission):
 
     def _candidates(self, ctx: SelectionContext) -> list[Candidate]:
         cands = candidates(ctx)
-        if ctx.states is not None:
-            state_candidates(ctx, ctx.states, self.policy, cands)
         fixed = self._fixed_width
+        if ctx.states is not None:
+            rounds = self.speculation is not None and fixed != 1
+            state_candidates(
+                ctx, ctx.states, self.policy, cands, self._round_value if rounds else None, fixed
+            )
         if self.speculation is not None and fixed != 1:
             round_candidates(
                 ctx, cands, self._survival, self.policy.adaptive_verification_alpha, fixed,
@@ -116,6 +124,13 @@ class SchedulerPlanning(SchedulerAdmission):
         if state is None or depth <= 0:
             return []
         return state.acceptance(self.config.proposer).optimistic(depth)
+
+    def _round_value(self, lane: LaneView, desc: GraphDescriptor) -> float:
+        """A decoder's value on round program ``desc`` at its complete prefix."""
+        alpha = self.policy.adaptive_verification_alpha
+        return complete_prefix_value(
+            lane, desc, self._survival, alpha, self.policy.output_token_value
+        )
 
     def _forecast(self, lane: LaneView, depth: int) -> list[float]:
         """The request's forecast joint prefix probabilities (device allocation)."""

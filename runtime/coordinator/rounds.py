@@ -20,8 +20,8 @@ proposal is drawn):
 
 * a rectangular program (P = B x W) gives every lane of its cohort its
   complete prefix, its ceiling; the cohort is the B lanes of highest value;
-* a ragged program (P < B x W) evaluates cohort prefixes (of 1, 2, 4, ... lanes
-  up to B, and all that fit) under the spec's three orderings (total lane
+* a ragged program (P < B x W) evaluates every cohort prefix (1 .. B lanes,
+  while the pending rows fit P) under the spec's three orderings (total lane
   value, pending-token delivery value, value per target row), each cohort
   priced with its causal allocation: every lane gets its
   pending row, then the remaining P rows go one at a time to the lane whose
@@ -73,6 +73,18 @@ def _gains(lane: LaneView, survival: Sequence[float], alpha: float, beta: float)
     """The scored value each further row adds: s_i**alpha * (beta + f/x), i = 1.."""
     price = beta + lane.token_price
     return [(s**alpha if s > 0 else 0.0) * price for s in survival]
+
+
+def complete_prefix_value(
+    lane: LaneView, desc, survival: SurvivalFn, alpha: float, beta: float
+) -> float:
+    """``lane``'s value on round program ``desc`` at its complete prefix (its
+    ceiling): what a restore's following round program is scored with."""
+    limit = ceiling(lane, desc.token_capacity, desc.proposal_depth)
+    if limit <= 1:
+        return lane.decode_value
+    gains = _gains(lane, survival(lane, limit - 1), alpha, beta)
+    return lane.decode_value + sum(gains[: limit - 1])
 
 
 class _Lane:
@@ -197,16 +209,37 @@ def _allocate(cohort: Sequence[_Lane], rows: int) -> list[int] | None:
     return queries
 
 
-def _cohort_sizes(lanes: int, batch: int) -> list[int]:
-    """The cohort prefixes a ragged program evaluates: powers of two up to its
-    batch, and every lane that fits (bounded: no enumeration of all sizes)."""
-    top = min(batch, lanes)
-    sizes = {top}
-    n = 1
-    while n < top:
-        sizes.add(n)
-        n *= 2
-    return sorted(sizes)
+def _best_fitting(ranked: Sequence[_Lane], batch: int, rows: int) -> list[_Lane]:
+    """The highest-value cohort of at most ``batch`` lanes whose complete prefixes
+    (each lane's ceiling) sum to at most ``rows``, in ``ranked`` order.
+
+    Exact: lanes of one ceiling enter best first (values are additive, so within
+    a ceiling the cohort takes a prefix of ``ranked``), and a dynamic program over
+    the ceilings (at most W of them) keeps per (lanes, rows) the best value.
+    Ties keep the choice found first: fewer lanes of the smaller ceilings."""
+    by_limit: dict[int, list[_Lane]] = {}
+    for lane in ranked:
+        by_limit.setdefault(lane.limit, []).append(lane)
+    # (lanes, rows) -> (value, lanes taken per ceiling class)
+    states: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {(0, 0): (0.0, ())}
+    for limit in sorted(by_limit):
+        group = by_limit[limit]
+        prefix = [0.0]
+        for lane in group:
+            prefix.append(prefix[-1] + lane.value(limit))
+        grown: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
+        for (n, used), (value, taken) in states.items():
+            most = min(len(group), batch - n, (rows - used) // limit)
+            for k in range(most + 1):
+                key = (n + k, used + k * limit)
+                candidate = (value + prefix[k], (*taken, k))
+                held = grown.get(key)
+                if held is None or candidate[0] > held[0]:
+                    grown[key] = candidate
+        states = grown
+    _, taken = max(states.values(), key=lambda state: state[0])
+    chosen = {id(lane) for limit, k in zip(sorted(by_limit), taken) for lane in by_limit[limit][:k]}
+    return [lane for lane in ranked if id(lane) in chosen]
 
 
 def speculative_candidates(
@@ -248,14 +281,17 @@ def speculative_candidates(
             continue
         rectangular = p >= b * w and not device
         best: tuple[float, list[_Lane], list[int]] | None = None
-        if rectangular:
+        if rectangular or fixed_width:
             ranked = ranked_rect.get((w, d))
             if ranked is None:  # one order for every batch of this width and depth
                 ranked = ranked_rect[(w, d)] = sorted(
                     lanes, key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id)
                 )
-            cohort = ranked[:b]
-            best = (sum(x.value(x.limit) for x in cohort), cohort, [x.limit for x in cohort])
+            # Complete prefixes (fixed host allocation): the B best lanes, or on a
+            # ragged program the best cohort whose prefixes fit both B and P.
+            cohort = ranked[:b] if rectangular else _best_fitting(ranked, b, p)
+            if cohort:
+                best = (sum(x.value(x.limit) for x in cohort), cohort, [x.limit for x in cohort])
         else:
             orderings = (
                 lambda x: -x.value(x.limit),  # total lane value
@@ -264,7 +300,7 @@ def speculative_candidates(
             )
             for order in orderings:
                 ranked = sorted(lanes, key=lambda x: (order(x), x.view.lru, x.slot()))
-                for n in _cohort_sizes(len(ranked), b):
+                for n in range(1, min(b, len(ranked)) + 1):  # every cohort prefix
                     cohort = ranked[:n]
                     queries = _allocate(cohort, p)
                     if queries is None:

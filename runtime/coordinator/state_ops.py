@@ -20,19 +20,29 @@
   shapes, the newly ready rows the following graph serves, the already ready
   rows beside them and the terminal rows filling the restore's spare rows, and
   the two-stage sequence is scored over T + F (or its productive first stage
-  over T).  Following shapes: decode; mixed at width one with the prompt row
-  absent, already ready, or enabled by the restore (a prompt-ready request);
-  prefill of a prompt-ready request.  Only the restore executes; the plan keeps
-  its own duration T (lookahead time never enters timing or cost learning).
+  over T).  Following shapes: decode; every mixed shape with the prompt row
+  absent, the best already ready one, or one enabled by the restore (a
+  prompt-ready request); prefill of a prompt-ready request; and, when the
+  deployment speculates, the rectangular host-allocated speculative programs.
+  On a round program (speculative, or mixed wider than one) a decoder is worth
+  its complete prefix (``RoundValue``).  Ragged and device-allocated programs
+  do not follow: their lanes share a row budget P, so lane values are not
+  additive and the spec's fixed-pair calculation does not hold for them (the
+  rectangular program of the same width and batch stands in).  Under fixed
+  width only shapes that may run follow: no decode, mixed shapes of another
+  width as prompt-only rows, speculative programs of that width.  Only the
+  restore executes; the plan keeps its own duration T (lookahead time never
+  enters timing or cost learning).
 
 Pure Python: no torch, sockets or clocks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.catalog import GraphKind
+from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.cost import CostEntry
 from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
@@ -49,6 +59,10 @@ from runtime.coordinator.utility import reference_interval_ms
 
 TERMINAL = "terminal"
 RESTORE = "restore"
+
+# A decoder's value on a round program (speculative, or mixed wider than one) at
+# its complete prefix: its decode value plus its scored proposal rows.
+RoundValue = Callable[[LaneView, GraphDescriptor], float]
 
 
 @dataclass(slots=True)
@@ -86,9 +100,17 @@ def snapshot_sigma_ms(ctx: SelectionContext, terminals: int) -> float:
 
 
 def state_candidates(
-    ctx: SelectionContext, states: StateViews, policy: PolicyConfig, out: list[Candidate]
+    ctx: SelectionContext,
+    states: StateViews,
+    policy: PolicyConfig,
+    out: list[Candidate],
+    round_value: RoundValue | None = None,
+    fixed_width: int = 0,
 ) -> None:
-    """Snapshot candidates and, per restore shape, its best pair, appended to ``out``."""
+    """Snapshot candidates and, per restore shape, its best pair, appended to ``out``.
+    ``round_value``: decoders' values on round programs (None: the deployment
+    does not speculate, no round program follows); ``fixed_width``: fixed-width
+    execution at that width (0: adaptive)."""
     if states.empty:
         return
     tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
@@ -109,9 +131,10 @@ def state_candidates(
             break  # larger capacities only pad
     if not (states.decode_ready or states.prompt_ready):
         return
+    follows = list(_follows(ctx, states, round_value is not None, fixed_width))
     for index, prereq in enumerate(ctx.catalog.entries(GraphKind.RESTORE)):
         best: Candidate | None = None
-        for cand in _pairs(ctx, states, policy, prereq, index):
+        for cand in _pairs(ctx, states, policy, prereq, index, follows, round_value):
             if best is None or cand.rank_key() > best.rank_key():
                 best = cand
         if best is not None:
@@ -127,24 +150,53 @@ class _Follow:
     decoders: bool  # whether its other rows may decode
     prompt: LaneView | None = None
     enabled: bool = False  # the prompt row is made ready by the restore
+    rounds: bool = False  # its decoders run complete prefixes (RoundValue)
 
 
-def _follows(ctx: SelectionContext, states: StateViews):
-    """The following shapes the mixed contract lists, with their prompt rows."""
-    for entry in ctx.catalog.entries(GraphKind.DECODE):
-        yield _Follow(entry, entry.descriptor.batch_capacity, True)
-    for entry in ctx.catalog.entries(GraphKind.MIXED):
-        if entry.descriptor.token_capacity != 1:
-            continue  # wide mixed rows verify drafts: not a restore's following graph
-        rows = entry.descriptor.batch_capacity
-        yield _Follow(entry, rows, True)  # the prompt absent
-        for lane in ctx.prefill[:1]:  # the best already ready prompt row
-            yield _Follow(entry, rows, True, lane)
+def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed_width: int):
+    """The following shapes, with their prompt rows (module docstring)."""
+    catalog = ctx.catalog
+    if fixed_width <= 1:
+        for entry in catalog.entries(GraphKind.DECODE):
+            yield _Follow(entry, entry.descriptor.batch_capacity, True)
+    for entry in catalog.entries(GraphKind.MIXED):
+        desc = entry.descriptor
+        wide = desc.token_capacity > 1
+        if wide and not speculating:
+            continue
+        # Fixed width: a mixed shape of another width runs prompt-only rows.
+        decoders = fixed_width <= 1 or desc.token_capacity == fixed_width
+        rows = desc.batch_capacity if decoders else 1
+        if decoders:
+            yield _Follow(entry, rows, True, rounds=wide)  # the prompt absent
+        ready = _best_ready_row(ctx, desc.prompt_capacity)
+        if ready is not None:  # the best already ready prompt row
+            yield _Follow(entry, rows, decoders, ready, rounds=wide)
         for lane in states.prompt_ready:  # a prompt row the restore enables
-            yield _Follow(entry, rows, True, lane, True)
-    for entry in ctx.catalog.entries(GraphKind.PREFILL):
+            yield _Follow(entry, rows, decoders, lane, True, rounds=wide)
+    if speculating:
+        for entry in catalog.entries(GraphKind.SPECULATIVE):
+            desc = entry.descriptor
+            b, w = desc.batch_capacity, desc.token_capacity
+            if desc.device_allocated or desc.target_capacity < b * w:
+                continue  # a shared row budget: lane values are not additive
+            if not fixed_width or w == fixed_width:
+                yield _Follow(entry, b, True, rounds=True)
+    for entry in catalog.entries(GraphKind.PREFILL):
         for lane in states.prompt_ready:
             yield _Follow(entry, 1, False, lane, True)
+
+
+def _best_ready_row(ctx: SelectionContext, capacity: int) -> LaneView | None:
+    """The already ready prompt row worth most on a mixed shape of ``capacity``
+    prompt tokens (its value does not depend on the decoders beside it; ties: the
+    less recently served, then the first resident)."""
+    best, best_key = None, None
+    for lane in ctx.prefill:
+        key = (prompt_lane_value(lane, min(lane.available, capacity), ctx.beta), -lane.lru)
+        if best_key is None or key > best_key:
+            best, best_key = lane, key
+    return best
 
 
 # A forced newly ready row (an enabled prompt row) sorts first in best_pair.
@@ -152,21 +204,33 @@ _FORCED = 1e30
 
 
 def _pairs(
-    ctx: SelectionContext, states: StateViews, policy: PolicyConfig, prereq: CostEntry, index: int
+    ctx: SelectionContext,
+    states: StateViews,
+    policy: PolicyConfig,
+    prereq: CostEntry,
+    index: int,
+    follows: list[_Follow],
+    round_value: RoundValue | None,
 ):
     """Each following shape's exact best joint cohort with ``prereq``, as a candidate."""
     t_ms = prereq.estimate_ns / 1e6 if prereq.known else 0.0
     tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
     slope = ctx.decode_age_slope
-    for follow in _follows(ctx, states):
+    for follow in follows:
         f_ms = follow.entry.estimate_ns / 1e6 if follow.entry.known else 0.0
         newly: list[float] = []
         ready: list[float] = []
         if follow.decoders:
-            newly = [following_contribution(v.decode_value, slope, t_ms, f_ms)
-                     for v in states.decode_ready]  # fmt: skip
-            ready = [following_contribution(v.decode_value, slope, t_ms, f_ms)
-                     for v in ctx.decode]  # fmt: skip
+            desc = follow.entry.descriptor
+            if follow.rounds:
+                assert round_value is not None  # round shapes follow only when speculating
+                newly = [round_value(v, desc) for v in states.decode_ready]
+                ready = [round_value(v, desc) for v in ctx.decode]
+            else:
+                newly = [v.decode_value for v in states.decode_ready]
+                ready = [v.decode_value for v in ctx.decode]
+            newly = [following_contribution(x, slope, t_ms, f_ms) for x in newly]
+            ready = [following_contribution(x, slope, t_ms, f_ms) for x in ready]
         term = [terminal_sequence_contribution(tv, p, sigma, age, t_ms, f_ms)
                 for _, age in states.terminal]  # fmt: skip
         extra = 0.0
@@ -186,10 +250,13 @@ def _pairs(
             offset = 0
         if choice is None:
             continue
-        restored = [
-            prompt if (offset and i == 0) else states.decode_ready[i - offset]
-            for i in (*choice.newly_ready, *choice.advanced)
-        ]
+        restored: list[LaneView] = []
+        for i in (*choice.newly_ready, *choice.advanced):
+            if offset and i == 0:
+                assert prompt is not None  # the enabled prompt row is newly ready row 0
+                restored.append(prompt)
+            else:
+                restored.append(states.decode_ready[i - offset])
         total = choice.value - (_FORCED if offset else 0.0) + extra
         yield _candidate(ctx, prereq, index, t_ms, f_ms, states, choice, restored, total, policy)
 

@@ -81,12 +81,11 @@ def charged_ns(reason: SelectionReason, raw: int, credited: int, wall: int) -> i
     episode's ledger spend): credited time with a device interval (queued: the
     device interval; isolated: max(device, wall)), else the host wall time.
 
-    For acceptance probes this is today's runtime, not the spec ("An acceptance
-    episode pays one complete graph interval"; exploration budgets use raw
-    physical time): with issue 25 item 4 a probe with a device interval pays
-    ``raw``, and this function changes with it.  The spec's learning bound in
-    :meth:`Driver.check_books` already uses the raw intervals."""
-    del reason
+    An acceptance probe with a device interval pays ``raw`` (spec: "An
+    acceptance episode pays one complete graph interval, including readiness
+    stalls"; exploration budgets use raw physical time)."""
+    if reason is LEARNING and raw > 0:
+        return raw
     return credited if raw > 0 else wall
 
 

@@ -286,9 +286,6 @@ def test_funded_probes_offer_deeper_prefixes_and_respect_the_ledger_bound():
     assert max(p.graph.token_capacity for p in last) > max(p.graph.token_capacity for p in first)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 25 item 4: an isolated probe is charged max(raw, wall)"
-)
 def test_an_acceptance_probe_pays_its_raw_device_interval_including_readiness_stalls():
     """Spec: "An acceptance episode pays one complete graph interval, including
     readiness stalls" and "exploration budgets use raw physical time": each probe
@@ -502,3 +499,156 @@ def test_the_envelope_drops_wider_programs_at_load():
     assert len(decode) == 4  # ordinary programs are not bounded
     with pytest.raises(ConfigError, match="speculative_token_capacity"):
         SchedulerConfig(speculative_token_capacity=-1)
+
+
+# -- cohorts of ragged programs, evaluated against an exhaustive oracle ------------
+
+
+def _lane_views(lanes: list[tuple[float, list[float], float, int]]):
+    """LaneViews over stand-in requests: (decode value, survival, delivery price,
+    output left) per lane, slots in order."""
+    from types import SimpleNamespace
+
+    from runtime.coordinator.policy import LaneView
+
+    views, survival = [], {}
+    for slot, (base, means, delivery, left) in enumerate(lanes):
+        request = SimpleNamespace(
+            slot=slot, remaining_output=left, inflight_output=0,
+            handle=SimpleNamespace(id=slot),
+        )  # fmt: skip
+        view = LaneView(request, 0.0, delivery, 64, 0, 0, 0, base, slot)
+        views.append(view)
+        survival[slot] = means
+    return views, lambda view, depth: survival[view.request.slot][:depth]
+
+
+def _context(descs: list[GraphDescriptor], views):
+    from runtime.coordinator.cost import CostCatalog
+    from runtime.coordinator.policy import SelectionContext
+
+    costs = CostCatalog(descs, ttl_ns=30_000 * MS)
+    for desc in descs:
+        costs.observe(desc, int(cost_ms(desc) * MS), 0)
+    return SelectionContext(0, 0, 64.0, 30_000 * MS, costs, [], views, 0.0, 0.0)
+
+
+def _round_value(views, survival, queries, beta=64.0) -> float:
+    """A cohort's value at ``queries`` rows each: base + (beta + f/x) * s_1..s_(q-1)."""
+    return sum(
+        v.decode_value + sum(beta * s for s in survival(v, q - 1)[: q - 1])
+        for v, q in zip(views, queries)
+    )
+
+
+def _causal_best(views, survival, b, w, p) -> float:
+    """Exhaustive: every cohort of at most B lanes, each priced with its best
+    causal allocation of P rows (pending rows, then the largest gains)."""
+    from itertools import combinations
+
+    best = 0.0
+    for n in range(1, min(b, len(views)) + 1):
+        if n > p:
+            break
+        for cohort in combinations(views, n):
+            gains = sorted(
+                (
+                    64.0 * s
+                    for v in cohort
+                    for s in survival(v, w - 1)[: min(w, v.request.remaining_output) - 1]
+                ),
+                reverse=True,
+            )
+            value = sum(v.decode_value for v in cohort) + sum(gains[: p - n])
+            best = max(best, value)
+    return best
+
+
+def test_a_ragged_program_evaluates_every_cohort_prefix_not_powers_of_two():
+    """B = 4, W = 4, P = 6: three starving high-acceptance lanes and one low one.
+    The 3-lane prefix (3 pending rows, one proposal each) beats both the 2-lane
+    (two proposals each) and the 4-lane (the low lane takes a row) cohorts; a
+    search over sizes 1, 2, 4 misses it."""
+    from runtime.coordinator.rounds import speculative_candidates
+
+    high = [0.95, 0.9, 0.85]
+    views, survival = _lane_views(
+        [(2000.0, high, 9.0, 100), (2000.0, high, 8.0, 100), (2000.0, high, 7.0, 100),
+         (30.0, [0.05, 0.01, 0.0], 1.0, 100)]
+    )  # fmt: skip
+    ragged = spec(4, 4, 6)
+    out = []
+    speculative_candidates(_context([ragged], views), out, survival, 1.0)
+    (cand,) = out
+    assert len(cand.lanes) == 3 and cand.queries == [2, 2, 2]
+    assert cand.value == pytest.approx(_causal_best(views, survival, 4, 4, 6))
+    four = _round_value(views, survival, [2, 2, 1, 1])
+    assert cand.value > four  # what the powers-of-two search picked
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_ragged_candidate_is_worth_at_least_every_prefix_of_the_value_order(seed):
+    """Random lanes (values, survival, output limits) on a random ragged program:
+    the candidate is never worth less than any cohort prefix of the total-value
+    ordering, each priced with its best causal allocation."""
+    from runtime.coordinator.rounds import speculative_candidates
+
+    rng = random.Random(seed)
+    lanes = []
+    for _ in range(rng.randint(2, 7)):
+        s, means = 1.0, []
+        for _ in range(3):
+            s *= rng.random()
+            means.append(s)
+        lanes.append((rng.uniform(0, 300), means, rng.uniform(0, 10), rng.randint(1, 6)))
+    views, survival = _lane_views(lanes)
+    b = rng.choice((2, 4))
+    p = max(b, min(rng.randint(2, 12), b * 4 - 1))
+    out = []
+    speculative_candidates(_context([spec(b, 4, p)], views), out, survival, 1.0)
+    (cand,) = out
+    order = sorted(
+        views, key=lambda v: -_round_value([v], survival, [min(4, v.request.remaining_output)])
+    )
+    for n in range(1, min(b, len(views), p) + 1):
+        cohort = order[:n]
+        gains = sorted(
+            (
+                64.0 * s
+                for v in cohort
+                for s in survival(v, 3)[: min(4, v.request.remaining_output) - 1]
+            ),
+            reverse=True,
+        )
+        value = sum(v.decode_value for v in cohort) + sum(gains[: p - n])
+        assert cand.value >= value - 1e-9
+
+
+def test_fixed_width_ragged_programs_keep_complete_prefixes_and_the_best_fitting_cohort():
+    """Spec: fixed host allocation retains complete prefixes, shortened only by
+    request limits; a constrained ragged graph selects the highest-value cohort
+    fitting both B and P (no causal allocation)."""
+    from itertools import combinations
+
+    from runtime.coordinator.rounds import speculative_candidates
+
+    high = [0.95, 0.9, 0.85]
+    # Lane 3 has two tokens left: its complete prefix is 2 rows.
+    views, survival = _lane_views(
+        [(500.0, high, 3.0, 100), (400.0, high, 2.0, 100), (300.0, high, 1.0, 100),
+         (350.0, high, 1.0, 2)]
+    )  # fmt: skip
+    ragged = spec(4, 4, 10)  # B x W = 16 > P = 10
+    out = []
+    speculative_candidates(_context([ragged], views), out, survival, 1.0, fixed_width=4)
+    (cand,) = out
+    limits = {v.request.slot: min(4, v.request.remaining_output) for v in views}
+    assert cand.queries == [limits[v.request.slot] for v in cand.lanes]  # complete prefixes
+    best = max(
+        _round_value(c, survival, [limits[v.request.slot] for v in c])
+        for n in range(1, 5)
+        for c in combinations(views, n)
+        if sum(limits[v.request.slot] for v in c) <= 10
+    )
+    assert cand.value == pytest.approx(best)
+    assert sorted(v.request.slot for v in cand.lanes) == [0, 1, 3]  # 4 + 4 + 2 rows

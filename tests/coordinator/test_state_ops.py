@@ -289,3 +289,118 @@ def test_a_restore_can_enable_the_prompt_row_of_a_following_mixed_program():
     assert following.graph.kind is GraphKind.MIXED
     assert following.lanes[following.prompt_row].handle == late
     assert {lane.handle for lane in following.lanes} == {late, *decoders}
+
+
+def _round_program(b: int, w: int, p: int = 0) -> GraphDescriptor:
+    return GraphDescriptor(
+        GraphKind.SPECULATIVE, b, token_capacity=w, proposal_depth=w - 1, target_capacity=p
+    )
+
+
+def _restore_pair_value(prefill_order: list[tuple[int, int]]) -> float:
+    """The best RESTORE candidate's value when the already ready prompt rows (lru,
+    available tokens) are resident in ``prefill_order``, beside one decode-ready
+    resumed request, with a width-one mixed program as the following shape."""
+    from types import SimpleNamespace
+
+    from runtime.coordinator.cost import CostCatalog
+    from runtime.coordinator.policy import LaneView, SelectionContext
+    from runtime.coordinator.state_ops import StateViews, state_candidates
+
+    descs = [GraphDescriptor(GraphKind.RESTORE, 1),
+             GraphDescriptor(GraphKind.MIXED, 2, prompt_capacity=64)]  # fmt: skip
+    costs = CostCatalog(descs, ttl_ns=30_000 * MS)
+    costs.observe(descs[0], 1 * MS, 0)
+    costs.observe(descs[1], 6 * MS, 0)
+
+    def view(slot: int, lru: int, available: int, decode_value: float = 0.0) -> LaneView:
+        request = SimpleNamespace(slot=slot, prefill_target=4096, handle=SimpleNamespace(id=slot))
+        return LaneView(request, 0.0, 0.0, 0, available, available, 0, decode_value, lru)
+
+    prefill = [view(10 + i, lru, available) for i, (lru, available) in enumerate(prefill_order)]
+    resumed = view(1, 0, 0, decode_value=300.0)
+    ctx = SelectionContext(0, 0, 64.0, 30_000 * MS, costs, prefill, [], 0.1, 0.1)
+    states = StateViews(terminal=[], decode_ready=[resumed], prompt_ready=[], sigma_ms=0.0)
+    out: list = []
+    state_candidates(ctx, states, PolicyConfig(), out)
+    (restore,) = out
+    return restore.value
+
+
+def test_a_restore_pair_takes_the_best_already_ready_prompt_row_not_the_first_resident():
+    """Spec: the following graph "can include already ready requests": with a
+    one-token prompt row resident before a 64-token one, the restore + mixed pair
+    is scored with the 64-token row, whatever the residency order."""
+    short, long = (0, 1), (1, 64)
+    assert _restore_pair_value([short, long]) == _restore_pair_value([long, short])
+    assert _restore_pair_value([short, long]) > _restore_pair_value([short])
+
+
+def _restore_candidates(descs, round_value=None, fixed_width=0, decode_value=300.0):
+    """The RESTORE candidates of a decision with one decode-ready resumed request
+    and every program measured (1 ms restore, 6 ms otherwise)."""
+    from types import SimpleNamespace
+
+    from runtime.coordinator.cost import CostCatalog
+    from runtime.coordinator.policy import LaneView, SelectionContext
+    from runtime.coordinator.state_ops import StateViews, state_candidates
+
+    costs = CostCatalog(descs, ttl_ns=30_000 * MS)
+    for desc in descs:
+        costs.observe(desc, (1 if desc.kind is GraphKind.RESTORE else 6) * MS, 0)
+    request = SimpleNamespace(
+        slot=1, prefill_target=64, remaining_output=100, inflight_output=0,
+        handle=SimpleNamespace(id=1),
+    )  # fmt: skip
+    resumed = LaneView(request, 0.0, 0.0, 64, 0, 0, 0, decode_value, 0)
+    ctx = SelectionContext(0, 0, 64.0, 30_000 * MS, costs, [], [], 0.1, 0.1)
+    states = StateViews(terminal=[], decode_ready=[resumed], prompt_ready=[], sigma_ms=0.0)
+    out: list = []
+    state_candidates(ctx, states, PolicyConfig(), out, round_value, fixed_width)
+    return [c for c in out if c.entry.descriptor.kind is GraphKind.RESTORE]
+
+
+def test_a_restore_may_be_followed_by_a_speculative_round_priced_at_its_complete_prefix():
+    """Spec: "compare every pair of prepared prerequisite and following inference
+    shapes": a rectangular speculative program follows a restore, its decoder
+    worth its complete prefix; ragged and device-allocated ones do not (their
+    row budget couples the lanes)."""
+    restore = GraphDescriptor(GraphKind.RESTORE, 1)
+    rect = _round_program(1, 4)
+    ragged = _round_program(2, 4, 6)
+    device = GraphDescriptor(GraphKind.SPECULATIVE, 1, token_capacity=4, proposal_depth=3,
+                             target_capacity=3, device_allocated=True)  # fmt: skip
+    seen = []
+
+    def round_value(view, desc):
+        seen.append(desc)
+        return view.decode_value + 100.0 * (desc.token_capacity - 1)
+
+    assert _restore_candidates([restore, rect]) == []  # not speculating: nothing follows
+    (cand,) = _restore_candidates([restore, rect], round_value)
+    assert set(seen) == {rect}
+    assert cand.lanes[0].request.slot == 1
+    (richer,) = _restore_candidates([restore, rect], round_value, decode_value=400.0)
+    assert richer.value > cand.value  # the pair is priced with the round's lane value
+    seen.clear()
+    assert _restore_candidates([restore, ragged, device], round_value) == []
+    assert seen == []
+
+
+def test_under_fixed_width_only_shapes_that_may_run_follow_a_restore():
+    """Fixed width 4: decode never runs, so it is no following shape; the width-4
+    program is (with fixed width 0 both compete)."""
+    restore = GraphDescriptor(GraphKind.RESTORE, 1)
+    decode = GraphDescriptor(GraphKind.DECODE, 1)
+
+    def round_value(view, desc):
+        return view.decode_value + 1.0  # barely better than decode at the same cost
+
+    assert _restore_candidates([restore, decode], round_value, fixed_width=4) == []
+    (fixed,) = _restore_candidates(
+        [restore, decode, _round_program(1, 4)], round_value, fixed_width=4
+    )
+    (alone,) = _restore_candidates([restore, _round_program(1, 4)], round_value)
+    assert fixed.value == alone.value
+    (adaptive,) = _restore_candidates([restore, decode], round_value)
+    assert adaptive.value < alone.value
