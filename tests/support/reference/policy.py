@@ -1,0 +1,411 @@
+"""The reference copy of ``runtime/coordinator/policy.py`` (issue 25): see
+``tests/support/reference/__init__.py``.
+
+Candidates and selection (spec, "Useful service and selection", "Duration estimates").
+
+Selection sees a :class:`SelectionContext`: per-request lane views whose prices
+and ages are already projected to the planning start time.  For every loaded
+physical program it builds the best cohort, prunes physical shapes dominated by
+a smaller shape doing the same logical work, and ranks the rest:
+
+1. an indeterminate (never measured) candidate beats a determinate one;
+2. indeterminate candidates compete by expected useful value, determinate ones
+   by useful value per time (:func:`utility.value_rate`);
+3. equal values prefer shorter known time, more served requests, less recently
+   used requests, and smaller physical padding, in that order.
+
+Nothing here enumerates request subsets: for a fixed graph, lane values are
+additive and every decoder shares the family's age slope, so the best cohort of
+a decode graph is a prefix of the lanes sorted by value; a prefill graph serves
+one request, so each request/capacity pair is one candidate.  A mixed graph
+(spec, "Mixed execution contract") compares its best decode-only cohort (a
+prefix of the decoders) with its best prompt row plus the highest-value
+decoders fitting the remaining rows (that prefix again, one row shorter): one
+decode-only and one prompt-row candidate per mixed shape.
+
+Dominance: candidates of one graph kind with the same cohort and logical work
+keep only shapes no larger in every capacity than an alternative; mixed
+candidates also need the same prompt row and prompt tokens.  A shape removed
+by the exploration rule dominates nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from runtime.catalog import GraphKind
+from runtime.coordinator.cost import CostCatalog, CostEntry
+from runtime.coordinator.requests import Request
+from runtime.coordinator.utility import prompt_chunk_value, value_rate
+
+
+@dataclass(slots=True)
+class LaneView:
+    """A runnable request as selection sees it at the planning start."""
+
+    request: Request
+    token_price: float  # f / x
+    delivery_price: float  # g / z (decoders)
+    prompt_pos: int  # prompt consumed once queued work completes
+    available: int  # prompt tokens to the next hard boundary or prompt end
+    to_endpoint: int  # prompt tokens to the next message endpoint or prompt end
+    output_start: int  # committed output once queued work completes
+    decode_value: float  # decoders: priced service + c*sigma*A (T-independent)
+    lru: int  # selection sequence of its last frame (-1: never)
+    # Prefills: restored history ends here (no value below it), and the value of
+    # the output token the final chunk commits (utility.prompt_chunk_value).
+    history_end: int = 0
+    finish_value: float = 0.0
+    # Decoders: target rows its KV pages hold from its pending token on
+    # (pages on demand; runtime.coordinator.residency).
+    room: int = 1 << 30
+
+
+@dataclass(slots=True)
+class SelectionContext:
+    now_ns: int
+    start_ns: int  # planning start: now, or the queue's expected end
+    beta: float
+    ttl_ns: int
+    catalog: CostCatalog
+    prefill: list[LaneView]  # requests that may run a prefill chunk
+    decode: list[LaneView]  # decoders that may run a decode row
+    decode_age_slope: float  # c * sigma of the decode family
+    active_age_price: float  # sum of c over active decoders
+    # The decoders sorted by value (best first) and their prefix sums; built
+    # once per decision by sort_decoders(), shared by decode and mixed builders.
+    prefix_value: list[float] | None = None
+    prefix_lru: list[int] | None = None
+    # Terminal requests and restores awaiting a state program (state_ops.StateViews).
+    states: Any = None
+
+    def sort_decoders(self) -> tuple[list[float], list[int]]:
+        if self.prefix_value is None or self.prefix_lru is None:
+            self.decode.sort(key=lambda v: (-v.decode_value, v.lru, v.request.handle.id))
+            values = [0.0]
+            lrus = [-1]
+            for lane in self.decode:
+                values.append(values[-1] + lane.decode_value)
+                lrus.append(max(lrus[-1], lane.lru))
+            self.prefix_value, self.prefix_lru = values, lrus
+        return self.prefix_value, self.prefix_lru
+
+
+class Candidate:
+    """One physical program with its best cohort.
+
+    ``lanes`` in plan order; ``prompt_row`` is the index of the lane that
+    consumes ``prompt_tokens`` prompt tokens (-1: none, a decode-only cohort);
+    every other lane is a decode row.
+    """
+
+    __slots__ = (
+        "age_slope",
+        "ceilings",
+        "entry",
+        "index",
+        "lanes",
+        "lru",
+        "padding",
+        "prompt_row",
+        "prompt_tokens",
+        "queries",
+        "roles",
+        "score",
+        "stale",
+        "t_ms",
+        "unknown",
+        "value",
+    )
+
+    def __init__(
+        self,
+        entry: CostEntry,
+        index: int,
+        lanes: list[LaneView],
+        value: float,
+        age_slope: float,
+        padding: int,
+        lru: int,
+        prompt_tokens: int,
+        ctx: SelectionContext,
+        prompt_row: int = -1,
+    ) -> None:
+        self.entry = entry
+        self.index = index
+        self.lanes = lanes
+        self.value = value
+        self.age_slope = age_slope
+        self.padding = padding
+        self.lru = lru
+        self.prompt_tokens = prompt_tokens
+        self.prompt_row = prompt_row
+        self.queries: list[int] | None = None  # speculative: each lane's query length
+        self.ceilings: list[int] | None = None  # device-allocated: each lane's ceiling
+        self.roles: list[str] | None = None  # state programs: each lane's role (state_ops)
+        estimate_ns = entry.estimate_ns
+        if estimate_ns <= 0:  # indeterminate (CostEntry.known is False)
+            self.unknown = True
+            self.stale = False
+            self.t_ms = 0.0
+            self.score = value  # optimistic work score: no division by an unknown time
+        else:
+            self.unknown = False
+            self.stale = entry.stale(ctx.now_ns, ctx.ttl_ns)
+            self.t_ms = t_ms = estimate_ns / 1e6
+            self.score = value_rate(value, age_slope, t_ms, ctx.active_age_price)
+
+    def rank_key(self) -> tuple:
+        return (
+            self.unknown,
+            self.score,
+            -self.t_ms,
+            len(self.lanes),
+            -self.lru,
+            -self.padding,
+            -self.index,
+        )
+
+    @property
+    def requires_feedback(self) -> bool:
+        """Unknown or stale costs, and every non-queueable kind, need an empty window."""
+        return self.unknown or self.stale or not self.entry.descriptor.queueable
+
+
+def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
+    entries = ctx.catalog.entries(GraphKind.PREFILL)
+    if not entries or not ctx.prefill:
+        return
+    beta = ctx.beta
+    for lane in ctx.prefill:
+        avail = lane.available
+        to_end = lane.to_endpoint
+        included = 0  # largest capacity kept as a candidate so far
+        previous = 0  # largest smaller capacity seen, kept or not
+        for index, entry in enumerate(entries):
+            capacity = entry.descriptor.prompt_capacity
+            if included >= avail:
+                break  # a kept smaller shape already consumes everything: padding only
+            if not entry.known and previous >= to_end:
+                # Exploration: a larger unmeasured graph is excluded when a smaller
+                # capacity consumes the same tokens up to the next endpoint.
+                previous = capacity
+                continue
+            tokens = capacity if capacity < avail else avail
+            value = prompt_lane_value(lane, tokens, beta)
+            padding = capacity - tokens
+            out.append(
+                Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx, 0)
+            )
+            included = previous = capacity
+
+
+def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
+    entries = ctx.catalog.entries(GraphKind.DECODE)
+    lanes = ctx.decode
+    if not entries or not lanes:
+        return
+    prefix_value, prefix_lru = ctx.sort_decoders()
+    n_lanes = len(lanes)
+    slope = ctx.decode_age_slope
+    covered = False
+    for index, entry in enumerate(entries):
+        batch = entry.descriptor.batch_capacity
+        if covered:
+            break  # a smaller batch already serves every eligible decoder: padding only
+        n = min(batch, n_lanes)
+        covered = batch >= n_lanes
+        out.append(
+            Candidate(
+                entry,
+                index,
+                lanes[:n],
+                prefix_value[n],
+                slope * n,
+                batch - n,
+                prefix_lru[n],
+                0,
+                ctx,
+            )
+        )
+
+
+def prompt_lane_value(lane: LaneView, tokens: int, beta: float) -> float:
+    """Consumed uncached prompt tokens, plus the one output token a chunk ending the
+    prefill commits (:func:`~runtime.coordinator.utility.prompt_chunk_value`).
+    ``beta`` is the output-token value already folded into ``lane.finish_value``."""
+    del beta
+    return prompt_chunk_value(
+        lane.prompt_pos,
+        tokens,
+        lane.request.prefill_target,
+        lane.history_end,
+        lane.token_price,
+        lane.finish_value,
+    )
+
+
+def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
+    """Per mixed shape: the best decode-only cohort, and the best prompt row plus
+    the highest-value decoders fitting the remaining rows.
+
+    Width-one shapes only: wider verification rows join with speculative rounds.
+    Dominance (same cohort, same prompt row and prompt tokens, capacities all at
+    least as large) is applied per prompt row before the best row of a shape is
+    chosen, so a row whose work fits a smaller shape never lends that larger
+    shape its value.  The exploration rule works on each batch's prompt ladder:
+    an unmeasured capacity is skipped when a smaller capacity of that batch
+    already reaches the row's next endpoint.
+    """
+    layout = ctx.catalog.derived(
+        "reference-mixed", lambda: _MixedLayout(ctx.catalog), per_version=False
+    )
+    if not layout.batches or not (ctx.decode or ctx.prefill):
+        return
+    prefix_value, prefix_lru = ctx.sort_decoders()
+    n_dec = len(ctx.decode)
+    slope = ctx.decode_age_slope
+    beta = ctx.beta
+    by_batch, batches = layout.by_batch, layout.batches
+    signature = ctx.catalog.derived("reference-mixed-signature", layout.signature)
+
+    # Decode-only populations: the prompt capacity is padding, so per batch only
+    # the smallest capacity stays, and batches stop at the first that covers
+    # every decoder.
+    for batch in batches:
+        if not n_dec:
+            break
+        index, entry = by_batch[batch][0]
+        n = min(batch, n_dec)
+        desc = entry.descriptor
+        padding = desc.prompt_capacity + (batch - 1) - n
+        out.append(
+            Candidate(
+                entry, index, ctx.decode[:n], prefix_value[n], slope * n, padding,
+                prefix_lru[n], 0, ctx,
+            )
+        )  # fmt: skip
+        if batch >= n_dec:
+            break
+
+    if not ctx.prefill:
+        return
+    # Prompt row + decoders.  A row's prompt value does not depend on the batch,
+    # so batches whose ladders look alike (same capacities, same measured state)
+    # share one pass over the rows.  Below `cover` every batch serves a
+    # different number of decoders, so only capacities compete there; beyond
+    # it the decoders are the same as on `cover`, so a batch with cover's
+    # ladder is dominated outright and any other one is checked row by row.
+    cover = next((b for b in batches if b - 1 >= n_dec), batches[-1])
+    beyond = [b for b in batches if b > cover and signature[b] != signature[cover]]
+    kept: dict[int, dict[int, int]] | None = {} if beyond else None
+    shared: dict[tuple, list] = {}
+    for batch in batches:
+        ladder = by_batch[batch]
+        if batch < cover or (batch == cover and kept is None):
+            rows = shared.get(signature[batch])
+            if rows is None:
+                rows = shared[signature[batch]] = _best_rows(ladder, ctx.prefill, beta, None)
+        elif batch == cover or batch in beyond:
+            rows = _best_rows(ladder, ctx.prefill, beta, kept)
+        else:
+            continue  # the same rows, work and decoders as on `cover`: dominated
+        n = min(batch - 1, n_dec)
+        cohort = ctx.decode[:n]
+        for (index, entry), row in zip(ladder, rows):
+            if row is None:
+                continue
+            value, _, lane, tokens = row
+            desc = entry.descriptor
+            padding = desc.prompt_capacity - tokens + (batch - 1) - n
+            out.append(
+                Candidate(
+                    entry, index, [lane, *cohort], value + prefix_value[n], slope * n, padding,
+                    max(lane.lru, prefix_lru[n]), tokens, ctx, 0,
+                )
+            )  # fmt: skip
+
+
+class _MixedLayout:
+    """The width-one mixed shapes by batch, each batch's prompt ladder ascending
+    (fixed with the catalog), and each ladder's signature: its capacities and
+    which are measured (per estimate change)."""
+
+    def __init__(self, catalog: CostCatalog) -> None:
+        entries = [e for e in catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity == 1]
+        self.by_batch: dict[int, list[tuple[int, CostEntry]]] = {}
+        for index, entry in enumerate(entries):
+            self.by_batch.setdefault(entry.descriptor.batch_capacity, []).append((index, entry))
+        for ladder in self.by_batch.values():
+            ladder.sort(key=lambda item: item[1].descriptor.prompt_capacity)
+        self.batches = sorted(self.by_batch)
+        self.capacities = {
+            b: tuple(e.descriptor.prompt_capacity for _, e in ladder)
+            for b, ladder in self.by_batch.items()
+        }
+
+    def signature(self) -> dict[int, tuple]:
+        """Per batch: its capacities and which are measured (estimate > 0)."""
+        return {
+            b: (self.capacities[b], tuple(e.estimate_ns > 0 for _, e in ladder))
+            for b, ladder in self.by_batch.items()
+        }
+
+
+def _best_rows(
+    ladder: list[tuple[int, CostEntry]],
+    lanes: list[LaneView],
+    beta: float,
+    kept: dict[int, dict[int, int]] | None,
+) -> list[tuple[float, int, LaneView, int] | None]:
+    """Per capacity of one batch's ladder, the best undominated prompt row:
+    (prompt value, -lru, row, tokens), or None.
+
+    A row stops at the first kept capacity that covers its available tokens
+    (larger ones do the same work); the exploration rule skips an unmeasured
+    capacity once a smaller one of the ladder reaches the row's endpoint.
+    ``kept`` (row index -> tokens -> smallest capacity) carries the work rows
+    already do with the same decoders on a smaller batch: the same work on a
+    capacity at least as large is dominated.
+    """
+    best: list[tuple[float, int, LaneView, int] | None] = [None] * len(ladder)
+    for i, lane in enumerate(lanes):
+        avail, to_end = lane.available, lane.to_endpoint
+        done = None if kept is None else kept.setdefault(i, {})
+        previous = 0  # largest smaller capacity of this ladder seen, kept or not
+        for pos, (_, entry) in enumerate(ladder):
+            capacity = entry.descriptor.prompt_capacity
+            if not entry.known and previous >= to_end:
+                previous = capacity
+                continue  # exploration: a smaller capacity reaches the endpoint
+            previous = capacity
+            tokens = capacity if capacity < avail else avail
+            if done is not None:
+                held = done.get(tokens)
+                if held is not None and held <= capacity:
+                    if capacity >= avail:
+                        break
+                    continue  # dominated: the same work on a smaller batch
+                done[tokens] = capacity
+            value = prompt_lane_value(lane, tokens, beta)
+            current = best[pos]
+            if current is None or (value, -lane.lru) > current[:2]:
+                best[pos] = (value, -lane.lru, lane, tokens)
+            if capacity >= avail:
+                break  # larger capacities of this ladder do the same work
+    return best
+
+
+CANDIDATE_BUILDERS = (prefill_candidates, decode_candidates, mixed_candidates)
+
+
+def candidates(ctx: SelectionContext) -> list[Candidate]:
+    out: list[Candidate] = []
+    for build in CANDIDATE_BUILDERS:
+        build(ctx, out)
+    return out
+
+
+def best(cands: list[Candidate]) -> Candidate | None:
+    return max(cands, key=Candidate.rank_key) if cands else None

@@ -1,0 +1,472 @@
+"""The reference copy of ``runtime/coordinator/rounds.py`` (issue 25): see
+``tests/support/reference/__init__.py``.
+
+Speculative round candidates (spec, "Speculative graph coverage", "Useful service
+and selection", "Completed confidence and acceptance").
+
+A speculative program has request capacity B, proposal depth D, per-request
+target capacity W (the pending token included) and aggregate target capacity P.
+A lane's *query length* q is the target rows it gets: it offers q - 1 proposals
+and commits between 1 and q tokens (the accepted proposals plus the correction
+or bonus token).  Its ceiling is min(D + 1, W, remaining output), and a queued
+lane advances by at most that many tokens (``Request.inflight_output``).
+
+Selection values a lane at query length q with the request's prefix-survival
+means s_i (:mod:`runtime.coordinator.speculation`): expected output
+E(q) = 1 + sum_{i<q} s_i, scored with each s_i raised to
+``adaptive_verification_alpha``; the plan's projections use the plain values.
+Its value is the decode lane value with E(q) output tokens and one delivery
+(a visible burst is one delivery whatever its length).
+
+Allocation of a QueryLength program is on the host (lengths fixed before any
+proposal is drawn):
+
+* a rectangular program (P = B x W) gives every lane of its cohort its
+  complete prefix, its ceiling; the cohort is the B lanes of highest value;
+* a ragged program (P < B x W) evaluates every cohort prefix (1 .. B lanes,
+  while the pending rows fit P) under the spec's three orderings (total lane
+  value, pending-token delivery value, value per target row), each cohort
+  priced with its causal allocation: every lane gets its
+  pending row, then the remaining P rows go one at a time to the lane whose
+  next row adds the most expected value (a survival frontier, so rows extend
+  prefixes in order), ties to the shorter prefix, then the lower slot.
+
+A device-allocated program (``GraphDescriptor.device_allocated``, the
+SpeculativePrefixLimit binding; adaptive selection only) gets each lane's
+ceiling, and the program allocates its P rows itself, admitting the best
+immediate causal frontier by joint prefix probability (ties: the shorter
+prefix, then the lower slot).  The host prices a cohort with the allocation
+the program is expected to make: the same frontier rule over the requests'
+confidence forecasts (``forecast``), and the acceptance means for the value.
+
+Mixed programs of width W > 1 (:func:`wide_mixed_candidates`) compete like
+separate speculative programs: their decode rows are rectangular round lanes
+(complete prefixes), beside at most one prompt row, the best undominated one
+for the shape's prompt capacity; a decode-only cohort competes too.
+
+Dominance: candidates of one kind with the same cohort, the same query lengths
+and the same actual proposal depth (mixed: also the same prompt row and prompt
+tokens) keep only physical shapes not larger in every capacity than an
+alternative (timing estimates cannot make padding win).
+Under fixed-width execution (``SchedulerConfig.fixed_speculative_width``) only
+programs of that width compete, with complete prefixes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+
+from runtime.catalog import GraphKind
+from tests.support.reference.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
+
+# Survival means s_1..s_n of a request's current proposal source.
+SurvivalFn = Callable[[LaneView, int], Sequence[float]]
+
+
+def ceiling(lane: LaneView, width: int, depth: int) -> int:
+    """The most target rows ``lane`` can use: min(D + 1, W, output left after
+    what queued frames may still add, the rows its KV pages hold)."""
+    r = lane.request
+    left = min(r.remaining_output - r.inflight_output, lane.room)
+    return max(0, min(depth + 1, width, left))
+
+
+def _gains(lane: LaneView, survival: Sequence[float], alpha: float, beta: float) -> list[float]:
+    """The scored value each further row adds: s_i**alpha * (beta + f/x), i = 1.."""
+    price = beta + lane.token_price
+    return [(s**alpha if s > 0 else 0.0) * price for s in survival]
+
+
+def complete_prefix_value(
+    lane: LaneView, desc, survival: SurvivalFn, alpha: float, beta: float
+) -> float:
+    """``lane``'s value on round program ``desc`` at its complete prefix (its
+    ceiling): what a restore's following round program is scored with."""
+    limit = ceiling(lane, desc.token_capacity, desc.proposal_depth)
+    if limit <= 1:
+        return lane.decode_value
+    gains = _gains(lane, survival(lane, limit - 1), alpha, beta)
+    return lane.decode_value + sum(gains[: limit - 1])
+
+
+class _Lane:
+    """A decoder with its ceiling, the scored value of each extra row, and the
+    key the allocation ranks its next row by (the gains, or the forecast joint
+    prefix probabilities of a device-allocated program)."""
+
+    __slots__ = ("base", "gains", "limit", "order", "prefix", "view")
+
+    def __init__(
+        self,
+        view: LaneView,
+        limit: int,
+        gains: Sequence[float],
+        order: Sequence[float] | None = None,
+        prefix: Sequence[float] | None = None,
+    ) -> None:
+        self.view = view
+        self.limit = limit
+        self.gains = gains
+        self.order = gains if order is None else order
+        self.base = view.decode_value  # one token, one delivery, the age value
+        if prefix is None:
+            prefix = [0.0]
+            for g in gains:
+                prefix.append(prefix[-1] + g)
+        self.prefix = prefix  # prefix[k]: the value rows 2..k+1 add
+
+    def value(self, rows: int) -> float:
+        return self.base + self.prefix[min(rows, len(self.prefix)) - 1]
+
+    def slot(self) -> int:
+        return self.view.request.slot
+
+
+class _LaneTable:
+    """The decoders of one decision with their survival read once at the deepest
+    depth any program offers (``survival`` and ``forecast`` are called once per
+    request per decision, not per program), and their lanes per (W, D, value
+    source), built once."""
+
+    def __init__(
+        self,
+        ctx: SelectionContext,
+        survival: SurvivalFn,
+        alpha: float,
+        depth: int,
+        forecast: SurvivalFn | None,
+    ) -> None:
+        self.views = ctx.decode
+        self.gains: list[list[float]] = []
+        self.prefix: list[list[float]] = []
+        for view in self.views:
+            gains = _gains(view, survival(view, depth), alpha, ctx.beta) if depth > 0 else []
+            prefix = [0.0]
+            for g in gains:
+                prefix.append(prefix[-1] + g)
+            self.gains.append(gains)
+            self.prefix.append(prefix)
+        self._forecast = forecast
+        self._depth = depth
+        self._orders: list[Sequence[float]] | None = None
+        self._lanes: dict[tuple[int, int, bool], list[_Lane]] = {}
+
+    def lanes(self, width: int, depth: int, device: bool) -> list[_Lane]:
+        key = (width, depth, device)
+        held = self._lanes.get(key)
+        if held is None:
+            orders = self._orders_for() if device else None
+            held = []
+            for i, view in enumerate(self.views):
+                limit = ceiling(view, width, depth)
+                if limit < 1:
+                    continue
+                gains, prefix = self.gains[i], self.prefix[i]
+                order = None if orders is None else orders[i]
+                held.append(_Lane(view, limit, gains[: limit - 1], order, prefix[:limit]))
+            self._lanes[key] = held
+        return held
+
+    def _orders_for(self) -> list[Sequence[float]]:
+        if self._orders is None:
+            forecast = self._forecast
+            assert forecast is not None
+            self._orders = [forecast(view, self._depth) for view in self.views]
+        return self._orders
+
+
+def _deepest(entries, fixed_width: int) -> int:
+    """The most proposals any competing program offers."""
+    return max(
+        (
+            min(e.descriptor.token_capacity, e.descriptor.proposal_depth + 1) - 1
+            for e in entries
+            if not fixed_width or e.descriptor.token_capacity == fixed_width
+        ),
+        default=0,
+    )
+
+
+def _allocate(cohort: Sequence[_Lane], rows: int) -> list[int] | None:
+    """Query lengths for ``cohort`` within ``rows`` target rows (None: it does not fit):
+    each lane its pending row, then the best frontier row while rows are left
+    (a heap: O(rows log lanes))."""
+    if len(cohort) > rows:
+        return None
+    queries = [1] * len(cohort)
+    left = rows - len(cohort)
+    heap = [
+        (-lane.order[0], 1, lane.slot(), i)
+        for i, lane in enumerate(cohort)
+        if lane.limit > 1 and lane.order and lane.order[0] > 0.0
+    ]
+    heapq.heapify(heap)
+    while left > 0 and heap:
+        _, q, slot, i = heapq.heappop(heap)
+        queries[i] = q + 1
+        left -= 1
+        lane = cohort[i]
+        if q + 1 < lane.limit and lane.order[q] > 0.0:
+            heapq.heappush(heap, (-lane.order[q], q + 1, slot, i))
+    return queries
+
+
+def _best_fitting(ranked: Sequence[_Lane], batch: int, rows: int) -> list[_Lane]:
+    """The highest-value cohort of at most ``batch`` lanes whose complete prefixes
+    (each lane's ceiling) sum to at most ``rows``, in ``ranked`` order.
+
+    Exact: lanes of one ceiling enter best first (values are additive, so within
+    a ceiling the cohort takes a prefix of ``ranked``), and a dynamic program over
+    the ceilings (at most W of them) keeps per (lanes, rows) the best value.
+    Ties keep the choice found first: fewer lanes of the smaller ceilings."""
+    by_limit: dict[int, list[_Lane]] = {}
+    for lane in ranked:
+        by_limit.setdefault(lane.limit, []).append(lane)
+    # (lanes, rows) -> (value, lanes taken per ceiling class)
+    states: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {(0, 0): (0.0, ())}
+    for limit in sorted(by_limit):
+        group = by_limit[limit]
+        prefix = [0.0]
+        for lane in group:
+            prefix.append(prefix[-1] + lane.value(limit))
+        grown: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
+        for (n, used), (value, taken) in states.items():
+            most = min(len(group), batch - n, (rows - used) // limit)
+            for k in range(most + 1):
+                key = (n + k, used + k * limit)
+                candidate = (value + prefix[k], (*taken, k))
+                held = grown.get(key)
+                if held is None or candidate[0] > held[0]:
+                    grown[key] = candidate
+        states = grown
+    _, taken = max(states.values(), key=lambda state: state[0])
+    chosen = {id(lane) for limit, k in zip(sorted(by_limit), taken) for lane in by_limit[limit][:k]}
+    return [lane for lane in ranked if id(lane) in chosen]
+
+
+def speculative_candidates(
+    ctx: SelectionContext,
+    out: list[Candidate],
+    survival: SurvivalFn,
+    alpha: float,
+    fixed_width: int = 0,
+    forecast: SurvivalFn | None = None,
+    table: _LaneTable | None = None,
+) -> None:
+    """One candidate per speculative program: its best cohort and query lengths
+    (``Candidate.queries``; a device-allocated program's lanes also carry their
+    ceilings, ``Candidate.ceilings``).  ``table``: the decision's lanes, when
+    the caller already read them (:func:`round_candidates`)."""
+    entries = ctx.catalog.entries(GraphKind.SPECULATIVE)
+    if not entries or not ctx.decode:
+        return
+    slope = ctx.decode_age_slope
+    if table is None:
+        table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+    ranked_rect: dict[tuple[int, int], list[_Lane]] = {}
+    found: list[tuple[tuple, Candidate]] = []
+    for index, entry in enumerate(entries):
+        desc = entry.descriptor
+        b, w, d, p = (
+            desc.batch_capacity,
+            desc.token_capacity,
+            desc.proposal_depth,
+            desc.target_capacity,
+        )
+        device = desc.device_allocated
+        if fixed_width and (w != fixed_width or device):
+            continue  # fixed-width execution: host allocation at that width only
+        if device and forecast is None:
+            continue
+        lanes = table.lanes(w, d, device)
+        if not lanes:
+            continue
+        rectangular = p >= b * w and not device
+        best: tuple[float, list[_Lane], list[int]] | None = None
+        if rectangular or fixed_width:
+            ranked = ranked_rect.get((w, d))
+            if ranked is None:  # one order for every batch of this width and depth
+                ranked = ranked_rect[(w, d)] = sorted(
+                    lanes, key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id)
+                )
+            # Complete prefixes (fixed host allocation): the B best lanes, or on a
+            # ragged program the best cohort whose prefixes fit both B and P.
+            cohort = ranked[:b] if rectangular else _best_fitting(ranked, b, p)
+            if cohort:
+                best = (sum(x.value(x.limit) for x in cohort), cohort, [x.limit for x in cohort])
+        else:
+            orderings = (
+                lambda x: -x.value(x.limit),  # total lane value
+                lambda x: -x.view.delivery_price,  # pending-token delivery value
+                lambda x: -x.value(x.limit) / x.limit,  # value per target row
+            )
+            for order in orderings:
+                ranked = sorted(lanes, key=lambda x: (order(x), x.view.lru, x.slot()))
+                for n in range(1, min(b, len(ranked)) + 1):  # every cohort prefix
+                    cohort = ranked[:n]
+                    queries = _allocate(cohort, p)
+                    if queries is None:
+                        break
+                    value = sum(x.value(q) for x, q in zip(cohort, queries))
+                    if best is None or value > best[0]:
+                        best = (value, cohort, queries)
+        if best is None:
+            continue
+        value, cohort, queries = best
+        candidate = Candidate(
+            entry,
+            index,
+            [x.view for x in cohort],
+            value,
+            slope * len(cohort),
+            p - sum(queries),
+            max(x.view.lru for x in cohort),
+            0,
+            ctx,
+        )
+        candidate.queries = queries
+        if device:
+            candidate.ceilings = [x.limit for x in cohort]
+        key = (tuple(x.view.request.handle.id for x in cohort), tuple(queries), d, device)
+        found.append((key, candidate))
+    out.extend(_undominated(found))
+
+
+def wide_mixed_candidates(
+    ctx: SelectionContext,
+    out: list[Candidate],
+    survival: SurvivalFn,
+    alpha: float,
+    fixed_width: int = 0,
+    table: _LaneTable | None = None,
+) -> None:
+    """Per mixed program of width W > 1: its best decode-only cohort, and per
+    prompt row the row plus the best B - 1 decoders, every decoder on its
+    complete prefix (host allocation within P)."""
+    entries = [e for e in ctx.catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1]
+    if not entries or not (ctx.decode or ctx.prefill):
+        return
+    if table is None:
+        table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), None)
+    found: list[tuple[tuple, Candidate]] = []
+    for index, entry in enumerate(ctx.catalog.entries(GraphKind.MIXED)):
+        desc = entry.descriptor
+        b, w, d, p, c = (desc.batch_capacity, desc.token_capacity, desc.proposal_depth,
+                         desc.target_capacity, desc.prompt_capacity)  # fmt: skip
+        if w == 1 or (fixed_width and w != fixed_width):
+            continue
+        lanes = list(table.lanes(w, d, False))
+        lanes.sort(key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id))
+        decoders = _fit(lanes[:b], p)
+        if decoders:
+            found.append(_mixed(entry, index, ctx, None, 0, 0.0, decoders))
+        for view in ctx.prefill:
+            tokens = min(c, view.available)
+            others = _fit([x for x in lanes if x.view is not view][: b - 1], p)
+            value = prompt_lane_value(view, tokens, ctx.beta)
+            found.append(_mixed(entry, index, ctx, view, tokens, value, others))
+    out.extend(_undominated(found))
+
+
+def round_candidates(
+    ctx: SelectionContext,
+    out: list[Candidate],
+    survival: SurvivalFn,
+    alpha: float,
+    fixed_width: int = 0,
+    forecast: SurvivalFn | None = None,
+) -> None:
+    """Speculative and wide mixed candidates from one read of the decoders'
+    estimates (each request's survival and forecast once per decision)."""
+    catalog = ctx.catalog
+    entries = [
+        *catalog.entries(GraphKind.SPECULATIVE),
+        *(e for e in catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1),
+    ]
+    if not entries:
+        return
+    table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+    speculative_candidates(ctx, out, survival, alpha, fixed_width, forecast, table)
+    wide_mixed_candidates(ctx, out, survival, alpha, fixed_width, table)
+
+
+def _fit(cohort: list[_Lane], rows: int) -> list[_Lane]:
+    """The lanes of ``cohort``, best first, whose complete prefixes fit ``rows``."""
+    kept, used = [], 0
+    for lane in cohort:
+        if used + lane.limit <= rows:
+            kept.append(lane)
+            used += lane.limit
+    return kept
+
+
+def _mixed(
+    entry, index: int, ctx: SelectionContext, prompt: LaneView | None, tokens: int,
+    value: float, cohort: list[_Lane],
+) -> tuple[tuple, Candidate]:  # fmt: skip
+    """A wide mixed candidate (prompt row first, if any) and its dominance key."""
+    desc = entry.descriptor
+    views = ([prompt] if prompt is not None else []) + [x.view for x in cohort]
+    queries = ([0] if prompt is not None else []) + [x.limit for x in cohort]
+    total = value + sum(x.value(x.limit) for x in cohort)
+    padding = (desc.prompt_capacity - tokens) + (desc.batch_capacity - len(views))
+    cand = Candidate(
+        entry, index, views, total, ctx.decode_age_slope * len(cohort), padding,
+        max((v.lru for v in views), default=-1), tokens, ctx, 0 if prompt is not None else -1,
+    )  # fmt: skip
+    cand.queries = queries
+    ids = tuple(v.request.handle.id for v in views)
+    return (ids, tuple(queries), desc.proposal_depth, tokens), cand
+
+
+def _undominated(found: list[tuple[tuple, Candidate]]) -> list[Candidate]:
+    """Drop a shape when another with the same work is no larger in every capacity."""
+    groups: dict[tuple, list[tuple[int, int, int, int]]] = {}
+    for key, cand in found:
+        groups.setdefault(key, []).append(_extents(cand))
+    kept = []
+    for key, cand in found:
+        mine = _extents(cand)
+        if not any(
+            other != mine and all(a >= o for a, o in zip(mine, other)) for other in groups[key]
+        ):
+            kept.append(cand)
+    return kept
+
+
+def _extents(cand: Candidate) -> tuple[int, int, int, int]:
+    desc = cand.entry.descriptor
+    return desc.batch_capacity, desc.token_capacity, desc.target_capacity, desc.prompt_capacity
+
+
+def expected_tokens(survival: Sequence[float], queries: int) -> float:
+    """E(q) = 1 + sum_{i<q} s_i with the plain means (projections, limits)."""
+    return 1.0 + sum(survival[: max(0, queries - 1)])
+
+
+def device_allocation(
+    joint: Sequence[Sequence[float]], ceilings: Sequence[int], slots: Sequence[int], rows: int
+) -> list[int]:
+    """The rows a device-allocated program gives each lane: every lane its pending
+    row, then, while rows are left, the best immediate causal frontier by joint
+    prefix probability (``joint[i][d - 1]`` for lane i's prefix of d proposals),
+    ties to the shorter prefix, then the lower slot; never past a lane's ceiling,
+    and never a zero-probability prefix (a certain rejection).
+    The host recomputes it from the program's confidence sidecar to know what
+    each lane offered."""
+    queries = [1] * len(ceilings)
+    left = rows - len(ceilings)
+    while left > 0:
+        best, best_key = -1, None
+        for i, q in enumerate(queries):
+            if q >= ceilings[i] or q - 1 >= len(joint[i]) or joint[i][q - 1] <= 0.0:
+                continue  # at its ceiling, out of proposals, or a certain rejection
+            key = (joint[i][q - 1], -q, -slots[i])
+            if best_key is None or key > best_key:
+                best, best_key = i, key
+        if best < 0:
+            break
+        queries[best] += 1
+        left -= 1
+    return queries

@@ -1,0 +1,304 @@
+"""The reference copy of ``runtime/coordinator/state_ops.py`` (issue 25): see
+``tests/support/reference/__init__.py``.
+
+State-operation candidates: terminal snapshots and restore prerequisites
+(spec, "Prerequisites and completion"; docs/checkpoints.md, docs/prerequisites.md).
+
+* **Terminal snapshots.**  A request that finished (or that preemption
+  retires) waits, holding its slot and pages, for a SNAPSHOT program (or a
+  RESTORE program's spare row) to retire it: that publishes its pages in the
+  prefix cache, frees them, and completes its response visibly.  A terminal
+  lane of a graph of duration T is worth ``terminal_value +
+  terminal_age_price * sigma * (A + T)``, sigma the snapshot family's
+  batch-feasible reference interval, A its terminal age; the cohort of a
+  snapshot program of capacity B is the B oldest terminal requests.  Terminal
+  work competes through the same value per time as inference.
+* **Restore prerequisites.**  A preempted request resumes with a new
+  generation whose RESTORE row binds its cached pages, runs its copies and
+  restores its step, penalties and history.  It is then *decode-ready* (its
+  pages hold everything but its pending token: the row leaves that token
+  pending) or *prompt-ready* (it recomputes the rest by prefill).  Every pair
+  of a RESTORE shape and a following inference shape is scored jointly:
+  :func:`runtime.coordinator.prerequisites.best_pair` chooses, for fixed
+  shapes, the newly ready rows the following graph serves, the already ready
+  rows beside them and the terminal rows filling the restore's spare rows, and
+  the two-stage sequence is scored over T + F (or its productive first stage
+  over T).  Following shapes: decode; every mixed shape with the prompt row
+  absent, the best already ready one, or one enabled by the restore (a
+  prompt-ready request); prefill of a prompt-ready request; and, when the
+  deployment speculates, the rectangular host-allocated speculative programs.
+  On a round program (speculative, or mixed wider than one) a decoder is worth
+  its complete prefix (``RoundValue``).  Ragged and device-allocated programs
+  do not follow: their lanes share a row budget P, so lane values are not
+  additive and the spec's fixed-pair calculation does not hold for them (the
+  rectangular program of the same width and batch stands in).  Under fixed
+  width only shapes that may run follow: no decode, mixed shapes of another
+  width as prompt-only rows, speculative programs of that width.  Only the
+  restore executes; the plan keeps its own duration T (lookahead time never
+  enters timing or cost learning).
+
+Pure Python: no torch, sockets or clocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.coordinator.config import PolicyConfig
+from runtime.coordinator.cost import CostEntry
+from runtime.coordinator.prerequisites import (
+    PairChoice,
+    best_pair,
+    following_contribution,
+    graph_score,
+    sequence_rate,
+    terminal_contribution,
+    terminal_sequence_contribution,
+)
+from runtime.coordinator.utility import reference_interval_ms
+from tests.support.reference.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
+
+TERMINAL = "terminal"
+RESTORE = "restore"
+
+# A decoder's value on a round program (speculative, or mixed wider than one) at
+# its complete prefix: its decode value plus its scored proposal rows.
+RoundValue = Callable[[LaneView, GraphDescriptor], float]
+
+
+@dataclass(slots=True)
+class StateViews:
+    """The state-operation population of one decision.
+
+    ``terminal``: requests awaiting retirement, oldest first, with their
+    terminal ages (ms, at the planning start).  ``decode_ready``: resumed
+    requests whose restore leaves them decoding, each with its lane as a
+    decoder.  ``prompt_ready``: resumed requests whose restore leaves them
+    prefilling, each with its lane as a prompt row.  ``sigma_ms``: the
+    snapshot family's reference interval for the terminal population.
+    """
+
+    terminal: list[tuple[LaneView, float]]
+    decode_ready: list[LaneView]
+    prompt_ready: list[LaneView]
+    sigma_ms: float
+
+    @property
+    def empty(self) -> bool:
+        return not (self.terminal or self.decode_ready or self.prompt_ready)
+
+
+def snapshot_sigma_ms(ctx: SelectionContext, terminals: int) -> float:
+    """sigma of the snapshot family (SNAPSHOT programs, and RESTORE programs whose
+    rows can retire) for ``terminals`` terminal requests; 0 when unmeasured."""
+    graphs = [
+        (e.estimate_ns / 1e6, e.descriptor.batch_capacity)
+        for kind in (GraphKind.SNAPSHOT, GraphKind.RESTORE)
+        for e in ctx.catalog.entries(kind)
+        if e.known
+    ]
+    return reference_interval_ms(graphs, terminals, terminals)
+
+
+def state_candidates(
+    ctx: SelectionContext,
+    states: StateViews,
+    policy: PolicyConfig,
+    out: list[Candidate],
+    round_value: RoundValue | None = None,
+    fixed_width: int = 0,
+) -> None:
+    """Snapshot candidates and, per restore shape, its best pair, appended to ``out``.
+    ``round_value``: decoders' values on round programs (None: the deployment
+    does not speculate, no round program follows); ``fixed_width``: fixed-width
+    execution at that width (0: adaptive)."""
+    if states.empty:
+        return
+    tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
+    terminals = states.terminal
+    for index, entry in enumerate(ctx.catalog.entries(GraphKind.SNAPSHOT)):
+        if not terminals:
+            break
+        batch = entry.descriptor.batch_capacity
+        cohort = terminals[:batch]
+        value = sum(tv + p * sigma * age for _, age in cohort)
+        cand = Candidate(
+            entry, index, [v for v, _ in cohort], value, p * sigma * len(cohort),
+            batch - len(cohort), 0, 0, ctx,
+        )  # fmt: skip
+        cand.roles = [TERMINAL] * len(cohort)
+        out.append(cand)
+        if batch >= len(terminals):
+            break  # larger capacities only pad
+    if not (states.decode_ready or states.prompt_ready):
+        return
+    follows = list(_follows(ctx, states, round_value is not None, fixed_width))
+    for index, prereq in enumerate(ctx.catalog.entries(GraphKind.RESTORE)):
+        best: Candidate | None = None
+        for cand in _pairs(ctx, states, policy, prereq, index, follows, round_value):
+            if best is None or cand.rank_key() > best.rank_key():
+                best = cand
+        if best is not None:
+            out.append(best)
+
+
+@dataclass(frozen=True, slots=True)
+class _Follow:
+    """A following shape and the prompt row it carries (None: no prompt row)."""
+
+    entry: CostEntry
+    rows: int  # its batch capacity (every row: prompt and decoders)
+    decoders: bool  # whether its other rows may decode
+    prompt: LaneView | None = None
+    enabled: bool = False  # the prompt row is made ready by the restore
+    rounds: bool = False  # its decoders run complete prefixes (RoundValue)
+
+
+def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed_width: int):
+    """The following shapes, with their prompt rows (module docstring)."""
+    catalog = ctx.catalog
+    if fixed_width <= 1:
+        for entry in catalog.entries(GraphKind.DECODE):
+            yield _Follow(entry, entry.descriptor.batch_capacity, True)
+    for entry in catalog.entries(GraphKind.MIXED):
+        desc = entry.descriptor
+        wide = desc.token_capacity > 1
+        if wide and not speculating:
+            continue
+        # Fixed width: a mixed shape of another width runs prompt-only rows.
+        decoders = fixed_width <= 1 or desc.token_capacity == fixed_width
+        rows = desc.batch_capacity if decoders else 1
+        if decoders:
+            yield _Follow(entry, rows, True, rounds=wide)  # the prompt absent
+        ready = _best_ready_row(ctx, desc.prompt_capacity)
+        if ready is not None:  # the best already ready prompt row
+            yield _Follow(entry, rows, decoders, ready, rounds=wide)
+        for lane in states.prompt_ready:  # a prompt row the restore enables
+            yield _Follow(entry, rows, decoders, lane, True, rounds=wide)
+    if speculating:
+        for entry in catalog.entries(GraphKind.SPECULATIVE):
+            desc = entry.descriptor
+            b, w = desc.batch_capacity, desc.token_capacity
+            if desc.device_allocated or desc.target_capacity < b * w:
+                continue  # a shared row budget: lane values are not additive
+            if not fixed_width or w == fixed_width:
+                yield _Follow(entry, b, True, rounds=True)
+    for entry in catalog.entries(GraphKind.PREFILL):
+        for lane in states.prompt_ready:
+            yield _Follow(entry, 1, False, lane, True)
+
+
+def _best_ready_row(ctx: SelectionContext, capacity: int) -> LaneView | None:
+    """The already ready prompt row worth most on a mixed shape of ``capacity``
+    prompt tokens (its value does not depend on the decoders beside it; ties: the
+    less recently served, then the first resident)."""
+    best, best_key = None, None
+    for lane in ctx.prefill:
+        key = (prompt_lane_value(lane, min(lane.available, capacity), ctx.beta), -lane.lru)
+        if best_key is None or key > best_key:
+            best, best_key = lane, key
+    return best
+
+
+# A forced newly ready row (an enabled prompt row) sorts first in best_pair.
+_FORCED = 1e30
+
+
+def _pairs(
+    ctx: SelectionContext,
+    states: StateViews,
+    policy: PolicyConfig,
+    prereq: CostEntry,
+    index: int,
+    follows: list[_Follow],
+    round_value: RoundValue | None,
+):
+    """Each following shape's exact best joint cohort with ``prereq``, as a candidate."""
+    t_ms = prereq.estimate_ns / 1e6 if prereq.known else 0.0
+    tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
+    slope = ctx.decode_age_slope
+    for follow in follows:
+        f_ms = follow.entry.estimate_ns / 1e6 if follow.entry.known else 0.0
+        newly: list[float] = []
+        ready: list[float] = []
+        if follow.decoders:
+            desc = follow.entry.descriptor
+            if follow.rounds:
+                assert round_value is not None  # round shapes follow only when speculating
+                newly = [round_value(v, desc) for v in states.decode_ready]
+                ready = [round_value(v, desc) for v in ctx.decode]
+            else:
+                newly = [v.decode_value for v in states.decode_ready]
+                ready = [v.decode_value for v in ctx.decode]
+            newly = [following_contribution(x, slope, t_ms, f_ms) for x in newly]
+            ready = [following_contribution(x, slope, t_ms, f_ms) for x in ready]
+        term = [terminal_sequence_contribution(tv, p, sigma, age, t_ms, f_ms)
+                for _, age in states.terminal]  # fmt: skip
+        extra = 0.0
+        rows = follow.rows
+        prompt = follow.prompt
+        if prompt is not None:
+            tokens = min(prompt.available, follow.entry.descriptor.prompt_capacity)
+            extra = prompt_lane_value(prompt, tokens, ctx.beta)
+        if follow.enabled:  # the prompt row is the newly ready row that must participate
+            choice = best_pair([_FORCED, *newly], ready, term, prereq.descriptor.batch_capacity,
+                               rows)  # fmt: skip
+            offset = 1
+        else:
+            if prompt is not None:
+                rows -= 1
+            choice = best_pair(newly, ready, term, prereq.descriptor.batch_capacity, rows)
+            offset = 0
+        if choice is None:
+            continue
+        restored: list[LaneView] = []
+        for i in (*choice.newly_ready, *choice.advanced):
+            if offset and i == 0:
+                assert prompt is not None  # the enabled prompt row is newly ready row 0
+                restored.append(prompt)
+            else:
+                restored.append(states.decode_ready[i - offset])
+        total = choice.value - (_FORCED if offset else 0.0) + extra
+        yield _candidate(ctx, prereq, index, t_ms, f_ms, states, choice, restored, total, policy)
+
+
+def _candidate(
+    ctx: SelectionContext,
+    prereq: CostEntry,
+    index: int,
+    t_ms: float,
+    f_ms: float,
+    states: StateViews,
+    choice: PairChoice,
+    restored: list[LaneView],
+    total: float,
+    policy: PolicyConfig,
+) -> Candidate:
+    """The restore program's candidate for a scored pair: its lanes are the
+    restored rows and the terminal rows; its score is the two-stage sequence's
+    value per time over T + F, or its productive first stage's over T when
+    that is higher (terminal rows only; setup alone earns nothing)."""
+    terminal = [states.terminal[i] for i in choice.terminal]
+    lanes = restored + [view for view, _ in terminal]
+    cand = Candidate(
+        prereq, index, lanes, total, 0.0, prereq.descriptor.batch_capacity - len(lanes),
+        0, 0, ctx,
+    )  # fmt: skip
+    cand.roles = [RESTORE] * len(restored) + [TERMINAL] * len(terminal)
+    if t_ms <= 0.0 or f_ms <= 0.0:
+        cand.unknown, cand.score = True, total  # unknown durations: by useful value
+        return cand
+    active = ctx.active_age_price
+    cand.unknown, cand.score = False, sequence_rate(total, t_ms, f_ms, active)
+    if terminal:
+        first = sum(
+            terminal_contribution(
+                policy.terminal_value, policy.terminal_age_price, states.sigma_ms, age, t_ms
+            )
+            for _, age in terminal
+        )
+        prefix = graph_score(first, 0.0, t_ms, active)
+        cand.score = max(cand.score, prefix.score)
+    return cand
