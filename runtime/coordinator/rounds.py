@@ -51,10 +51,10 @@ programs of that width compete, with complete prefixes.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 
 from runtime.catalog import GraphKind
+from runtime.coordinator.causal import CausalSearch
 from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
 
 # Survival means s_1..s_n of a request's current proposal source.
@@ -92,7 +92,7 @@ class _Lane:
     key the allocation ranks its next row by (the gains, or the forecast joint
     prefix probabilities of a device-allocated program)."""
 
-    __slots__ = ("base", "gains", "limit", "order", "prefix", "view")
+    __slots__ = ("base", "full", "gains", "limit", "order", "prefix", "view")
 
     def __init__(
         self,
@@ -112,6 +112,7 @@ class _Lane:
             for g in gains:
                 prefix.append(prefix[-1] + g)
         self.prefix = prefix  # prefix[k]: the value rows 2..k+1 add
+        self.full = self.value(limit)  # its value at its complete prefix
 
     def value(self, rows: int) -> float:
         return self.base + self.prefix[min(rows, len(self.prefix)) - 1]
@@ -148,6 +149,7 @@ class _LaneTable:
         self._depth = depth
         self._orders: list[Sequence[float]] | None = None
         self._lanes: dict[tuple[int, int, bool], list[_Lane]] = {}
+        self._causal: dict[tuple[int, int, bool], CausalSearch] = {}
 
     def lanes(self, width: int, depth: int, device: bool) -> list[_Lane]:
         key = (width, depth, device)
@@ -165,12 +167,32 @@ class _LaneTable:
             self._lanes[key] = held
         return held
 
+    def causal(
+        self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
+    ) -> CausalSearch:
+        """The cohort search of the causally allocated ``programs`` (B, P) of (W, D)."""
+        key = (width, depth, device)
+        held = self._causal.get(key)
+        if held is None:
+            lanes = self.lanes(width, depth, device)
+            held = self._causal[key] = CausalSearch(lanes, ORDERINGS, programs)
+        return held
+
     def _orders_for(self) -> list[Sequence[float]]:
         if self._orders is None:
             forecast = self._forecast
             assert forecast is not None
             self._orders = [forecast(view, self._depth) for view in self.views]
         return self._orders
+
+
+# The spec's three bounded orderings of a causally allocated program's cohort
+# prefixes, each a sort key (ties: the less recently served, then the slot).
+ORDERINGS = (
+    lambda x: (-x.full, x.view.lru, x.slot()),  # total lane value
+    lambda x: (-x.view.delivery_price, x.view.lru, x.slot()),  # pending-token delivery value
+    lambda x: (-x.full / x.limit, x.view.lru, x.slot()),  # value per target row
+)
 
 
 def _deepest(entries, fixed_width: int) -> int:
@@ -185,28 +207,12 @@ def _deepest(entries, fixed_width: int) -> int:
     )
 
 
-def _allocate(cohort: Sequence[_Lane], rows: int) -> list[int] | None:
-    """Query lengths for ``cohort`` within ``rows`` target rows (None: it does not fit):
-    each lane its pending row, then the best frontier row while rows are left
-    (a heap: O(rows log lanes))."""
-    if len(cohort) > rows:
-        return None
-    queries = [1] * len(cohort)
-    left = rows - len(cohort)
-    heap = [
-        (-lane.order[0], 1, lane.slot(), i)
-        for i, lane in enumerate(cohort)
-        if lane.limit > 1 and lane.order and lane.order[0] > 0.0
-    ]
-    heapq.heapify(heap)
-    while left > 0 and heap:
-        _, q, slot, i = heapq.heappop(heap)
-        queries[i] = q + 1
-        left -= 1
-        lane = cohort[i]
-        if q + 1 < lane.limit and lane.order[q] > 0.0:
-            heapq.heappush(heap, (-lane.order[q], q + 1, slot, i))
-    return queries
+def _competes(desc, fixed_width: int, forecast: SurvivalFn | None) -> bool:
+    """Whether speculative program ``desc`` competes in this decision: under fixed
+    width only host programs of that width; device allocation needs forecasts."""
+    if fixed_width and (desc.token_capacity != fixed_width or desc.device_allocated):
+        return False
+    return not (desc.device_allocated and forecast is None)
 
 
 def _best_fitting(ranked: Sequence[_Lane], batch: int, rows: int) -> list[_Lane]:
@@ -263,7 +269,20 @@ def speculative_candidates(
         table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
     ranked_rect: dict[tuple[int, int], list[_Lane]] = {}
     found: list[tuple[tuple, Candidate]] = []
-    for index, entry in enumerate(entries):
+    competing = [(i, e) for i, e in enumerate(entries) if _competes(e.descriptor, fixed_width,
+                                                                    forecast)]  # fmt: skip
+    causal: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
+    for _, entry in competing:
+        desc = entry.descriptor
+        b, w, d, p = (
+            desc.batch_capacity,
+            desc.token_capacity,
+            desc.proposal_depth,
+            desc.target_capacity,
+        )
+        if not fixed_width and (desc.device_allocated or p < b * w):
+            causal.setdefault((w, d, desc.device_allocated), []).append((b, p))
+    for index, entry in competing:
         desc = entry.descriptor
         b, w, d, p = (
             desc.batch_capacity,
@@ -272,10 +291,6 @@ def speculative_candidates(
             desc.target_capacity,
         )
         device = desc.device_allocated
-        if fixed_width and (w != fixed_width or device):
-            continue  # fixed-width execution: host allocation at that width only
-        if device and forecast is None:
-            continue
         lanes = table.lanes(w, d, device)
         if not lanes:
             continue
@@ -285,29 +300,15 @@ def speculative_candidates(
             ranked = ranked_rect.get((w, d))
             if ranked is None:  # one order for every batch of this width and depth
                 ranked = ranked_rect[(w, d)] = sorted(
-                    lanes, key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id)
+                    lanes, key=lambda x: (-x.full, x.view.lru, x.view.request.handle.id)
                 )
             # Complete prefixes (fixed host allocation): the B best lanes, or on a
             # ragged program the best cohort whose prefixes fit both B and P.
             cohort = ranked[:b] if rectangular else _best_fitting(ranked, b, p)
             if cohort:
-                best = (sum(x.value(x.limit) for x in cohort), cohort, [x.limit for x in cohort])
-        else:
-            orderings = (
-                lambda x: -x.value(x.limit),  # total lane value
-                lambda x: -x.view.delivery_price,  # pending-token delivery value
-                lambda x: -x.value(x.limit) / x.limit,  # value per target row
-            )
-            for order in orderings:
-                ranked = sorted(lanes, key=lambda x: (order(x), x.view.lru, x.slot()))
-                for n in range(1, min(b, len(ranked)) + 1):  # every cohort prefix
-                    cohort = ranked[:n]
-                    queries = _allocate(cohort, p)
-                    if queries is None:
-                        break
-                    value = sum(x.value(q) for x, q in zip(cohort, queries))
-                    if best is None or value > best[0]:
-                        best = (value, cohort, queries)
+                best = (sum(x.full for x in cohort), cohort, [x.limit for x in cohort])
+        else:  # causal allocation: the search shared by this width's programs
+            best = table.causal(w, d, device, causal[(w, d, device)]).best(b, p)
         if best is None:
             continue
         value, cohort, queries = best
@@ -354,7 +355,7 @@ def wide_mixed_candidates(
         if w == 1 or (fixed_width and w != fixed_width):
             continue
         lanes = list(table.lanes(w, d, False))
-        lanes.sort(key=lambda x: (-x.value(x.limit), x.view.lru, x.view.request.handle.id))
+        lanes.sort(key=lambda x: (-x.full, x.view.lru, x.view.request.handle.id))
         decoders = _fit(lanes[:b], p)
         if decoders:
             found.append(_mixed(entry, index, ctx, None, 0, 0.0, decoders))
@@ -406,7 +407,7 @@ def _mixed(
     desc = entry.descriptor
     views = ([prompt] if prompt is not None else []) + [x.view for x in cohort]
     queries = ([0] if prompt is not None else []) + [x.limit for x in cohort]
-    total = value + sum(x.value(x.limit) for x in cohort)
+    total = value + sum(x.full for x in cohort)
     padding = (desc.prompt_capacity - tokens) + (desc.batch_capacity - len(views))
     cand = Candidate(
         entry, index, views, total, ctx.decode_age_slope * len(cohort), padding,
