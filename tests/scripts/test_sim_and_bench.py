@@ -79,6 +79,10 @@ def test_bench_scheduler_prints_json_last():
         assert result[f"plan_us_median_{n}"] > 0
         assert result[f"plan_us_p99_{n}"] >= result[f"plan_us_median_{n}"]
     assert result["catalog_descriptors"] >= 180
+    assert result["commit_us_median_64"] > 0 and result["complete_us_median_64"] > 0
+    missed = [k for k, bound in result["goals_us"].items() if result[k] > bound]
+    assert result["goals_missed"] == sorted(missed)
+    assert result["goal_met"] is (not missed)
 
 
 def test_config_files_match_presets():
