@@ -39,14 +39,14 @@ from collections.abc import Callable
 
 __all__ = [
     "DEFAULT_BURST",
-    "DEFAULT_INTERVAL_S",
+    "RATE_LIMIT_WINDOW_S",
     "RateLimitFilter",
     "basic_config",
     "install_rate_limit",
 ]
 
 DEFAULT_BURST = 10
-DEFAULT_INTERVAL_S = 10.0
+RATE_LIMIT_WINDOW_S = 10.0
 MAX_KINDS = 4096  # kinds tracked at once; the oldest windows are forgotten beyond
 _DIGITS = re.compile(r"\d+")
 _SUMMARY_ATTR = "flare_rate_limit_summary"
@@ -72,7 +72,7 @@ class RateLimitFilter(logging.Filter):
     def __init__(
         self,
         burst: int = DEFAULT_BURST,
-        interval_s: float = DEFAULT_INTERVAL_S,
+        interval_s: float = RATE_LIMIT_WINDOW_S,
         emit: Callable[[logging.LogRecord], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -215,7 +215,7 @@ def install_rate_limit(
     target: logging.Handler | logging.Logger | None = None,
     *,
     burst: int = DEFAULT_BURST,
-    interval_s: float = DEFAULT_INTERVAL_S,
+    interval_s: float = RATE_LIMIT_WINDOW_S,
 ) -> list[RateLimitFilter]:
     """Rate-limit what ``target`` writes: a handler, or each handler of a logger
     (the root logger when None).  At most ``burst`` records of one kind (logger,

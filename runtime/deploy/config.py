@@ -21,7 +21,7 @@ from runtime.deploy.external import ExternalRanks
 from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
 from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.speculation import SpeculationConfig
-from runtime.transport.liveness import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, LivenessConfig
+from runtime.transport.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, LivenessConfig
 from runtime.transport.security import ServerKeys
 
 DEFAULT_SPIN_US = 200
@@ -66,8 +66,8 @@ class DeploymentConfig:
     frame_timeout_margin_s: float = 60.0
     # Liveness (runtime/transport/liveness.py) and the coordinator's per-frame
     # watchdog (EngineConfig.frame_watchdog_*), looser than the ranks' own.
-    heartbeat_interval_s: float = DEFAULT_INTERVAL_S
-    heartbeat_timeout_s: float = DEFAULT_TIMEOUT_S
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S
     frame_watchdog_multiple: float = DEFAULT_WATCHDOG_MULTIPLE
     frame_watchdog_margin_s: float = DEFAULT_WATCHDOG_MARGIN_S
     frame_watchdog_floor_s: float = DEFAULT_WATCHDOG_FLOOR_S

@@ -18,7 +18,7 @@ from typing import TextIO, TypeVar
 
 from runtime.loadgen.client import RequestRecord
 
-DEFAULT_INTERVAL_S = 5.0
+PROGRESS_INTERVAL_S = 5.0
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ class ProgressLines:
     ) -> None:
         self.total = total
         self.stream = stream if stream is not None else sys.stderr
-        self.interval_s = DEFAULT_INTERVAL_S if interval_s is None else interval_s
+        self.interval_s = PROGRESS_INTERVAL_S if interval_s is None else interval_s
         self.clock = clock
         self.started = clock()
         self.done = 0

@@ -18,8 +18,7 @@ from runtime.ranks.sampling import (
     sampling_distribution,
     uniform_noise,
 )
-
-PROPOSERS = ("draft", "copy")
+from runtime.speculation import PROPOSERS
 
 
 @dataclass(frozen=True)

@@ -32,9 +32,10 @@ from typing import Any
 
 from runtime.coordinator.plan import ScheduledPlan, TraceRecord
 from runtime.trace.clocks import ClockEstimate
+from runtime.transport.completion import STAGE_NAMES
 
 # Stage names of Completion.stage_ns, in order (the ranks' host stages).
-STAGES = ("receive", "validate", "pack", "launch", "wait", "publish")
+STAGES = STAGE_NAMES  # a rank's host stages, as its completion carries them
 
 
 def lane_columns(plan: ScheduledPlan, rank0: Any) -> dict[str, list]:

@@ -31,6 +31,7 @@ from typing import Any, ClassVar, TypeVar
 from runtime.transport.completion import MAX_LANE_TOKENS
 from runtime.transport.fields import (
     INT32_MAX,
+    MAX_ERROR_CHARS,
     MAX_SEQUENCE,
     ProtocolError,
     check_choice,
@@ -43,11 +44,9 @@ from runtime.transport.fields import (
     parse_nested,
     set_field,
 )
-from runtime.transport.sampling import SamplingParams
+from runtime.transport.sampling import MAX_LOGPROBS, SamplingParams
 
-MAX_LOGPROBS = 20
 OUTPUT_FINISH_REASONS = ("stop", "length", "cancelled", "aborted", "error", "refused")
-MAX_ERROR_CHARS = 4096
 MAX_STATUS_VALUES = 1024
 MAX_NAME = 256
 MAX_SALT_CHARS = 256

@@ -49,8 +49,8 @@ from runtime.transport.fields import ProtocolError
 
 log = logging.getLogger("runtime.transport.liveness")
 
-DEFAULT_INTERVAL_S = 1.0
-DEFAULT_TIMEOUT_S = 10.0
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TIMEOUT_S = 10.0
 COORDINATOR_GONE_EXIT_CODE = 4  # a rank whose coordinator stopped answering
 MAX_POLL_S = 0.2  # the longest a thread waits before looking at its stop flag
 # After the coordinator's farewell a rank waits this long for its frames to end
@@ -65,8 +65,8 @@ class LivenessConfig:
     """Heartbeat settings, the same on both sides: one every ``interval_s``; a
     peer silent for ``timeout_s`` is gone (``timeout_s`` > ``interval_s``)."""
 
-    interval_s: float = DEFAULT_INTERVAL_S
-    timeout_s: float = DEFAULT_TIMEOUT_S
+    interval_s: float = HEARTBEAT_INTERVAL_S
+    timeout_s: float = HEARTBEAT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in ("interval_s", "timeout_s"):
@@ -378,8 +378,8 @@ class RankHeartbeat(_Beat):
 
 __all__ = [
     "COORDINATOR_GONE_EXIT_CODE",
-    "DEFAULT_INTERVAL_S",
-    "DEFAULT_TIMEOUT_S",
+    "HEARTBEAT_INTERVAL_S",
+    "HEARTBEAT_TIMEOUT_S",
     "CoordinatorLiveness",
     "LivenessConfig",
     "RankHeartbeat",

@@ -271,7 +271,7 @@ def test_without_a_terminal_progress_is_a_line_every_few_seconds(fake, capsys, m
     """stderr is no terminal under pytest: lines, not a bar; here one every 50 ms."""
     url, behaviour = fake
     behaviour.first_delay, behaviour.gap = 0.05, 0.05
-    monkeypatch.setattr(progress, "DEFAULT_INTERVAL_S", 0.05)
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.05)
     argv = ["--num-requests", "4", "--concurrency", "2", "--output-len", "4"]
     assert main(["--base-url", url, "--seed", "3", *argv]) == 0
     err = capsys.readouterr().err

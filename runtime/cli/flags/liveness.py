@@ -28,7 +28,7 @@ from runtime.coordinator.engine.config import (
     DEFAULT_WATCHDOG_MARGIN_S,
     DEFAULT_WATCHDOG_MULTIPLE,
 )
-from runtime.transport.liveness import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S
+from runtime.transport.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 
 HEARTBEAT_ENDPOINT_ENV = "FLARE_HEARTBEAT_ENDPOINT"
 
@@ -40,14 +40,14 @@ def add_heartbeat_flags(parser: argparse.ArgumentParser | argparse._ArgumentGrou
         "--heartbeat-interval",
         metavar="SECONDS",
         type=expected_positive_float,
-        default=DEFAULT_INTERVAL_S,
+        default=HEARTBEAT_INTERVAL_S,
         help="seconds between heartbeats, coordinator to ranks and back",
     )
     parser.add_argument(
         "--heartbeat-timeout",
         metavar="SECONDS",
         type=expected_positive_float,
-        default=DEFAULT_TIMEOUT_S,
+        default=HEARTBEAT_TIMEOUT_S,
         help="a peer silent this long is gone: a rank exits, the coordinator fails its "
         "requests and exits non-zero (must exceed --heartbeat-interval)",
     )

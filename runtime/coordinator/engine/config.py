@@ -10,7 +10,7 @@ from runtime.identity import ExpectedIdentity
 from runtime.transport.channels import ChannelEndpoints
 from runtime.transport.fields import MAX_WORLD_SIZE
 from runtime.transport.frame_lane import MAX_SLOTS
-from runtime.transport.liveness import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S
+from runtime.transport.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 from runtime.transport.security import ServerKeys
 
 # The coordinator's per-frame watchdog (EngineConfig.frame_watchdog_*): looser
@@ -130,8 +130,8 @@ class EngineConfig:
     frame_watchdog_multiple: float = DEFAULT_WATCHDOG_MULTIPLE
     frame_watchdog_margin_s: float = DEFAULT_WATCHDOG_MARGIN_S
     frame_watchdog_floor_s: float = DEFAULT_WATCHDOG_FLOOR_S
-    heartbeat_interval_s: float = DEFAULT_INTERVAL_S
-    heartbeat_timeout_s: float | None = DEFAULT_TIMEOUT_S
+    heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float | None = HEARTBEAT_TIMEOUT_S
     require_heartbeats: bool = False
     shutdown_grace_s: float = 0.05
     run_dir: str | None = None

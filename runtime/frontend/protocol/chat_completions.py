@@ -17,8 +17,9 @@ from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.protocol.build import build_request, check_choices, served_model
 from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.fields import bool_field, flag_field, int_field, json_object, utf8
-from runtime.frontend.protocol.generation import MAX_LOGPROBS, generation_fields
+from runtime.frontend.protocol.generation import generation_fields
 from runtime.frontend.protocol.requests import Encoder, GenerationRequest, ServingLimits
+from runtime.transport.sampling import MAX_LOGPROBS
 
 
 def parse_chat(

@@ -15,8 +15,9 @@ from runtime.frontend.protocol.fields import (
     json_object,
     utf8,
 )
-from runtime.frontend.protocol.generation import MAX_LOGPROBS, generation_fields
+from runtime.frontend.protocol.generation import generation_fields
 from runtime.frontend.protocol.requests import Encoder, GenerationRequest, ServingLimits
+from runtime.transport.sampling import MAX_LOGPROBS
 
 MAX_PROMPTS = 64  # prompts in one batched completions request
 

@@ -23,11 +23,14 @@ from runtime.frontend.protocol.fields import (
 from runtime.frontend.protocol.requests import ServingLimits
 from runtime.frontend.protocol.vllm import refuse_unsupported
 from runtime.transport.api import MAX_SALT_CHARS
-from runtime.transport.sampling import LOGIT_BIAS_LIMIT, MAX_LOGIT_BIAS, PENALTY_LIMIT
+from runtime.transport.sampling import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGIT_BIAS,
+    PENALTY_LIMIT,
+)
 
 MAX_N = 16
 MAX_STOP = 16
-MAX_LOGPROBS = 20
 _SEED_END = 2**63
 
 
