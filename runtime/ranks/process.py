@@ -49,7 +49,7 @@ from runtime.transport.rank_channel import RankChannel
 
 log = logging.getLogger("runtime.ranks")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def draft_dir(name: str) -> str:
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     device = _select_device(args, local_rank, world_size)
     use_cuda = device.type == "cuda"
     if args.dtype != "auto":
-        dtype = DTYPES[args.dtype]
+        dtype = TORCH_DTYPES[args.dtype]
     else:
         dtype = torch.bfloat16 if use_cuda else torch.float32
     group = _join_group(rank, world_size, use_cuda)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 MAX_TENSOR_NDIM = 8
 
 # dtype -> (itemsize, struct code or None for bfloat16)
-DTYPES: dict[str, tuple[int, str | None]] = {
+WIRE_DTYPES: dict[str, tuple[int, str | None]] = {
     "float32": (4, "f"),
     "int32": (4, "i"),
     "int64": (8, "q"),
@@ -55,14 +55,14 @@ class Tensor:
     data: bytes
 
     def __post_init__(self) -> None:
-        dtype = check_choice("dtype", self.dtype, tuple(DTYPES))
+        dtype = check_choice("dtype", self.dtype, tuple(WIRE_DTYPES))
         shape = check_ints("shape", self.shape, 0, INT32_MAX, MAX_TENSOR_NDIM)
         data = self.data
         if isinstance(data, (bytearray, memoryview)):
             data = bytes(data)
         if not isinstance(data, bytes):
             raise ProtocolError("data", f"must be bytes, got {type(data).__name__}")
-        expected = math.prod(shape) * DTYPES[dtype][0]
+        expected = math.prod(shape) * WIRE_DTYPES[dtype][0]
         if len(data) != expected:
             raise ProtocolError(
                 "data", f"{len(data)} bytes for {dtype} shape {list(shape)}, need {expected}"
@@ -78,12 +78,12 @@ class Tensor:
     @classmethod
     def from_values(cls, dtype: str, shape: Sequence[int], values: Iterable[float]) -> Tensor:
         """Pack flat row-major ``values`` (Python numbers) little-endian."""
-        dtype = check_choice("dtype", dtype, tuple(DTYPES))
+        dtype = check_choice("dtype", dtype, tuple(WIRE_DTYPES))
         items = list(values)
         shape = check_ints("shape", shape, 0, INT32_MAX, MAX_TENSOR_NDIM)
         if len(items) != math.prod(shape):
             raise ProtocolError("data", f"{len(items)} values for shape {list(shape)}")
-        code = DTYPES[dtype][1]
+        code = WIRE_DTYPES[dtype][1]
         try:
             if code is None:
                 data = struct.pack(f"<{len(items)}H", *map(_to_bfloat16_bits, items))
@@ -96,7 +96,7 @@ class Tensor:
     def values(self) -> list[float] | list[int]:
         """The flat row-major values as Python numbers."""
         n = self.numel
-        code = DTYPES[self.dtype][1]
+        code = WIRE_DTYPES[self.dtype][1]
         if code is None:
             bits = struct.unpack(f"<{n}H", self.data)
             return [struct.unpack("<f", struct.pack("<I", b << 16))[0] for b in bits]
@@ -119,7 +119,7 @@ def tensor_from_torch(value: torch.Tensor) -> Tensor:
 
     if sys.byteorder != "little":
         raise NotImplementedError("tensor_from_torch assumes a little-endian host")
-    names = {getattr(torch, name): name for name in DTYPES}
+    names = {getattr(torch, name): name for name in WIRE_DTYPES}
     if value.dtype not in names:
         raise ProtocolError("dtype", f"unsupported torch dtype {value.dtype}")
     flat = value.detach().to("cpu").contiguous().reshape(-1)
