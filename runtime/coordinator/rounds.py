@@ -207,6 +207,11 @@ def _deepest(entries, fixed_width: int) -> int:
     )
 
 
+def _extents_of(desc) -> tuple[int, int, int, int]:
+    """B, W, D, P of a speculative program."""
+    return desc.batch_capacity, desc.token_capacity, desc.proposal_depth, desc.target_capacity
+
+
 def _competes(desc, fixed_width: int, forecast: SurvivalFn | None) -> bool:
     """Whether speculative program ``desc`` competes in this decision: under fixed
     width only host programs of that width; device allocation needs forecasts."""
@@ -269,27 +274,17 @@ def speculative_candidates(
         table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
     ranked_rect: dict[tuple[int, int], list[_Lane]] = {}
     found: list[tuple[tuple, Candidate]] = []
-    competing = [(i, e) for i, e in enumerate(entries) if _competes(e.descriptor, fixed_width,
-                                                                    forecast)]  # fmt: skip
+    competing = [
+        (index, entry, _extents_of(entry.descriptor))
+        for index, entry in enumerate(entries)
+        if _competes(entry.descriptor, fixed_width, forecast)
+    ]
     causal: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
-    for _, entry in competing:
+    for _, entry, (b, w, d, p) in competing:
+        if not fixed_width and (entry.descriptor.device_allocated or p < b * w):
+            causal.setdefault((w, d, entry.descriptor.device_allocated), []).append((b, p))
+    for index, entry, (b, w, d, p) in competing:
         desc = entry.descriptor
-        b, w, d, p = (
-            desc.batch_capacity,
-            desc.token_capacity,
-            desc.proposal_depth,
-            desc.target_capacity,
-        )
-        if not fixed_width and (desc.device_allocated or p < b * w):
-            causal.setdefault((w, d, desc.device_allocated), []).append((b, p))
-    for index, entry in competing:
-        desc = entry.descriptor
-        b, w, d, p = (
-            desc.batch_capacity,
-            desc.token_capacity,
-            desc.proposal_depth,
-            desc.target_capacity,
-        )
         device = desc.device_allocated
         lanes = table.lanes(w, d, device)
         if not lanes:
