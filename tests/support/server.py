@@ -8,6 +8,7 @@ launcher too); ``Server(url=...)`` wraps a server someone else started
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import ssl
@@ -98,15 +99,25 @@ def body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
 
 
 async def stream_times(
-    base: str, request: dict, times: list[float] | None = None, headers: dict | None = None
+    base: str,
+    request: dict,
+    times: list[float] | None = None,
+    headers: dict | None = None,
+    client: httpx.AsyncClient | None = None,
 ) -> tuple[list[float], dict]:
-    """Arrival time of every content chunk (appended to ``times`` as they come), and usage."""
+    """Arrival time of every content chunk (appended to ``times`` as they come), and usage.
+
+    Pass ``client`` (one shared client, made before the requests) where streams
+    must arrive together: making a client takes tens of milliseconds, hundreds
+    on a loaded machine, which staggers requests that each make their own.
+    """
     times = [] if times is None else times
     usage: dict = {}
-    async with (
-        httpx.AsyncClient(timeout=300, headers=headers) as http,
-        http.stream("POST", f"{base}/v1/completions", json=request) as response,
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        http = client or await stack.enter_async_context(httpx.AsyncClient(timeout=300))
+        response = await stack.enter_async_context(
+            http.stream("POST", f"{base}/v1/completions", json=request, headers=headers)
+        )
         assert response.status_code == 200
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
