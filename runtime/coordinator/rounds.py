@@ -54,6 +54,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from runtime.catalog import GraphKind
+from runtime.coordinator.bounds import Deferred, score_bound, to_search, value_bounds
 from runtime.coordinator.causal import CausalSearch
 from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
 
@@ -149,7 +150,7 @@ class _LaneTable:
         self._depth = depth
         self._orders: list[Sequence[float]] | None = None
         self._lanes: dict[tuple[int, int, bool], list[_Lane]] = {}
-        self._causal: dict[tuple[int, int, bool], CausalSearch] = {}
+        self._causal: dict[tuple, CausalSearch] = {}
 
     def lanes(self, width: int, depth: int, device: bool) -> list[_Lane]:
         key = (width, depth, device)
@@ -170,8 +171,9 @@ class _LaneTable:
     def causal(
         self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
     ) -> CausalSearch:
-        """The cohort search of the causally allocated ``programs`` (B, P) of (W, D)."""
-        key = (width, depth, device)
+        """The cohort search of the causally allocated ``programs`` (B, P) of (W, D)
+        (a search solves every program it was made for at once)."""
+        key = (width, depth, device, tuple(programs))
         held = self._causal.get(key)
         if held is None:
             lanes = self.lanes(width, depth, device)
@@ -261,35 +263,61 @@ def speculative_candidates(
     fixed_width: int = 0,
     forecast: SurvivalFn | None = None,
     table: _LaneTable | None = None,
+    bound: bool = False,
 ) -> None:
     """One candidate per speculative program: its best cohort and query lengths
     (``Candidate.queries``; a device-allocated program's lanes also carry their
     ceilings, ``Candidate.ceilings``).  ``table``: the decision's lanes, when
-    the caller already read them (:func:`round_candidates`)."""
+    the caller already read them (:func:`round_candidates`).  ``bound``: ``out``
+    holds the decision's other candidates, and a causally allocated program
+    whose bound rules it out is not searched (:mod:`runtime.coordinator.bounds`)."""
     entries = ctx.catalog.entries(GraphKind.SPECULATIVE)
     if not entries or not ctx.decode:
         return
-    slope = ctx.decode_age_slope
     if table is None:
         table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
-    ranked_rect: dict[tuple[int, int], list[_Lane]] = {}
-    found: list[tuple[tuple, Candidate]] = []
     competing = [
         (index, entry, _extents_of(entry.descriptor))
         for index, entry in enumerate(entries)
         if _competes(entry.descriptor, fixed_width, forecast)
     ]
+    now, deferred = [], []
+    for position, (_, entry, (b, w, _, p)) in enumerate(competing):
+        causal = not fixed_width and (entry.descriptor.device_allocated or p < b * w)
+        fresh = entry.estimate_ns > 0 and not entry.stale(ctx.now_ns, ctx.ttl_ns)
+        (deferred if bound and causal and fresh else now).append(position)
+    found = _evaluate(ctx, table, competing, now, fixed_width, {})
+    kept = _settle(ctx, table, competing, deferred, found, out) if deferred else None
+    if kept is None:
+        kept = _undominated([found[position] for position in sorted(found)])
+    out.extend(kept)
+
+
+def _evaluate(
+    ctx: SelectionContext, table: _LaneTable, competing: list, positions: Sequence[int],
+    fixed_width: int, ranked_rect: dict[tuple[int, int], list[_Lane]],
+) -> dict[int, tuple[tuple, Candidate]]:  # fmt: skip
+    """The candidates of the programs at ``positions`` of ``competing``, by position
+    (with their dominance keys); causal ones share one search per width."""
     causal: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
-    for _, entry, (b, w, d, p) in competing:
+    for position in positions:
+        _, entry, (b, w, d, p) = competing[position]
         if not fixed_width and (entry.descriptor.device_allocated or p < b * w):
             causal.setdefault((w, d, entry.descriptor.device_allocated), []).append((b, p))
-    for index, entry, (b, w, d, p) in competing:
-        desc = entry.descriptor
-        device = desc.device_allocated
+    found: dict[int, tuple[tuple, Candidate]] = {}
+    whole: dict[tuple[int, int], list[tuple]] = {}  # rectangular shapes serving every lane
+    for position in positions:
+        index, entry, (b, w, d, p) = competing[position]
+        device = entry.descriptor.device_allocated
         lanes = table.lanes(w, d, device)
         if not lanes:
             continue
         rectangular = p >= b * w and not device
+        if rectangular and b >= len(lanes):  # every lane, complete prefixes: one work
+            shapes, mine = whole.setdefault((w, d), []), (b, w, p, 0)
+            if any(o != mine and all(a >= x for a, x in zip(mine, o)) for o in shapes):
+                continue  # a smaller shape does the same work: dominated (_undominated)
+            shapes.append(mine)
         best: tuple[float, list[_Lane], list[int]] | None = None
         if rectangular or fixed_width:
             ranked = ranked_rect.get((w, d))
@@ -308,22 +336,47 @@ def speculative_candidates(
             continue
         value, cohort, queries = best
         candidate = Candidate(
-            entry,
-            index,
-            [x.view for x in cohort],
-            value,
-            slope * len(cohort),
-            p - sum(queries),
-            max(x.view.lru for x in cohort),
-            0,
-            ctx,
-        )
+            entry, index, [x.view for x in cohort], value, ctx.decode_age_slope * len(cohort),
+            p - sum(queries), max(x.view.lru for x in cohort), 0, ctx,
+        )  # fmt: skip
         candidate.queries = queries
         if device:
             candidate.ceilings = [x.limit for x in cohort]
         key = (tuple(x.view.request.handle.id for x in cohort), tuple(queries), d, device)
-        found.append((key, candidate))
-    out.extend(_undominated(found))
+        found[position] = (key, candidate)
+    return found
+
+
+def _settle(
+    ctx: SelectionContext, table: _LaneTable, competing: list, positions: list[int],
+    found: dict[int, tuple[tuple, Candidate]], others: Sequence[Candidate],
+) -> list[Candidate] | None:  # fmt: skip
+    """Search the deferred causal programs at ``positions`` that their bounds
+    cannot rule out, into ``found``, until the bounds rule out the rest; then
+    the undominated candidates of ``found`` (None: every one was searched)."""
+    widths: dict[tuple[int, int, bool], list[int]] = {}
+    for position in positions:
+        _, entry, (_, w, d, _) = competing[position]
+        widths.setdefault((w, d, entry.descriptor.device_allocated), []).append(position)
+    deferred = []
+    for (w, d, device), group in widths.items():
+        lanes = table.lanes(w, d, device)
+        programs = [(competing[i][2][0], competing[i][2][3]) for i in group]
+        for position, (b, p), value in zip(group, programs, value_bounds(lanes, programs)):
+            entry = competing[position][1]
+            t_ms = entry.estimate_ns / 1e6
+            size = min(b, len(lanes), p)
+            score = score_bound(value, t_ms, ctx.decode_age_slope, size, ctx.active_age_price)
+            deferred.append(Deferred(position, entry.descriptor, value, score))
+    while deferred:
+        kept = _undominated([found[position] for position in sorted(found)])
+        chosen = to_search(deferred, kept, others)
+        if not chosen:
+            return kept
+        searched = [d.position for d in chosen]
+        found.update(_evaluate(ctx, table, competing, searched, 0, {}))
+        deferred = [d for d in deferred if d not in chosen]
+    return None
 
 
 def wide_mixed_candidates(
@@ -380,7 +433,7 @@ def round_candidates(
     if not entries:
         return
     table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
-    speculative_candidates(ctx, out, survival, alpha, fixed_width, forecast, table)
+    speculative_candidates(ctx, out, survival, alpha, fixed_width, forecast, table, bound=True)
     wide_mixed_candidates(ctx, out, survival, alpha, fixed_width, table)
 
 

@@ -58,7 +58,8 @@ def random_catalog(rng: random.Random, speculation: bool, states: bool) -> list[
         widths = sorted(rng.sample((2, 3, 4, 5), rng.randint(1, 3)))
         for b in batches:
             for w in widths:
-                out.append(GraphDescriptor(GraphKind.SPECULATIVE, b, w, w - 1))
+                if b == 1 or rng.random() < 0.8:  # without it, a ragged one may be the largest
+                    out.append(GraphDescriptor(GraphKind.SPECULATIVE, b, w, w - 1))
                 if b >= 2 and rng.random() < 0.5:  # ragged, host-allocated
                     p = rng.randint(b, b * w - 1)
                     out.append(GraphDescriptor(GraphKind.SPECULATIVE, b, w, w - 1, p))

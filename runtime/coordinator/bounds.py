@@ -1,0 +1,129 @@
+"""Bounds that rule causally allocated rounds out of a decision before their
+cohort search (branch and bound; exact: the decision is the one the full
+search makes).
+
+A causally allocated program (a ragged host program, or a device-allocated
+one) of batch B and target rows P serves a cohort of n <= min(B, lanes, P)
+lanes; each lane is worth its base (one token, one delivery, the age value)
+plus the gains of the extra rows it gets, P - n rows in all.  With every base
+and every gain non-negative, its value is therefore at most
+
+* max over n of (the n largest bases) + (the P - n largest row gains of the
+  width), and
+* the largest sum of at most min(B, P) lanes at their complete prefixes (a
+  lane is worth the most at its ceiling),
+
+whichever is smaller; its score is at most that value over its time, plus the
+age slope of its largest cohort, less its time's active age cost.
+
+A program whose bound is below the best score among the decision's other
+candidates cannot be chosen, so its search is skipped when nothing else could
+tell: it is measured and fresh (an unknown or stale program may still be
+chosen, by discovery or a timing refresh), its value bound does not exceed the
+decision's largest value (the plan's log scale is that largest value), and it
+could not dominate a candidate that is kept (same cohort, query lengths and
+depth on a shape no larger: the full search would then have dropped that
+candidate).  The rest are searched; a candidate that search adds may drop
+others by dominance, so the test is repeated until it holds
+(``rounds._settle``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import accumulate
+from typing import Any
+
+from runtime.coordinator.policy import Candidate
+
+# A bound is widened by this relative margin: the search's sums and these add
+# the same terms in other orders, and rounding must never prune a winner.
+MARGIN = 1e-9
+
+Lane = Any  # rounds._Lane: base, gains, full
+
+
+class Deferred:
+    """A causally allocated program whose search waits on its bound."""
+
+    __slots__ = ("depth", "device", "extents", "position", "score", "value")
+
+    def __init__(self, position: int, desc, value: float, score: float) -> None:
+        self.position = position  # its place among the competing programs
+        self.extents = (desc.batch_capacity, desc.token_capacity, desc.target_capacity, 0)
+        self.depth = desc.proposal_depth
+        self.device = desc.device_allocated
+        self.value = value  # upper bounds, margin included
+        self.score = score
+
+
+def value_bounds(lanes: Sequence[Lane], programs: Sequence[tuple[int, int]]) -> list[float]:
+    """Per program (B, P) an upper bound on its best cohort's value, the margin
+    included (``-inf``: no lane fits; ``inf``: no bound, a negative base or gain)."""
+    bases = sorted((x.base for x in lanes), reverse=True)
+    gains = sorted((g for x in lanes for g in x.gains), reverse=True)
+    if (bases and bases[-1] < 0.0) or (gains and gains[-1] < 0.0):
+        return [float("inf")] * len(programs)
+    top_bases = [0.0, *accumulate(bases)]
+    top_gains = [0.0, *accumulate(gains)]
+    top_full = [0.0, *accumulate(sorted((x.full for x in lanes), reverse=True))]
+    rows = len(gains)
+    out = []
+    for batch, target in programs:
+        m = min(batch, len(lanes), target)
+        if m < 1:
+            out.append(float("-inf"))
+            continue
+        split = max(top_bases[n] + top_gains[min(rows, target - n)] for n in range(1, m + 1))
+        bound = min(split, top_full[m])
+        out.append(bound + MARGIN * abs(bound))
+    return out
+
+
+def score_bound(value: float, t_ms: float, slope: float, size: int, price: float) -> float:
+    """An upper bound on the score of a value bound ``value`` run in ``t_ms``
+    by a cohort of at most ``size`` lanes (``policy.value_rate``)."""
+    age = max(slope, slope * size)
+    score = value / t_ms + age - 0.5 * t_ms * price
+    return score + MARGIN * abs(score)
+
+
+def to_search(
+    deferred: Iterable[Deferred], kept: Sequence[Candidate], others: Sequence[Candidate]
+) -> list[Deferred]:
+    """The deferred programs whose search must run: those that might be chosen,
+    set the decision's largest value, or dominate a kept candidate.
+    ``kept``: this kind's undominated candidates so far; ``others``: the
+    decision's candidates of other kinds."""
+    known = [c.score for c in (*others, *kept) if not c.unknown]
+    if not known:
+        return list(deferred)
+    best = max(known)
+    best -= MARGIN * abs(best)
+    largest = max(abs(c.value) for c in (*others, *kept))
+    out = []
+    for d in deferred:
+        if d.value == float("-inf"):
+            continue  # no lane fits: the search finds nothing
+        if d.score >= best or d.value > largest or _may_dominate(d, kept):
+            out.append(d)
+    return out
+
+
+def _may_dominate(d: Deferred, kept: Sequence[Candidate]) -> bool:
+    """Whether ``d`` could hold a kept candidate's work on a shape no larger."""
+    batch, _, target, _ = d.extents
+    for cand in kept:
+        if cand.value > d.value:
+            continue  # more than it can be worth: not its work
+        desc = cand.entry.descriptor
+        if desc.proposal_depth != d.depth or desc.device_allocated != d.device:
+            continue
+        mine = (desc.batch_capacity, desc.token_capacity, desc.target_capacity,
+                desc.prompt_capacity)  # fmt: skip
+        if mine == d.extents or not all(a >= o for a, o in zip(mine, d.extents)):
+            continue
+        queries = cand.queries or ()
+        if len(cand.lanes) <= min(batch, target) and sum(queries) <= target:
+            return True
+    return False
