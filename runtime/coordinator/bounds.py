@@ -40,7 +40,7 @@ from runtime.coordinator.policy import Candidate
 # the same terms in other orders, and rounding must never prune a winner.
 MARGIN = 1e-9
 
-Lane = Any  # rounds._Lane: base, gains, full
+Lane = Any  # lanes.Lane: base, gains, full
 
 
 class Deferred:
@@ -67,17 +67,39 @@ def value_bounds(lanes: Sequence[Lane], programs: Sequence[tuple[int, int]]) -> 
     top_bases = [0.0, *accumulate(bases)]
     top_gains = [0.0, *accumulate(gains)]
     top_full = [0.0, *accumulate(sorted((x.full for x in lanes), reverse=True))]
-    rows = len(gains)
     out = []
     for batch, target in programs:
         m = min(batch, len(lanes), target)
         if m < 1:
             out.append(float("-inf"))
             continue
-        split = max(top_bases[n] + top_gains[min(rows, target - n)] for n in range(1, m + 1))
+        n = _best_split(bases, gains, target, m)
+        split = top_bases[n] + top_gains[min(len(gains), target - n)]
         bound = min(split, top_full[m])
         out.append(bound + MARGIN * abs(bound))
     return out
+
+
+def _best_split(bases: Sequence[float], gains: Sequence[float], target: int, m: int) -> int:
+    """The n in 1..m that maximises (the n largest bases) + (the target - n
+    largest gains), both lists sorted descending.  One more lane changes the sum
+    by bases[n] less the gain it displaces, gains[target - n - 1] (0 past the
+    end): a non-increasing step (bases fall, displaced gains rise), so the sum
+    is concave in n and the last n whose step in is positive is a maximum."""
+    rows = len(gains)
+
+    def step(n: int) -> float:  # f(n + 1) - f(n)
+        k = target - n - 1
+        return bases[n] - (gains[k] if k < rows else 0.0)
+
+    low, high = 1, m  # the answer lies in [low, high]
+    while low < high:
+        mid = (low + high) // 2
+        if step(mid) > 0.0:
+            low = mid + 1
+        else:
+            high = mid
+    return low
 
 
 def score_bound(value: float, t_ms: float, slope: float, size: int, price: float) -> float:
@@ -89,18 +111,21 @@ def score_bound(value: float, t_ms: float, slope: float, size: int, price: float
 
 
 def to_search(
-    deferred: Iterable[Deferred], kept: Sequence[Candidate], others: Sequence[Candidate]
+    deferred: Iterable[Deferred], kept: Sequence[Candidate], others: tuple[float, float] | None
 ) -> list[Deferred]:
     """The deferred programs whose search must run: those that might be chosen,
     set the decision's largest value, or dominate a kept candidate.
-    ``kept``: this kind's undominated candidates so far; ``others``: the
-    decision's candidates of other kinds."""
-    known = [c.score for c in (*others, *kept) if not c.unknown]
-    if not known:
-        return list(deferred)
-    best = max(known)
+    ``kept``: this kind's undominated candidates so far; ``others``: the best
+    known score and the largest value of the decision's candidates of other
+    kinds (:func:`summary`; None: there are none)."""
+    best, largest = others if others is not None else (float("-inf"), float("-inf"))
+    for c in kept:
+        if not c.unknown and c.score > best:
+            best = c.score
+        largest = max(largest, abs(c.value))
+    if best == float("-inf"):
+        return list(deferred)  # no known score to beat
     best -= MARGIN * abs(best)
-    largest = max(abs(c.value) for c in (*others, *kept))
     out = []
     for d in deferred:
         if d.value == float("-inf"):
@@ -108,6 +133,15 @@ def to_search(
         if d.score >= best or d.value > largest or _may_dominate(d, kept):
             out.append(d)
     return out
+
+
+def summary(candidates: Sequence[Candidate]) -> tuple[float, float] | None:
+    """The best known score and the largest value magnitude of ``candidates``
+    (None: no candidate; a score of ``-inf``: none is known)."""
+    if not candidates:
+        return None
+    known = [c.score for c in candidates if not c.unknown]
+    return max(known, default=float("-inf")), max(abs(c.value) for c in candidates)
 
 
 def _may_dominate(d: Deferred, kept: Sequence[Candidate]) -> bool:

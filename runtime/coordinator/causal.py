@@ -42,7 +42,7 @@ import numpy as np
 # evaluated exactly: far above the sums' rounding, far below real differences.
 NEAR = 1e-11
 
-Lane = Any  # rounds._Lane: limit, order, gains, base, value(rows), slot(), view
+Lane = Any  # lanes.Lane: limit, order, gains, base, value(rows), slot(), view
 
 
 class _Ordering:

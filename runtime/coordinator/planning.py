@@ -21,6 +21,7 @@ from runtime.coordinator.commit_checks import (
     check_state_lane,
 )
 from runtime.coordinator.errors import CommitError
+from runtime.coordinator.lanes import complete_prefix_value
 from runtime.coordinator.learning import choose_probe
 from runtime.coordinator.plan import (
     LanePhase,
@@ -40,12 +41,7 @@ from runtime.coordinator.policy import (
 from runtime.coordinator.queue import Participant, QueuedFrame
 from runtime.coordinator.refresh import choose_refresh
 from runtime.coordinator.requests import Request
-from runtime.coordinator.rounds import (
-    complete_prefix_value,
-    expected_tokens,
-    round_candidates,
-    speculative_candidates,
-)
+from runtime.coordinator.rounds import expected_tokens, round_candidates, speculative_candidates
 from runtime.coordinator.state_ops import RESTORE as RESTORE_ROLE
 from runtime.coordinator.state_ops import state_candidates
 from runtime.coordinator.utility import log_scale_for

@@ -51,152 +51,19 @@ programs of that width compete, with complete prefixes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from runtime.catalog import GraphKind
-from runtime.coordinator.bounds import Deferred, score_bound, to_search, value_bounds
-from runtime.coordinator.causal import CausalSearch
+from runtime.coordinator.bounds import Deferred, score_bound, summary, to_search, value_bounds
+from runtime.coordinator.lanes import (
+    Lane,
+    LaneTable,
+    SurvivalFn,
+)
 from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
 
+
 # Survival means s_1..s_n of a request's current proposal source.
-SurvivalFn = Callable[[LaneView, int], Sequence[float]]
-
-
-def ceiling(lane: LaneView, width: int, depth: int) -> int:
-    """The most target rows ``lane`` can use: min(D + 1, W, output left after
-    what queued frames may still add, the rows its KV pages hold)."""
-    r = lane.request
-    left = min(r.remaining_output - r.inflight_output, lane.room)
-    return max(0, min(depth + 1, width, left))
-
-
-def _gains(lane: LaneView, survival: Sequence[float], alpha: float, beta: float) -> list[float]:
-    """The scored value each further row adds: s_i**alpha * (beta + f/x), i = 1.."""
-    price = beta + lane.token_price
-    return [(s**alpha if s > 0 else 0.0) * price for s in survival]
-
-
-def complete_prefix_value(
-    lane: LaneView, desc, survival: SurvivalFn, alpha: float, beta: float
-) -> float:
-    """``lane``'s value on round program ``desc`` at its complete prefix (its
-    ceiling): what a restore's following round program is scored with."""
-    limit = ceiling(lane, desc.token_capacity, desc.proposal_depth)
-    if limit <= 1:
-        return lane.decode_value
-    gains = _gains(lane, survival(lane, limit - 1), alpha, beta)
-    return lane.decode_value + sum(gains[: limit - 1])
-
-
-class _Lane:
-    """A decoder with its ceiling, the scored value of each extra row, and the
-    key the allocation ranks its next row by (the gains, or the forecast joint
-    prefix probabilities of a device-allocated program)."""
-
-    __slots__ = ("base", "full", "gains", "limit", "order", "prefix", "view")
-
-    def __init__(
-        self,
-        view: LaneView,
-        limit: int,
-        gains: Sequence[float],
-        order: Sequence[float] | None = None,
-        prefix: Sequence[float] | None = None,
-    ) -> None:
-        self.view = view
-        self.limit = limit
-        self.gains = gains
-        self.order = gains if order is None else order
-        self.base = view.decode_value  # one token, one delivery, the age value
-        if prefix is None:
-            prefix = [0.0]
-            for g in gains:
-                prefix.append(prefix[-1] + g)
-        self.prefix = prefix  # prefix[k]: the value rows 2..k+1 add
-        self.full = self.value(limit)  # its value at its complete prefix
-
-    def value(self, rows: int) -> float:
-        return self.base + self.prefix[min(rows, len(self.prefix)) - 1]
-
-    def slot(self) -> int:
-        return self.view.request.slot
-
-
-class _LaneTable:
-    """The decoders of one decision with their survival read once at the deepest
-    depth any program offers (``survival`` and ``forecast`` are called once per
-    request per decision, not per program), and their lanes per (W, D, value
-    source), built once."""
-
-    def __init__(
-        self,
-        ctx: SelectionContext,
-        survival: SurvivalFn,
-        alpha: float,
-        depth: int,
-        forecast: SurvivalFn | None,
-    ) -> None:
-        self.views = ctx.decode
-        self.gains: list[list[float]] = []
-        self.prefix: list[list[float]] = []
-        for view in self.views:
-            gains = _gains(view, survival(view, depth), alpha, ctx.beta) if depth > 0 else []
-            prefix = [0.0]
-            for g in gains:
-                prefix.append(prefix[-1] + g)
-            self.gains.append(gains)
-            self.prefix.append(prefix)
-        self._forecast = forecast
-        self._depth = depth
-        self._orders: list[Sequence[float]] | None = None
-        self._lanes: dict[tuple[int, int, bool], list[_Lane]] = {}
-        self._causal: dict[tuple, CausalSearch] = {}
-
-    def lanes(self, width: int, depth: int, device: bool) -> list[_Lane]:
-        key = (width, depth, device)
-        held = self._lanes.get(key)
-        if held is None:
-            orders = self._orders_for() if device else None
-            held = []
-            for i, view in enumerate(self.views):
-                limit = ceiling(view, width, depth)
-                if limit < 1:
-                    continue
-                gains, prefix = self.gains[i], self.prefix[i]
-                order = None if orders is None else orders[i]
-                held.append(_Lane(view, limit, gains[: limit - 1], order, prefix[:limit]))
-            self._lanes[key] = held
-        return held
-
-    def causal(
-        self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
-    ) -> CausalSearch:
-        """The cohort search of the causally allocated ``programs`` (B, P) of (W, D)
-        (a search solves every program it was made for at once)."""
-        key = (width, depth, device, tuple(programs))
-        held = self._causal.get(key)
-        if held is None:
-            lanes = self.lanes(width, depth, device)
-            held = self._causal[key] = CausalSearch(lanes, ORDERINGS, programs)
-        return held
-
-    def _orders_for(self) -> list[Sequence[float]]:
-        if self._orders is None:
-            forecast = self._forecast
-            assert forecast is not None
-            self._orders = [forecast(view, self._depth) for view in self.views]
-        return self._orders
-
-
-# The spec's three bounded orderings of a causally allocated program's cohort
-# prefixes, each a sort key (ties: the less recently served, then the slot).
-ORDERINGS = (
-    lambda x: (-x.full, x.view.lru, x.slot()),  # total lane value
-    lambda x: (-x.view.delivery_price, x.view.lru, x.slot()),  # pending-token delivery value
-    lambda x: (-x.full / x.limit, x.view.lru, x.slot()),  # value per target row
-)
-
-
 def _deepest(entries, fixed_width: int) -> int:
     """The most proposals any competing program offers."""
     return max(
@@ -222,7 +89,7 @@ def _competes(desc, fixed_width: int, forecast: SurvivalFn | None) -> bool:
     return not (desc.device_allocated and forecast is None)
 
 
-def _best_fitting(ranked: Sequence[_Lane], batch: int, rows: int) -> list[_Lane]:
+def _best_fitting(ranked: Sequence[Lane], batch: int, rows: int) -> list[Lane]:
     """The highest-value cohort of at most ``batch`` lanes whose complete prefixes
     (each lane's ceiling) sum to at most ``rows``, in ``ranked`` order.
 
@@ -230,7 +97,7 @@ def _best_fitting(ranked: Sequence[_Lane], batch: int, rows: int) -> list[_Lane]
     a ceiling the cohort takes a prefix of ``ranked``), and a dynamic program over
     the ceilings (at most W of them) keeps per (lanes, rows) the best value.
     Ties keep the choice found first: fewer lanes of the smaller ceilings."""
-    by_limit: dict[int, list[_Lane]] = {}
+    by_limit: dict[int, list[Lane]] = {}
     for lane in ranked:
         by_limit.setdefault(lane.limit, []).append(lane)
     # (lanes, rows) -> (value, lanes taken per ceiling class)
@@ -262,7 +129,7 @@ def speculative_candidates(
     alpha: float,
     fixed_width: int = 0,
     forecast: SurvivalFn | None = None,
-    table: _LaneTable | None = None,
+    table: LaneTable | None = None,
     bound: bool = False,
 ) -> None:
     """One candidate per speculative program: its best cohort and query lengths
@@ -275,7 +142,7 @@ def speculative_candidates(
     if not entries or not ctx.decode:
         return
     if table is None:
-        table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+        table = LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
     competing = [
         (index, entry, _extents_of(entry.descriptor))
         for index, entry in enumerate(entries)
@@ -294,8 +161,8 @@ def speculative_candidates(
 
 
 def _evaluate(
-    ctx: SelectionContext, table: _LaneTable, competing: list, positions: Sequence[int],
-    fixed_width: int, ranked_rect: dict[tuple[int, int], list[_Lane]],
+    ctx: SelectionContext, table: LaneTable, competing: list, positions: Sequence[int],
+    fixed_width: int, ranked_rect: dict[tuple[int, int], list[Lane]],
 ) -> dict[int, tuple[tuple, Candidate]]:  # fmt: skip
     """The candidates of the programs at ``positions`` of ``competing``, by position
     (with their dominance keys); causal ones share one search per width."""
@@ -318,7 +185,7 @@ def _evaluate(
             if any(o != mine and all(a >= x for a, x in zip(mine, o)) for o in shapes):
                 continue  # a smaller shape does the same work: dominated (_undominated)
             shapes.append(mine)
-        best: tuple[float, list[_Lane], list[int]] | None = None
+        best: tuple[float, list[Lane], list[int]] | None = None
         if rectangular or fixed_width:
             ranked = ranked_rect.get((w, d))
             if ranked is None:  # one order for every batch of this width and depth
@@ -348,7 +215,7 @@ def _evaluate(
 
 
 def _settle(
-    ctx: SelectionContext, table: _LaneTable, competing: list, positions: list[int],
+    ctx: SelectionContext, table: LaneTable, competing: list, positions: list[int],
     found: dict[int, tuple[tuple, Candidate]], others: Sequence[Candidate],
 ) -> list[Candidate] | None:  # fmt: skip
     """Search the deferred causal programs at ``positions`` that their bounds
@@ -368,9 +235,10 @@ def _settle(
             size = min(b, len(lanes), p)
             score = score_bound(value, t_ms, ctx.decode_age_slope, size, ctx.active_age_price)
             deferred.append(Deferred(position, entry.descriptor, value, score))
+    rest = summary(others)
     while deferred:
         kept = _undominated([found[position] for position in sorted(found)])
-        chosen = to_search(deferred, kept, others)
+        chosen = to_search(deferred, kept, rest)
         if not chosen:
             return kept
         searched = [d.position for d in chosen]
@@ -385,7 +253,7 @@ def wide_mixed_candidates(
     survival: SurvivalFn,
     alpha: float,
     fixed_width: int = 0,
-    table: _LaneTable | None = None,
+    table: LaneTable | None = None,
 ) -> None:
     """Per mixed program of width W > 1: its best decode-only cohort, and per
     prompt row the row plus the best B - 1 decoders, every decoder on its
@@ -394,7 +262,7 @@ def wide_mixed_candidates(
     if not entries or not (ctx.decode or ctx.prefill):
         return
     if table is None:
-        table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), None)
+        table = LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), None)
     found: list[tuple[tuple, Candidate]] = []
     for index, entry in enumerate(ctx.catalog.entries(GraphKind.MIXED)):
         desc = entry.descriptor
@@ -432,12 +300,12 @@ def round_candidates(
     ]
     if not entries:
         return
-    table = _LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+    table = LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
     speculative_candidates(ctx, out, survival, alpha, fixed_width, forecast, table, bound=True)
     wide_mixed_candidates(ctx, out, survival, alpha, fixed_width, table)
 
 
-def _fit(cohort: list[_Lane], rows: int) -> list[_Lane]:
+def _fit(cohort: list[Lane], rows: int) -> list[Lane]:
     """The lanes of ``cohort``, best first, whose complete prefixes fit ``rows``."""
     kept, used = [], 0
     for lane in cohort:
@@ -449,7 +317,7 @@ def _fit(cohort: list[_Lane], rows: int) -> list[_Lane]:
 
 def _mixed(
     entry, index: int, ctx: SelectionContext, prompt: LaneView | None, tokens: int,
-    value: float, cohort: list[_Lane],
+    value: float, cohort: list[Lane],
 ) -> tuple[tuple, Candidate]:  # fmt: skip
     """A wide mixed candidate (prompt row first, if any) and its dominance key."""
     desc = entry.descriptor

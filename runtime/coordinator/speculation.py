@@ -138,19 +138,24 @@ class PopulationPrior:
 class _PrefixEstimates:
     """Per-depth estimates of one request, started from a population prior."""
 
-    __slots__ = ("_estimates", "depth_cap", "population")
+    __slots__ = ("_clamped", "_estimates", "depth_cap", "population")
 
     def __init__(self, prior: PopulationPrior, population: PopulationPrior | None = None) -> None:
         self.depth_cap = prior.depth_cap
         self._estimates = [PrefixEstimate(m) for m in prior.means()]
         self.population = population
+        self._clamped: tuple[float, ...] | None = None  # means(depth_cap), until an observation
 
     def _depths(self, n: int) -> list[PrefixEstimate]:
         return self._estimates[: _check_count("n", n, 0, self.depth_cap)]
 
     def means(self, n: int) -> list[float]:
-        """Historical means s_1..s_n, clamped to [0, 1] and non-increasing."""
-        return _monotone([e.mean for e in self._depths(n)])
+        """Historical means s_1..s_n, clamped to [0, 1] and non-increasing (read
+        once per observation: only observations move means; ageing moves weights)."""
+        _check_count("n", n, 0, self.depth_cap)
+        if self._clamped is None:
+            self._clamped = tuple(_monotone([e.mean for e in self._estimates]))
+        return list(self._clamped[:n])
 
     def optimistic(self, n: int) -> list[float]:
         """Optimistic bounds for depths 1..n, clamped to [0, 1] and non-increasing."""
@@ -166,6 +171,7 @@ class _PrefixEstimates:
             e.age(tokens)
 
     def _apply(self, observations: list[Observation]) -> list[Observation]:
+        self._clamped = None
         for o in observations:
             self._estimates[o.depth - 1].observe(o.value)
             if self.population is not None:

@@ -16,7 +16,7 @@ from runtime.coordinator.utility import value_rate
 
 @dataclass
 class Lane:
-    """What value_bounds reads of rounds._Lane: a base, the gains of rows 2..,
+    """What value_bounds reads of lanes.Lane: a base, the gains of rows 2..,
     and the value at the complete prefix."""
 
     base: float

@@ -1,0 +1,153 @@
+"""The decoders of one decision as round lanes: each request's ceiling on a
+program of width W and depth D, the scored value of each further row
+(``s_i**alpha * (beta + f/x)``), and the lanes per (W, D, value source), read
+once per decision (:mod:`runtime.coordinator.rounds` prices programs with
+them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from runtime.coordinator.causal import CausalSearch
+from runtime.coordinator.policy import LaneView, SelectionContext
+
+SurvivalFn = Callable[[LaneView, int], Sequence[float]]
+
+
+def ceiling(lane: LaneView, width: int, depth: int) -> int:
+    """The most target rows ``lane`` can use: min(D + 1, W, output left after
+    what queued frames may still add, the rows its KV pages hold)."""
+    r = lane.request
+    left = min(r.remaining_output - r.inflight_output, lane.room)
+    return max(0, min(depth + 1, width, left))
+
+
+def row_gains(lane: LaneView, survival: Sequence[float], alpha: float, beta: float) -> list[float]:
+    """The scored value each further row adds: s_i**alpha * (beta + f/x), i = 1.."""
+    price = beta + lane.token_price
+    return [(s**alpha if s > 0 else 0.0) * price for s in survival]
+
+
+def complete_prefix_value(
+    lane: LaneView, desc, survival: SurvivalFn, alpha: float, beta: float
+) -> float:
+    """``lane``'s value on round program ``desc`` at its complete prefix (its
+    ceiling): what a restore's following round program is scored with."""
+    limit = ceiling(lane, desc.token_capacity, desc.proposal_depth)
+    if limit <= 1:
+        return lane.decode_value
+    gains = row_gains(lane, survival(lane, limit - 1), alpha, beta)
+    return lane.decode_value + sum(gains[: limit - 1])
+
+
+class Lane:
+    """A decoder with its ceiling, the scored value of each extra row, and the
+    key the allocation ranks its next row by (the gains, or the forecast joint
+    prefix probabilities of a device-allocated program)."""
+
+    __slots__ = ("base", "full", "gains", "limit", "order", "prefix", "view")
+
+    def __init__(
+        self,
+        view: LaneView,
+        limit: int,
+        gains: Sequence[float],
+        order: Sequence[float] | None = None,
+        prefix: Sequence[float] | None = None,
+    ) -> None:
+        self.view = view
+        self.limit = limit
+        self.gains = gains
+        self.order = gains if order is None else order
+        self.base = base = view.decode_value  # one token, one delivery, the age value
+        if prefix is None:
+            prefix = [0.0]
+            for g in gains:
+                prefix.append(prefix[-1] + g)
+        self.prefix = prefix  # prefix[k]: the value rows 2..k+1 add (k < limit read)
+        self.full = base + prefix[min(limit, len(prefix)) - 1]  # at its complete prefix
+
+    def value(self, rows: int) -> float:
+        return self.base + self.prefix[min(rows, self.limit, len(self.prefix)) - 1]
+
+    def slot(self) -> int:
+        return self.view.request.slot
+
+
+class LaneTable:
+    """The decoders of one decision with their survival read once at the deepest
+    depth any program offers (``survival`` and ``forecast`` are called once per
+    request per decision, not per program), and their lanes per (W, D, value
+    source), built once."""
+
+    def __init__(
+        self,
+        ctx: SelectionContext,
+        survival: SurvivalFn,
+        alpha: float,
+        depth: int,
+        forecast: SurvivalFn | None,
+    ) -> None:
+        self.views = ctx.decode
+        self.gains: list[list[float]] = []
+        self.prefix: list[list[float]] = []
+        # Per decoder the rows its output limit and KV pages leave (``ceiling``).
+        self.left = [
+            min(v.request.remaining_output - v.request.inflight_output, v.room) for v in self.views
+        ]
+        for view in self.views:
+            gains = row_gains(view, survival(view, depth), alpha, ctx.beta) if depth > 0 else []
+            prefix = [0.0]
+            for g in gains:
+                prefix.append(prefix[-1] + g)
+            self.gains.append(gains)
+            self.prefix.append(prefix)
+        self._forecast = forecast
+        self._depth = depth
+        self._orders: list[Sequence[float]] | None = None
+        self._lanes: dict[tuple[int, int, bool], list[Lane]] = {}
+        self._causal: dict[tuple, CausalSearch] = {}
+
+    def lanes(self, width: int, depth: int, device: bool) -> list[Lane]:
+        key = (width, depth, device)
+        held = self._lanes.get(key)
+        if held is None:
+            orders = self._orders_for() if device else None
+            held = []
+            top = min(depth + 1, width)
+            for i, (view, left) in enumerate(zip(self.views, self.left)):
+                limit = top if left >= top else left  # ceiling(view, width, depth)
+                if limit < 1:
+                    continue
+                order = None if orders is None else orders[i]
+                held.append(Lane(view, limit, self.gains[i][: limit - 1], order, self.prefix[i]))
+            self._lanes[key] = held
+        return held
+
+    def causal(
+        self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
+    ) -> CausalSearch:
+        """The cohort search of the causally allocated ``programs`` (B, P) of (W, D)
+        (a search solves every program it was made for at once)."""
+        key = (width, depth, device, tuple(programs))
+        held = self._causal.get(key)
+        if held is None:
+            lanes = self.lanes(width, depth, device)
+            held = self._causal[key] = CausalSearch(lanes, ORDERINGS, programs)
+        return held
+
+    def _orders_for(self) -> list[Sequence[float]]:
+        if self._orders is None:
+            forecast = self._forecast
+            assert forecast is not None
+            self._orders = [forecast(view, self._depth) for view in self.views]
+        return self._orders
+
+
+# The spec's three bounded orderings of a causally allocated program's cohort
+# prefixes, each a sort key (ties: the less recently served, then the slot).
+ORDERINGS = (
+    lambda x: (-x.full, x.view.lru, x.slot()),  # total lane value
+    lambda x: (-x.view.delivery_price, x.view.lru, x.slot()),  # pending-token delivery value
+    lambda x: (-x.full / x.limit, x.view.lru, x.slot()),  # value per target row
+)
