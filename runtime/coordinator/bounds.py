@@ -32,44 +32,58 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import accumulate
-from typing import Any
 
+from runtime.coordinator.lanes import Columns
 from runtime.coordinator.policy import Candidate
 
 # A bound is widened by this relative margin: the search's sums and these add
 # the same terms in other orders, and rounding must never prune a winner.
 MARGIN = 1e-9
 
-Lane = Any  # lanes.Lane: base, gains, full
+# The log-scale test's slack (relative): a program whose value may exceed the
+# decision's largest by less moves the plan's log scale by less than this
+# (absolute) and its scaled figures by less than this (relative), far inside
+# what the reference test and any reader of a plan resolve; the sums' own
+# rounding is below 1e-13.
+SCALE_SLACK = 1e-12
 
 
 class Deferred:
-    """A causally allocated program whose search waits on its bound."""
+    """A program whose evaluation waits on its bound (a rectangular program's
+    is its exact value and score, widened by the margin)."""
 
-    __slots__ = ("depth", "device", "extents", "position", "score", "value")
+    __slots__ = ("depth", "device", "exact", "extents", "position", "score", "value", "why")
 
-    def __init__(self, position: int, desc, value: float, score: float) -> None:
+    def __init__(self, position: int, desc, value: float, score: float, exact: bool) -> None:
         self.position = position  # its place among the competing programs
         self.extents = (desc.batch_capacity, desc.token_capacity, desc.target_capacity, 0)
         self.depth = desc.proposal_depth
         self.device = desc.device_allocated
         self.value = value  # upper bounds, margin included
         self.score = score
+        self.exact = exact  # the bounds are its value and score (cheap to evaluate)
+        self.why = ""  # what requires its evaluation (to_search): score, scale, dominance
+
+    @property
+    def group(self) -> tuple[int, int, bool]:
+        """(W, D, device): the programs one lane set and one search serve."""
+        return self.extents[1], self.depth, self.device
 
 
-def value_bounds(lanes: Sequence[Lane], programs: Sequence[tuple[int, int]]) -> list[float]:
+def value_bounds(lanes: Columns, programs: Sequence[tuple[int, int]]) -> list[float]:
     """Per program (B, P) an upper bound on its best cohort's value, the margin
-    included (``-inf``: no lane fits; ``inf``: no bound, a negative base or gain)."""
-    bases = sorted((x.base for x in lanes), reverse=True)
-    gains = sorted((g for x in lanes for g in x.gains), reverse=True)
+    included (``-inf``: no lane fits; ``inf``: no bound, a negative base or gain).
+    ``lanes``: the width's lanes as columns (``lanes.LaneTable.columns``)."""
+    bases = sorted(lanes.bases, reverse=True)
+    gains = sorted(lanes.gains, reverse=True)
     if (bases and bases[-1] < 0.0) or (gains and gains[-1] < 0.0):
         return [float("inf")] * len(programs)
     top_bases = [0.0, *accumulate(bases)]
     top_gains = [0.0, *accumulate(gains)]
-    top_full = [0.0, *accumulate(sorted((x.full for x in lanes), reverse=True))]
+    top_full = [0.0, *accumulate(sorted(lanes.fulls, reverse=True))]
     out = []
     for batch, target in programs:
-        m = min(batch, len(lanes), target)
+        m = min(batch, len(bases), target)
         if m < 1:
             out.append(float("-inf"))
             continue
@@ -105,6 +119,8 @@ def _best_split(bases: Sequence[float], gains: Sequence[float], target: int, m: 
 def score_bound(value: float, t_ms: float, slope: float, size: int, price: float) -> float:
     """An upper bound on the score of a value bound ``value`` run in ``t_ms``
     by a cohort of at most ``size`` lanes (``policy.value_rate``)."""
+    if value == float("-inf"):
+        return value  # nothing fits
     age = max(slope, slope * size)
     score = value / t_ms + age - 0.5 * t_ms * price
     return score + MARGIN * abs(score)
@@ -123,16 +139,46 @@ def to_search(
         if not c.unknown and c.score > best:
             best = c.score
         largest = max(largest, abs(c.value))
-    if best == float("-inf"):
-        return list(deferred)  # no known score to beat
+    if best == float("-inf"):  # no known score to beat: any may win
+        out = [d for d in deferred if d.value != float("-inf")]
+        for d in out:
+            d.why = "score"
+        return out
     best -= MARGIN * abs(best)
+    scale = largest * (1.0 + SCALE_SLACK) * (1.0 + MARGIN)  # the values carry the margin
     out = []
     for d in deferred:
         if d.value == float("-inf"):
             continue  # no lane fits: the search finds nothing
-        if d.score >= best or d.value > largest or _may_dominate(d, kept):
-            out.append(d)
+        if d.score >= best:
+            d.why = "score"
+        elif d.value > scale:
+            d.why = "scale"
+        elif _may_dominate(d, kept):
+            d.why = "dominance"
+        else:
+            continue
+        out.append(d)
     return out
+
+
+def next_batch(chosen: Sequence[Deferred]) -> list[Deferred]:
+    """Which programs :func:`to_search` chose to evaluate first.  While exact
+    (rectangular) ones remain: the one of the best score, the one of the
+    largest value and those that may dominate (evaluating the first two
+    settles the rest's score and scale tests).  Then the causal group
+    (W, D, device) of the best bound, whose programs share one search."""
+    exact = [d for d in chosen if d.exact]
+    if not exact:
+        group = max(chosen, key=lambda d: d.score).group
+        return [d for d in chosen if d.group == group]
+    batch = [d for d in exact if d.why == "dominance"]
+    for why, key in (("score", "score"), ("scale", "value")):
+        some = [d for d in exact if d.why == why]
+        if some:
+            batch.append(max(some, key=lambda d: getattr(d, key)))
+    assert batch, "every chosen program has a reason"
+    return batch
 
 
 def summary(candidates: Sequence[Candidate]) -> tuple[float, float] | None:

@@ -7,6 +7,8 @@ them)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
+from typing import NamedTuple
 
 from runtime.coordinator.causal import CausalSearch
 from runtime.coordinator.policy import LaneView, SelectionContext
@@ -74,6 +76,15 @@ class Lane:
         return self.view.request.slot
 
 
+class Columns(NamedTuple):
+    """A (W, D)'s lanes as columns: each lane's base, every lane's row gains
+    (rows 2.. up to its ceiling, lane after lane), each lane's complete value."""
+
+    bases: list[float]
+    gains: list[float]
+    fulls: list[float]
+
+
 class LaneTable:
     """The decoders of one decision with their survival read once at the deepest
     depth any program offers (``survival`` and ``forecast`` are called once per
@@ -106,6 +117,8 @@ class LaneTable:
         self._depth = depth
         self._orders: list[Sequence[float]] | None = None
         self._lanes: dict[tuple[int, int, bool], list[Lane]] = {}
+        self._columns: dict[tuple[int, int], Columns] = {}
+        self._cohorts: dict[tuple[int, int], list[float]] = {}
         self._causal: dict[tuple, CausalSearch] = {}
 
     def lanes(self, width: int, depth: int, device: bool) -> list[Lane]:
@@ -123,6 +136,45 @@ class LaneTable:
                 held.append(Lane(view, limit, self.gains[i][: limit - 1], order, self.prefix[i]))
             self._lanes[key] = held
         return held
+
+    def columns(self, width: int, depth: int) -> Columns:
+        """The (W, D) lanes' bases, row gains and complete-prefix values as plain
+        lists (what a bound reads), without building the lanes."""
+        key = (width, depth)
+        held = self._columns.get(key)
+        if held is None:
+            bases, gains, fulls = [], [], []
+            top = min(depth + 1, width)
+            for view, left, row, prefix in zip(self.views, self.left, self.gains, self.prefix):
+                limit = top if left >= top else left  # ceiling(view, width, depth)
+                if limit < 1:
+                    continue
+                base = view.decode_value
+                bases.append(base)
+                gains.extend(row[: limit - 1])
+                fulls.append(base + prefix[min(limit, len(prefix)) - 1])  # Lane.full
+            held = self._columns[key] = Columns(bases, gains, fulls)
+        return held
+
+    def cohort_values(self, width: int, depth: int) -> list[float]:
+        """``[0, v1, v1 + v2, ...]``: the value of the best k lanes of (W, D) at
+        their complete prefixes, in the rectangular ranking (value descending,
+        the less recently served, then the request id), summed left to right
+        as a rectangular candidate's value is."""
+        key = (width, depth)
+        held = self._cohorts.get(key)
+        if held is None:
+            lanes = [
+                (-full, v.lru, v.request.handle.id, full)
+                for v, full in zip(self._included(width, depth), self.columns(width, depth).fulls)
+            ]
+            lanes.sort()
+            held = self._cohorts[key] = [0.0, *accumulate(x[3] for x in lanes)]
+        return held
+
+    def _included(self, width: int, depth: int) -> list[LaneView]:
+        top = min(depth + 1, width)
+        return [v for v, left in zip(self.views, self.left) if min(top, left) >= 1]
 
     def causal(
         self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]

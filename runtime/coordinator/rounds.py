@@ -54,7 +54,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from runtime.catalog import GraphKind
-from runtime.coordinator.bounds import Deferred, score_bound, summary, to_search, value_bounds
+from runtime.coordinator.bounds import (
+    MARGIN,
+    Deferred,
+    next_batch,
+    score_bound,
+    summary,
+    to_search,
+    value_bounds,
+)
 from runtime.coordinator.lanes import (
     Lane,
     LaneTable,
@@ -149,10 +157,9 @@ def speculative_candidates(
         if _competes(entry.descriptor, fixed_width, forecast)
     ]
     now, deferred = [], []
-    for position, (_, entry, (b, w, _, p)) in enumerate(competing):
-        causal = not fixed_width and (entry.descriptor.device_allocated or p < b * w)
+    for position, (_, entry, _) in enumerate(competing):
         fresh = entry.estimate_ns > 0 and not entry.stale(ctx.now_ns, ctx.ttl_ns)
-        (deferred if bound and causal and fresh else now).append(position)
+        (deferred if bound and not fixed_width and fresh else now).append(position)
     found = _evaluate(ctx, table, competing, now, fixed_width, {})
     kept = _settle(ctx, table, competing, deferred, found, out) if deferred else None
     if kept is None:
@@ -218,33 +225,55 @@ def _settle(
     ctx: SelectionContext, table: LaneTable, competing: list, positions: list[int],
     found: dict[int, tuple[tuple, Candidate]], others: Sequence[Candidate],
 ) -> list[Candidate] | None:  # fmt: skip
-    """Search the deferred causal programs at ``positions`` that their bounds
-    cannot rule out, into ``found``, until the bounds rule out the rest; then
-    the undominated candidates of ``found`` (None: every one was searched)."""
-    widths: dict[tuple[int, int, bool], list[int]] = {}
-    for position in positions:
-        _, entry, (_, w, d, _) = competing[position]
-        widths.setdefault((w, d, entry.descriptor.device_allocated), []).append(position)
-    deferred = []
-    for (w, d, device), group in widths.items():
-        lanes = table.lanes(w, d, device)
-        programs = [(competing[i][2][0], competing[i][2][3]) for i in group]
-        for position, (b, p), value in zip(group, programs, value_bounds(lanes, programs)):
-            entry = competing[position][1]
-            t_ms = entry.estimate_ns / 1e6
-            size = min(b, len(lanes), p)
-            score = score_bound(value, t_ms, ctx.decode_age_slope, size, ctx.active_age_price)
-            deferred.append(Deferred(position, entry.descriptor, value, score))
+    """Evaluate the deferred programs at ``positions`` that their bounds cannot
+    rule out, into ``found``, one (W, D, device) group at a time, until the
+    bounds rule out the rest; then the
+    undominated candidates of ``found`` (None: every one was evaluated)."""
+    deferred = _deferred(ctx, table, competing, positions)
     rest = summary(others)
     while deferred:
         kept = _undominated([found[position] for position in sorted(found)])
         chosen = to_search(deferred, kept, rest)
         if not chosen:
             return kept
-        searched = [d.position for d in chosen]
-        found.update(_evaluate(ctx, table, competing, searched, 0, {}))
-        deferred = [d for d in deferred if d not in chosen]
+        batch = next_batch(chosen)
+        found.update(_evaluate(ctx, table, competing, [d.position for d in batch], 0, {}))
+        deferred = [d for d in deferred if d not in batch]
     return None
+
+
+def _deferred(
+    ctx: SelectionContext, table: LaneTable, competing: list, positions: list[int]
+) -> list[Deferred]:
+    """The programs at ``positions`` with their value and score bounds: a
+    causally allocated one's from :func:`bounds.value_bounds`, a rectangular
+    one's exact (its B best lanes at complete prefixes)."""
+    groups: dict[tuple[int, int, bool], list[int]] = {}
+    for position in positions:
+        _, entry, (_, w, d, _) = competing[position]
+        groups.setdefault((w, d, entry.descriptor.device_allocated), []).append(position)
+    out = []
+    for (w, d, device), group in groups.items():
+        columns = table.columns(w, d)
+        n = len(columns.bases)
+        shapes = [competing[i][2] for i in group]  # (B, W, D, P)
+        causal = [device or p < b * w for b, _, _, p in shapes]
+        bounds = iter(
+            value_bounds(columns, [(b, p) for (b, _, _, p), c in zip(shapes, causal) if c])
+        )
+        for position, (b, _, _, p), is_causal in zip(group, shapes, causal):
+            if is_causal:
+                value = next(bounds)
+            else:  # rectangular: exact
+                value = table.cohort_values(w, d)[min(b, n)] if n else float("-inf")
+                value += MARGIN * abs(value)
+            entry = competing[position][1]
+            score = score_bound(
+                value, entry.estimate_ns / 1e6, ctx.decode_age_slope, min(b, n, p),
+                ctx.active_age_price,
+            )  # fmt: skip
+            out.append(Deferred(position, entry.descriptor, value, score, not is_causal))
+    return out
 
 
 def wide_mixed_candidates(

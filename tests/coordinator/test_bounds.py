@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import pytest
 
 from runtime.coordinator.bounds import score_bound, value_bounds
+from runtime.coordinator.lanes import Columns
 from runtime.coordinator.utility import value_rate
 
 
 @dataclass
 class Lane:
-    """What value_bounds reads of lanes.Lane: a base, the gains of rows 2..,
-    and the value at the complete prefix."""
+    """A lane for brute force: a base and the gains of rows 2.. (its ceiling
+    is 1 + len(gains))."""
 
     base: float
     gains: list[float]
@@ -25,6 +26,13 @@ class Lane:
     @property
     def full(self) -> float:
         return self.base + sum(self.gains)
+
+
+def columns(lanes: list[Lane]) -> Columns:
+    """The lanes as value_bounds reads them (lanes.LaneTable.columns)."""
+    return Columns(
+        [x.base for x in lanes], [g for x in lanes for g in x.gains], [x.full for x in lanes]
+    )
 
 
 def best_allocation(lanes: list[Lane], batch: int, target: int) -> float:
@@ -59,7 +67,7 @@ def test_value_bound_is_at_least_every_allocation(seed):
     width = rng.randint(2, 4)
     lanes = random_lanes(rng, rng.randint(1, 5), width)
     programs = [(b, p) for b in range(1, 5) for p in range(b, b * width + 1)]
-    bounds = value_bounds(lanes, programs)
+    bounds = value_bounds(columns(lanes), programs)
     tight = 0
     for (batch, target), bound in zip(programs, bounds):
         actual = best_allocation(lanes, batch, target)
@@ -72,9 +80,9 @@ def test_value_bound_is_at_least_every_allocation(seed):
 
 def test_value_bound_without_a_bound_or_a_fit():
     lanes = [Lane(1.0, [0.5, -0.1]), Lane(1.0, [0.2])]
-    assert value_bounds(lanes, [(2, 4)]) == [float("inf")]  # a negative gain: no bound
-    assert value_bounds([Lane(-0.5, [])], [(1, 1)]) == [float("inf")]  # a negative base
-    assert value_bounds([], [(2, 4)]) == [float("-inf")]  # no lane fits
+    assert value_bounds(columns(lanes), [(2, 4)]) == [float("inf")]  # a negative gain: no bound
+    assert value_bounds(columns([Lane(-0.5, [])]), [(1, 1)]) == [float("inf")]  # a negative base
+    assert value_bounds(columns([]), [(2, 4)]) == [float("-inf")]  # no lane fits
 
 
 @pytest.mark.parametrize("slope", [0.3, 0.0, -0.2])
