@@ -156,7 +156,8 @@ def speculative_candidates(
         for index, entry in enumerate(entries)
         if _competes(entry.descriptor, fixed_width, forecast)
     ]
-    now, deferred = [], []
+    now: list[int] = []
+    deferred: list[int] = []
     for position, (_, entry, _) in enumerate(competing):
         fresh = entry.estimate_ns > 0 and not entry.stale(ctx.now_ns, ctx.ttl_ns)
         (deferred if bound and not fixed_width and fresh else now).append(position)
