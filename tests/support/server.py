@@ -14,6 +14,7 @@ import signal
 import ssl
 import threading
 import time
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -38,6 +39,7 @@ class Server(ServerProcess):
 
     def __init__(self, *extra: str, url: str | None = None) -> None:
         self.mode = ""  # what a parametrized fixture started it as
+        self.trace: Path | None = None  # the --trace file a fixture gave it, if any
         if url is not None:
             self.base, self.port, self.proc = url.rstrip("/"), None, None
             return
