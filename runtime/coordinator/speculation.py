@@ -165,17 +165,20 @@ class _PrefixEstimates:
         return self._estimates[_check_count("depth", depth, 1, self.depth_cap) - 1].weight
 
     def age(self, tokens: int) -> None:
-        """Age every depth's weight by ``tokens`` generated tokens."""
+        """Age every depth's weight by ``tokens`` generated tokens (one factor for
+        every depth: the same product ``PrefixEstimate.age`` forms)."""
         _check_count("tokens", tokens, 0)
+        factor = 2.0 ** (-tokens / HALF_LIFE_TOKENS)
         for e in self._estimates:
-            e.age(tokens)
+            e.weight *= factor
 
     def _apply(self, observations: list[Observation]) -> list[Observation]:
         self._clamped = None
+        estimates, population = self._estimates, self.population
         for o in observations:
-            self._estimates[o.depth - 1].observe(o.value)
-            if self.population is not None:
-                self.population.observe(o.depth, o.value)
+            estimates[o.depth - 1].observe(o.value)
+            if population is not None:
+                population.observe(o.depth, o.value)
         return observations
 
 
