@@ -69,15 +69,15 @@ class _Ordering:
 
 
 class CausalSearch:
-    """The cohort search of every causally allocated program of one width:
-    ``programs`` their (batch, target rows), answered together at the first
-    :meth:`best`."""
+    """The cohort search of the causally allocated programs of one width: the
+    lanes' global row order and the orderings' prefix sums are built once;
+    :meth:`solve` answers programs (batch, target rows) together, each once
+    (a program's answer depends only on its own prefixes)."""
 
     def __init__(
         self,
         lanes: Sequence[Lane],
         orderings: Sequence[Callable[[Lane], tuple]],
-        programs: Sequence[tuple[int, int]],
     ) -> None:
         self.lanes = lanes
         keys = []
@@ -91,21 +91,30 @@ class CausalSearch:
         self.rows = np.array([k[3] for k in keys], dtype=np.int64)  # each row's lane
         self.gains = np.array([lanes[k[3]].gains[k[1] - 1] for k in keys], dtype=np.float64)
         self._keys = orderings
-        self._programs = list(dict.fromkeys(programs))
+        self._ordered: list[_Ordering] | None = None
         self._results: dict[tuple[int, int], tuple[float, list[Lane], list[int]] | None] = {}
-        self._solved = False
+
+    def solve(self, programs: Sequence[tuple[int, int]]) -> None:
+        """Answer the ``programs`` (batch, target rows) not answered yet, together."""
+        results = self._results
+        fresh = [program for program in dict.fromkeys(programs) if program not in results]
+        if fresh:
+            self._solve(fresh)
 
     def best(self, batch: int, target: int) -> tuple[float, list[Lane], list[int]] | None:
         """The reference's choice for a program of ``batch`` lanes and ``target``
         rows: (value, cohort, query lengths), or None when no lane fits."""
-        if not self._solved:
-            self._solve()
+        if (batch, target) not in self._results:
+            self._solve([(batch, target)])
         return self._results[(batch, target)]
 
     def _orderings(self) -> list[_Ordering]:
         """The distinct orderings, in the reference's order: one that ranks the
         lanes as an earlier one does offers the same values, never greater."""
+        if self._ordered is not None:
+            return self._ordered
         out: list[_Ordering] = []
+        self._ordered = out
         lanes = self.lanes
         for key in self._keys:
             ranked = sorted(range(len(lanes)), key=lambda i: key(lanes[i]))
@@ -114,14 +123,13 @@ class CausalSearch:
             out.append(_Ordering(lanes, ranked, self.rows, self.gains))
         return out
 
-    def _solve(self) -> None:
-        self._solved = True
+    def _solve(self, programs: list[tuple[int, int]]) -> None:
         n_lanes = len(self.lanes)
-        tops = [min(b, n_lanes, p) for b, p in self._programs]
-        for program, top in zip(self._programs, tops):
+        tops = [min(b, n_lanes, p) for b, p in programs]
+        for program, top in zip(programs, tops):
             if top < 1:
                 self._results[program] = None
-        live = [(program, top) for program, top in zip(self._programs, tops) if top >= 1]
+        live = [(program, top) for program, top in zip(programs, tops) if top >= 1]
         if not live:
             return
         sizes = np.concatenate([np.arange(1, top + 1) for _, top in live])

@@ -119,7 +119,7 @@ class LaneTable:
         self._lanes: dict[tuple[int, int, bool], list[Lane]] = {}
         self._columns: dict[tuple[int, int], Columns] = {}
         self._cohorts: dict[tuple[int, int], list[float]] = {}
-        self._causal: dict[tuple, CausalSearch] = {}
+        self._causal: dict[tuple[int, int, bool], CausalSearch] = {}
 
     def lanes(self, width: int, depth: int, device: bool) -> list[Lane]:
         key = (width, depth, device)
@@ -179,13 +179,14 @@ class LaneTable:
     def causal(
         self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
     ) -> CausalSearch:
-        """The cohort search of the causally allocated ``programs`` (B, P) of (W, D)
-        (a search solves every program it was made for at once)."""
-        key = (width, depth, device, tuple(programs))
+        """The cohort search of (W, D, device), one per decision, with the causally
+        allocated ``programs`` (B, P) answered (together, those not answered yet)."""
+        key = (width, depth, device)
         held = self._causal.get(key)
         if held is None:
             lanes = self.lanes(width, depth, device)
-            held = self._causal[key] = CausalSearch(lanes, ORDERINGS, programs)
+            held = self._causal[key] = CausalSearch(lanes, ORDERINGS)
+        held.solve(programs)
         return held
 
     def _orders_for(self) -> list[Sequence[float]]:
