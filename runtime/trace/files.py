@@ -1,7 +1,8 @@
 """Reading a trace back: ``FILE`` and its rotated predecessors, oldest first.
 
 ``read_trace(FILE)`` reads ``FILE.N`` .. ``FILE.1`` (those that exist), then
-``FILE``, and returns the frame lines and what the start and end lines say.  A
+``FILE``, and returns the frame lines, the request lines and what the start and
+end lines say.  A
 line cut short (a trace read while it is written, or a killed process) is
 skipped and counted, not an error.
 """
@@ -20,6 +21,7 @@ class TraceFileError(ValueError):
 @dataclass
 class Trace:
     frames: list[dict] = field(default_factory=list)
+    requests: list[dict] = field(default_factory=list)  # request lines, as written
     start: dict = field(default_factory=dict)  # the newest file's start line
     end: dict | None = None  # the end line, when the writer closed the file
     files: list[str] = field(default_factory=list)
@@ -81,6 +83,8 @@ def _take(trace: Trace, text: str) -> None:
     event = line.get("event")
     if event == "frame" and isinstance(line.get("ranks"), list) and "fence" in line:
         trace.frames.append(line)
+    elif event == "request" and "request" in line and "fence" in line:
+        trace.requests.append(line)
     elif event == "start":
         trace.start = line
     elif event == "end":

@@ -23,6 +23,14 @@ A frame line (``"event": "frame"``) has, besides ``fence``:
   estimate (:mod:`runtime.trace.clocks`);
 * ``device_ns`` (the largest rank interval), ``skew_ns`` (largest - smallest);
 * ``dropped``: lines the writer had dropped so far (added by the writer).
+
+A request line (``"event": "request"``) is written when the engine admits a
+request to the scheduler: ``request`` (the scheduler's id, as in frame lines'
+``requests``), ``submitted_ns`` (``Engine.submit`` took it) and ``admitted_ns``
+(the engine thread handed it to the scheduler), both on the coordinator's
+clock, ``prompt_tokens``, ``max_tokens``, and ``fence``: the first fence that
+could carry it (frames before it were planned without it).  So a trace says
+how long a request waited for its first frame, and which frames ran meanwhile.
 """
 
 from __future__ import annotations
@@ -132,6 +140,22 @@ def frame_line(
     line["device_ns"] = max(intervals)
     line["skew_ns"] = max(intervals) - min(intervals)
     return line
+
+
+def request_line(
+    fence: int,
+    request: int,
+    submitted_ns: int,
+    admitted_ns: int,
+    prompt_tokens: int,
+    max_tokens: int,
+) -> dict:
+    """The trace line of a request admitted before frame ``fence`` was planned."""
+    return {
+        "event": "request", "fence": fence, "request": request,
+        "submitted_ns": submitted_ns, "admitted_ns": admitted_ns,
+        "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+    }  # fmt: skip
 
 
 def start_fields(model: str, world_size: int, programs: Sequence[str], pid: int) -> dict:

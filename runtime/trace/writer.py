@@ -10,7 +10,8 @@ GIL after every line, so the engine thread never waits on a whole batch
 (otherwise up to the interpreter's 5 ms switch interval).
 
 Files: every file starts with a ``{"event": "start", ...}`` line and the last
-ends with ``{"event": "end", ...}`` (frames written, dropped).  When writing a
+ends with ``{"event": "end", ...}`` (frame lines written, dropped); between
+them, frame lines and request lines (:mod:`runtime.trace.lines`).  When writing a
 line would take the file past ``max_bytes`` it is rotated: ``FILE.k`` becomes
 ``FILE.k+1`` (the oldest, ``FILE.keep``, is overwritten), ``FILE`` becomes
 ``FILE.1`` and a new ``FILE`` starts.  Traces hold token ids: files are created
@@ -50,7 +51,7 @@ class TraceOptions:
     * ``max_bytes``: a file's size limit before rotation (at least 4096);
     * ``keep``: rotated files kept (``FILE.1`` .. ``FILE.keep``; 0: none);
     * ``queue_limit``: frames that may wait for the writer before new ones are dropped;
-    * ``ring_lines``: recent lines kept in memory for ``/debug/trace``.
+    * ``ring_lines``: recent frame lines kept in memory for ``/debug/trace``.
     """
 
     path: str | None = None
@@ -80,7 +81,9 @@ class TraceWriter:
 
     ``render(item)`` runs on the writer thread, in offer order: a line's JSON
     object (it must hold ``"fence"``), or None to write nothing for that item.
-    ``header``: fields of every file's start line.
+    ``header``: fields of every file's start line.  ``file_only``: the ``"event"``
+    values of lines written to the file but kept out of the ring and the
+    ``frames`` count (request lines).
     """
 
     def __init__(
@@ -89,15 +92,18 @@ class TraceWriter:
         render: Callable[[Any], dict | None],
         header: dict | None = None,
         poll_s: float = POLL_S,
+        file_only: tuple[str, ...] = (),
     ) -> None:
         self.options = options
+        self._file_only = file_only
         self._render = render
         self._header = dict(header or {})
         self._poll_s = poll_s
         self._queue: deque[Any] = deque()
         self._limit = options.queue_limit
         self.dropped = 0  # written by the engine thread only
-        self.written = 0  # frame lines, written by the writer thread only
+        self.written = 0  # lines, written by the writer thread only
+        self.frames = 0  # of which lines not ``file_only`` (frames)
         self.render_errors = 0
         self.rotations = 0
         self._ring: deque[tuple[int, str]] = deque(maxlen=options.ring_lines)
@@ -134,7 +140,7 @@ class TraceWriter:
 
     def counters(self) -> dict[str, int]:
         return {
-            "trace_lines": self.written,
+            "trace_lines": self.frames,  # frame lines (not the file_only ones)
             "trace_dropped": self.dropped,
             "trace_render_errors": self.render_errors,
             "trace_rotations": self.rotations,
@@ -157,7 +163,7 @@ class TraceWriter:
         self._stop.set()
         self._thread.join(timeout_s)
         if self._fd is not None:
-            end = {"event": "end", "v": FORMAT_VERSION, "frames": self.written}
+            end = {"event": "end", "v": FORMAT_VERSION, "frames": self.frames}
             end.update(dropped=self.dropped, render_errors=self.render_errors,
                        rotations=self.rotations, closed_ns=time.monotonic_ns())  # fmt: skip
             self._pending.append(dumps(end) + "\n")
@@ -197,9 +203,11 @@ class TraceWriter:
                 continue
             line["dropped"] = self.dropped
             text = dumps(line)
-            with self._ring_lock:
-                self._ring.append((line["fence"], text))
             self.written += 1
+            if line.get("event") not in self._file_only:  # the ring: frames, for /debug/trace
+                self.frames += 1
+                with self._ring_lock:
+                    self._ring.append((line["fence"], text))
             if self._fd is not None:
                 self._pending.append(text + "\n")
             time.sleep(0)  # let a waiting engine thread take the GIL between lines

@@ -81,20 +81,31 @@ def report(server: Server, request: pytest.FixtureRequest) -> Iterator[list]:
 
 
 def frames_between(server: Server, start: float, end: float) -> str:
-    """The committed frames from ``start`` to ``end`` (client monotonic seconds; the
-    coordinator's trace uses the same clock), one line each, for a failure message."""
+    """The requests admitted and the frames committed from ``start`` to ``end`` (client
+    monotonic seconds; the coordinator's trace uses the same clock), one line each, in
+    time order, for a failure message."""
     if server.trace is None or not server.trace.exists():
         return "(no trace: an external server)"
     lines = []
-    for line in server.trace.read_text().splitlines():
-        frame = json.loads(line)
-        at = frame.get("committed_at_ns", 0) / 1e9
-        if frame.get("event") == "frame" and start <= at <= end:
-            lines.append(
-                f"  {(at - start) * 1e3:7.1f} ms  {frame['graph']:<28} {frame['reason']:<10}"
-                f" requests {frame['requests']} phases {frame['lanes']['phase']}"
+    for text in server.trace.read_text().splitlines():
+        line = json.loads(text)
+        if line.get("event") == "frame":
+            at = line["committed_at_ns"] / 1e9
+            what = (
+                f"{line['graph']:<28} {line['reason']:<10} requests {line['requests']}"
+                f" phases {line['lanes']['phase']}"
             )
-    return "\n".join(lines) or "(no frames)"
+        elif line.get("event") == "request":
+            at = line["admitted_ns"] / 1e9
+            what = (
+                f"request {line['request']} admitted ({line['prompt_tokens']} prompt tokens; "
+                f"submitted {(line['submitted_ns'] / 1e9 - start) * 1e3:.1f} ms)"
+            )
+        else:
+            continue
+        if start <= at <= end:
+            lines.append((at, f"  {(at - start) * 1e3:7.1f} ms  {what}"))
+    return "\n".join(text for _, text in sorted(lines)) or "(no frames)"
 
 
 def gather(*jobs):

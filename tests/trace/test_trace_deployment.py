@@ -35,6 +35,10 @@ FRAME_FIELDS = RECORD_FIELDS | {
     "event", "estimated_ns", "queued", "plan_ns", "sent_ns", "applied_ns", "lanes", "ranks",
     "device_ns", "skew_ns", "dropped",
 }  # fmt: skip
+REQUEST_FIELDS = {
+    "event", "fence", "request", "submitted_ns", "admitted_ns", "prompt_tokens", "max_tokens",
+    "dropped",
+}  # fmt: skip
 LANE_FIELDS = {
     "request", "slot", "generation", "phase", "prompt_start", "prompt_tokens", "output_start",
     "max_tokens", "token_count", "finished", "tokens",
@@ -117,6 +121,20 @@ def test_every_line_carries_every_field(trace_path):
         assert len(f["lanes"]["tokens"]) == sum(f["lanes"]["token_count"])
     assert committed == 4 * 12
     assert {f["reason"] for f in frames} >= {"discovery"}
+    # One request line per request, written before the frames that could carry it:
+    # a request's first frame has a fence no earlier than its line's and was
+    # committed after it was admitted.
+    assert trace.end["frames"] == len(frames)
+    requests = {r["request"]: r for r in trace.requests}
+    assert len(trace.requests) == len(requests) == 4
+    prompt_lengths = sorted(5 + 3 * i for i in range(4))
+    assert sorted(r["prompt_tokens"] for r in requests.values()) == prompt_lengths
+    for request, line in requests.items():
+        assert set(line) == REQUEST_FIELDS and line["max_tokens"] == 12
+        assert 0 < line["submitted_ns"] <= line["admitted_ns"]
+        first = next(f for f in frames if request in f["requests"])
+        assert first["fence"] >= line["fence"]
+        assert first["committed_at_ns"] >= line["admitted_ns"]
 
 
 def test_summary_names_per_rank_figures(trace_path):

@@ -345,7 +345,8 @@ class Engine(CompletionHandling):
     def _admit(self, stream: RequestStream) -> None:
         scheduler = self.scheduler
         assert scheduler is not None
-        scheduler.advance_to(time.monotonic_ns())
+        now = time.monotonic_ns()
+        scheduler.advance_to(now)
         prompt = stream.prompt_token_ids
         spec = RequestSpec(
             len(prompt),
@@ -362,6 +363,9 @@ class Engine(CompletionHandling):
             stream.error = exc
             stream._push((), ERROR)
             return
+        if self.trace is not None:
+            self.trace.admitted(handle.id, stream.submitted_ns, now, len(prompt),
+                                stream.max_tokens, self._next_fence)  # fmt: skip
         live = Live(stream, handle)
         self._by_handle[handle.id] = live
         self._by_request[stream.request_id] = live

@@ -3,7 +3,8 @@
 The engine thread does three cheap things per frame: note when each rank's
 completion arrived (:meth:`FrameTrace.arrived`), and once the frame is applied
 hand the dispatch, its scheduler trace record and the time to the writer's
-queue (:meth:`FrameTrace.applied`).  Everything else (clock estimates, the JSON
+queue (:meth:`FrameTrace.applied`).  Per request it queues one more item, when
+the scheduler admits it (:meth:`FrameTrace.admitted`).  Everything else (clock estimates, the JSON
 line, the file) happens on the writer thread (:mod:`runtime.trace.writer`).
 Round-trip probes (empty frames) write no line but still feed the clock
 estimates when the ranks report timestamps.
@@ -18,7 +19,7 @@ from typing import Any
 from runtime.coordinator.engine.frames import Dispatch
 from runtime.coordinator.plan import TraceRecord
 from runtime.trace.clocks import RankClocks
-from runtime.trace.lines import frame_line, start_fields
+from runtime.trace.lines import frame_line, request_line, start_fields
 from runtime.trace.writer import TraceOptions, TraceWriter
 
 STALE_LIMIT = 1024  # records held before those of applied fences are swept
@@ -35,7 +36,7 @@ class FrameTrace:
         self._records: dict[int, TraceRecord] = {}  # committed, not yet applied, by fence
         self._arrivals: dict[int, list[int]] = {}  # per fence, per rank (coordinator clock)
         header = start_fields(model, world, programs, os.getpid())
-        self.writer = TraceWriter(options, self._render, header)
+        self.writer = TraceWriter(options, self._render, header, file_only=("request",))
 
     # ------------------------------------------------------------------ engine thread
     def arrived(self, fence: int, rank: int, now_ns: int) -> None:
@@ -57,6 +58,20 @@ class FrameTrace:
             (self._records.pop(fence, None), dispatch, self._arrivals.pop(fence, None), now_ns)
         )
 
+    def admitted(
+        self,
+        request: int,
+        submitted_ns: int,
+        admitted_ns: int,
+        prompt_tokens: int,
+        max_tokens: int,
+        next_fence: int,
+    ) -> None:
+        """The scheduler admitted ``request``; ``next_fence``: the next frame's fence."""
+        self.writer.offer(
+            ("request", next_fence, request, submitted_ns, admitted_ns, prompt_tokens, max_tokens)
+        )
+
     # ------------------------------------------------------------------ any thread
     def lines_since(self, fence: int, limit: int | None = None) -> list[str]:
         return self.writer.lines_since(fence, limit)
@@ -69,6 +84,8 @@ class FrameTrace:
 
     # ------------------------------------------------------------------ writer thread
     def _render(self, item: tuple[Any, ...]) -> dict | None:
+        if item[0] == "request":
+            return request_line(*item[1:])
         record, dispatch, arrivals, applied_ns = item
         answers = dispatch.answers
         completions = [answers[rank] for rank in range(self._world)]
