@@ -246,7 +246,9 @@ class SchedulerPlanning(SchedulerAdmission):
         # -- nothing below may fail ---------------------------------------------
         self._selection_seq += 1
         expected_end = queue.expected_end_ns(now) + entry.estimate_ns
-        participants = [Participant(r, r.decoding) for r in self._resident.values() if r.runnable]
+        participants = [
+            Participant(r, r.decoding) for r in self._resident.values() if r.participates
+        ]
         for lane, r in zip(plan.lanes, lane_requests):
             r.inflight_prompt += lane.prompt_tokens
             r.inflight_output += lane.max_tokens

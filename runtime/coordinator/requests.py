@@ -229,6 +229,14 @@ class Request:
         )
 
     @property
+    def participates(self) -> bool:
+        """An interval of service history counts it (docs/scheduling-utility.md,
+        "Every participant, every interval"): runnable, or resident awaiting the
+        restore that makes it runnable (a candidate of every decision meanwhile,
+        so a decision that passes it over starves it like any other)."""
+        return self.resident and not (self.finished or self.cancelled or self.preempted)
+
+    @property
     def in_flight(self) -> bool:
         return bool(self.inflight_fences)
 

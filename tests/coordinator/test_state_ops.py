@@ -404,3 +404,47 @@ def test_under_fixed_width_only_shapes_that_may_run_follow_a_restore():
     assert fixed.value == alone.value
     (adaptive,) = _restore_candidates([restore, decode], round_value)
     assert adaptive.value < alone.value
+
+
+def _preempt_until_resumed(sim: Sim, handle: int):
+    """Preempt resident ``handle`` (as drive_to_restore does) and step until it
+    resumes with a restore pending."""
+    s = sim.s
+    victim = s.request(s._res.resident[handle].handle)
+    while victim.inflight_fences:
+        sim.step()
+    s._res.preempt(victim)
+    victim.terminal_since_ns = sim.now
+    for _ in range(50):
+        if victim.restore_pending:
+            return victim
+        sim.step()
+    raise AssertionError("the victim never resumed")
+
+
+def test_a_request_awaiting_its_restore_is_starved_like_any_participant(monkeypatch):
+    """A measured restore as long as the decode B=4 frame three decoders share:
+    the pair (restore, then decode B=4 with the restored row) earns one more
+    lane's round over twice the time, so it loses to the decoders' frame until
+    the waiting request's price has grown about threefold.  It grows because a
+    request awaiting its restore is a participant: every interval it waits
+    starves it (docs/scheduling-utility.md, "Every participant, every
+    interval").  When it was not, its price stood still, only its age value
+    (c * sigma per ms) grew, and it waited until the decoders had finished: the
+    HTTP test tests/server/test_scheduler.py::test_decode_streams_all_progress_together
+    when a loaded machine had measured restores slow."""
+    monkeypatch.setitem(COST_MS, (GraphKind.RESTORE, 1), COST_MS[(GraphKind.DECODE, 4)])
+    sim, handles, first = drive_to_restore()
+    while first.restore_pending:  # the first restore measures the restore program
+        sim.step()
+    victim = _preempt_until_resumed(sim, handles[0])
+    rate_before = victim.token_rate
+    while victim.restore_pending:
+        assert sim.step() is not None
+    others = [len(sim.out[h]) for h in handles[1:]]
+    assert rate_before is not None and victim.token_rate is not None
+    assert victim.token_rate < rate_before / 2  # a lower token rate is a higher price f/x
+    assert max(others) < 180, others  # restored while every decoder still had tokens to go
+    sim.run()
+    for h in handles:
+        assert sim.out[h] == [1000 * h + k for k in range(200)]

@@ -92,7 +92,9 @@ def frames_between(server: Server, start: float, end: float) -> str:
         if line.get("event") == "frame":
             at = line["committed_at_ns"] / 1e9
             what = (
-                f"{line['graph']:<28} {line['reason']:<10} requests {line['requests']}"
+                f"{line['graph']:<28} {line['reason']:<10}"
+                f" est {line['selected_cost_ns'] / 1e6:5.1f} ran {line['device_ns'] / 1e6:5.1f} ms"
+                f"  requests {line['requests']}"
                 f" phases {line['lanes']['phase']}"
             )
         elif line.get("event") == "request":
