@@ -26,14 +26,22 @@ depth on a shape no larger: the full search would then have dropped that
 candidate).  The rest are searched; a candidate that search adds may drop
 others by dominance, so the test is repeated until it holds
 (``rounds._settle``).
+
+Every deferred program of a decision is bounded at once, as arrays
+(:class:`Pending`): the lanes' sorted prefix sums per ceiling (``Tops``,
+built once a decision by ``lanes.LaneTable.tops``), then each program's
+bounds and the search test by array operations, so a plan's cost grows with
+lanes and shapes, not with their product; only the few programs the test
+chooses are evaluated (``Pending.next_batch``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from itertools import accumulate
+from collections.abc import Sequence
+from typing import NamedTuple
 
-from runtime.coordinator.lanes import Columns
+import numpy as np
+
 from runtime.coordinator.policy import Candidate
 
 # A bound is widened by this relative margin: the search's sums and these add
@@ -47,138 +55,230 @@ MARGIN = 1e-9
 # rounding is below 1e-13.
 SCALE_SLACK = 1e-12
 
-
-class Deferred:
-    """A program whose evaluation waits on its bound (a rectangular program's
-    is its exact value and score, widened by the margin)."""
-
-    __slots__ = ("depth", "device", "exact", "extents", "position", "score", "value", "why")
-
-    def __init__(self, position: int, desc, value: float, score: float, exact: bool) -> None:
-        self.position = position  # its place among the competing programs
-        self.extents = (desc.batch_capacity, desc.token_capacity, desc.target_capacity, 0)
-        self.depth = desc.proposal_depth
-        self.device = desc.device_allocated
-        self.value = value  # upper bounds, margin included
-        self.score = score
-        self.exact = exact  # the bounds are its value and score (cheap to evaluate)
-        self.why = ""  # what requires its evaluation (to_search): score, scale, dominance
-
-    @property
-    def group(self) -> tuple[int, int, bool]:
-        """(W, D, device): the programs one lane set and one search serve."""
-        return self.extents[1], self.depth, self.device
+# Why a program must be searched (Pending.why): it might be chosen, set the
+# plan's log scale, or dominate a kept candidate.
+SCORE, SCALE, DOMINANCE = 1, 2, 3
 
 
-def value_bounds(lanes: Columns, programs: Sequence[tuple[int, int]]) -> list[float]:
-    """Per program (B, P) an upper bound on its best cohort's value, the margin
-    included (``-inf``: no lane fits; ``inf``: no bound, a negative base or gain).
-    ``lanes``: the width's lanes as columns (``lanes.LaneTable.columns``)."""
-    bases = sorted(lanes.bases, reverse=True)
-    gains = sorted(lanes.gains, reverse=True)
-    if (bases and bases[-1] < 0.0) or (gains and gains[-1] < 0.0):
-        return [float("inf")] * len(programs)
-    top_bases = [0.0, *accumulate(bases)]
-    top_gains = [0.0, *accumulate(gains)]
-    top_full = [0.0, *accumulate(sorted(lanes.fulls, reverse=True))]
-    out = []
-    for batch, target in programs:
-        m = min(batch, len(bases), target)
-        if m < 1:
-            out.append(float("-inf"))
-            continue
-        n = _best_split(bases, gains, target, m)
-        split = top_bases[n] + top_gains[min(len(gains), target - n)]
-        bound = min(split, top_full[m])
-        out.append(bound + MARGIN * abs(bound))
-    return out
+class Tops(NamedTuple):
+    """The lanes of a decision as the bounds read them, per ceiling group g
+    (the lanes' ceilings on programs of min(D + 1, W) = that group's top):
+    prefix sums ``[0, x1, x1 + x2, ...]`` of the bases, of the row gains and of
+    the complete-prefix values, each sorted descending (the gains' sums stay
+    flat past the group's rows), and whether a base or gain is negative (then
+    there is no bound)."""
+
+    bases: np.ndarray  # (lanes + 1,): every group has the same lanes and bases
+    gains: np.ndarray  # (groups, rows + 1)
+    fulls: np.ndarray  # (groups, lanes + 1)
+    negative: np.ndarray  # (groups,) bool
 
 
-def _best_split(bases: Sequence[float], gains: Sequence[float], target: int, m: int) -> int:
-    """The n in 1..m that maximises (the n largest bases) + (the target - n
-    largest gains), both lists sorted descending.  One more lane changes the sum
-    by bases[n] less the gain it displaces, gains[target - n - 1] (0 past the
-    end): a non-increasing step (bases fall, displaced gains rise), so the sum
-    is concave in n and the last n whose step in is positive is a maximum."""
-    rows = len(gains)
+def tops_of(bases: np.ndarray, gains: np.ndarray, fulls: np.ndarray) -> Tops:
+    """:class:`Tops` from the lanes' bases (lanes,), their row gains per group
+    (groups, rows; ``-inf`` where a group's lane has no such row) and their
+    complete-prefix values per group (groups, lanes)."""
+    groups = fulls.shape[0]
+    top_bases = np.zeros(bases.size + 1)
+    np.cumsum(np.sort(bases)[::-1], out=top_bases[1:])
+    ordered = np.sort(gains, axis=1)[:, ::-1]
+    top_gains = np.zeros((groups, gains.shape[1] + 1))
+    np.cumsum(np.where(ordered == -np.inf, 0.0, ordered), axis=1, out=top_gains[:, 1:])
+    # The smallest real gain decides negativity: masked rows are -inf, not gains.
+    real = np.where(gains == -np.inf, np.inf, gains)
+    negative = real.min(axis=1, initial=np.inf) < 0.0
+    if bases.size and bases.min() < 0.0:
+        negative[:] = True
+    top_fulls = np.zeros((groups, fulls.shape[1] + 1))
+    np.cumsum(np.sort(fulls, axis=1)[:, ::-1], axis=1, out=top_fulls[:, 1:])
+    return Tops(top_bases, top_gains, top_fulls, negative)
 
-    def step(n: int) -> float:  # f(n + 1) - f(n)
-        k = target - n - 1
-        return bases[n] - (gains[k] if k < rows else 0.0)
 
-    low, high = 1, m  # the answer lies in [low, high]
-    while low < high:
-        mid = (low + high) // 2
-        if step(mid) > 0.0:
-            low = mid + 1
+def value_bounds(
+    bases: Sequence[float], gains: Sequence[float], fulls: Sequence[float],
+    programs: Sequence[tuple[int, int]],
+) -> list[float]:  # fmt: skip
+    """Per causally allocated program (B, P) an upper bound on its best
+    cohort's value, the margin included (``-inf``: no lane fits; ``inf``: no
+    bound, a negative base or gain), for one width's lanes given as their
+    bases, every row gain and their complete-prefix values."""
+    tops = tops_of(
+        np.asarray(bases, dtype=float),
+        np.asarray(gains, dtype=float).reshape(1, len(gains)),
+        np.asarray(fulls, dtype=float).reshape(1, len(fulls)),
+    )
+    group = np.zeros(len(programs), dtype=np.int64)
+    batch = np.array([b for b, _ in programs], dtype=np.int64)
+    target = np.array([p for _, p in programs], dtype=np.int64)
+    return program_values(tops, group, batch, target, np.ones(len(programs), bool)).tolist()
+
+
+def program_values(
+    tops: Tops, group: np.ndarray, batch: np.ndarray, target: np.ndarray, causal: np.ndarray
+) -> np.ndarray:
+    """Per program j (of ceiling group ``group[j]``, batch B and target rows P)
+    an upper bound on its value, the margin included: a causally allocated
+    one's (``causal[j]``) the smaller of the best split (the n largest bases
+    and the P - n largest gains, over 1 <= n <= m = min(B, lanes, P)) and the
+    m best complete prefixes; a rectangular one's exact, its B best lanes at
+    their complete prefixes.  ``-inf``: no lane fits; ``inf``: no bound."""
+    lanes, rows = tops.bases.size - 1, tops.gains.shape[1] - 1
+    if lanes == 0 or batch.size == 0:
+        return np.full(batch.size, -np.inf)
+    m = np.minimum(np.minimum(batch, lanes), target)
+    n = np.arange(1, lanes + 1)
+    split = (
+        tops.bases[n][None, :]
+        + tops.gains[group[:, None], np.clip(target[:, None] - n[None, :], 0, rows)]
+    )
+    split = np.where(n[None, :] <= m[:, None], split, -np.inf).max(axis=1)
+    bound = np.where(
+        causal, np.minimum(split, tops.fulls[group, m]), tops.fulls[group, np.minimum(batch, lanes)]
+    )
+    bound = bound + MARGIN * np.abs(bound)
+    bound[causal & (m < 1)] = -np.inf
+    bound[causal & tops.negative[group]] = np.inf
+    return bound
+
+
+def score_bounds(
+    values: np.ndarray, t_ms: np.ndarray, slope: float, sizes: np.ndarray, price: float
+) -> np.ndarray:
+    """Upper bounds on the scores of programs of value bounds ``values`` run in
+    ``t_ms`` by cohorts of at most ``sizes`` lanes (``policy.value_rate``),
+    widened by the margin (``-inf`` where nothing fits, ``inf`` without a bound
+    or without a time: an unmeasured program)."""
+    finite = np.isfinite(values)
+    measured = t_ms > 0.0
+    t = np.where(measured, t_ms, 1.0)
+    age = np.maximum(slope, slope * sizes)
+    score = np.where(finite, values, 0.0) / t + age - 0.5 * t * price
+    score = score + MARGIN * np.abs(score)
+    return np.where(finite, np.where(measured, score, np.inf), values)
+
+
+class Shapes:
+    """Programs' descriptors and shapes as arrays (what :class:`Pending` reads),
+    built once a catalog."""
+
+    def __init__(self, descs: Sequence) -> None:
+        self.descs = list(descs)
+        shape = np.array(
+            [
+                (d.batch_capacity, d.token_capacity, d.target_capacity, d.proposal_depth,
+                 d.device_allocated)
+                for d in self.descs
+            ],
+            dtype=np.int64,
+        ).reshape(len(self.descs), 5)  # fmt: skip
+        self.batch, self.width, self.target = shape[:, 0], shape[:, 1], shape[:, 2]
+        self.depth, self.device = shape[:, 3], shape[:, 4].astype(bool)
+        # Rectangular host programs: their bounds are their exact values.
+        self.exact = ~self.device & (self.target >= self.batch * self.width)
+        # (W, D, device): the programs one lane set and one cohort search serve.
+        searches: dict[tuple[int, int, bool], int] = {}
+        self.search = np.array(
+            [
+                searches.setdefault(
+                    (d.token_capacity, d.proposal_depth, d.device_allocated), len(searches)
+                )
+                for d in self.descs
+            ],
+            dtype=np.int64,
+        )
+
+
+class Pending:
+    """The deferred programs of a decision: their bounds, as arrays over
+    ``shapes``, and which are deferred and still unevaluated (``alive``)."""
+
+    def __init__(
+        self, shapes: Shapes, deferred: np.ndarray, tops: Tops, group: np.ndarray,
+        t_ms: np.ndarray, slope: float, price: float,
+    ) -> None:  # fmt: skip
+        self.shapes = s = shapes
+        self.value = program_values(tops, group, s.batch, s.target, ~s.exact)
+        lanes = tops.bases.size - 1
+        sizes = np.minimum(np.minimum(s.batch, lanes), s.target)
+        self.score = score_bounds(self.value, t_ms, slope, sizes, price)
+        self.alive = deferred & (self.value != -np.inf)  # no lane fits: nothing to find
+
+    def next_batch(
+        self, kept: Sequence[Candidate], others: tuple[float, float] | None
+    ) -> list[int]:
+        """The positions to evaluate next, marked evaluated (empty: the bounds
+        rule out every program left).  Of the programs :meth:`why` chooses,
+        while exact (rectangular) ones remain: the one of the best score, the
+        one of the largest value and those that may dominate (evaluating the
+        first two settles the rest's score and scale tests); then the causal
+        (W, D, device) group of the best bound, whose programs share one search."""
+        why = self.why(kept, others)
+        chosen = why > 0
+        if not chosen.any():
+            return []
+        exact = chosen & self.shapes.exact
+        if exact.any():
+            batch = np.flatnonzero(exact & (why == DOMINANCE)).tolist()
+            for code, key in ((SCORE, self.score), (SCALE, self.value)):
+                some = np.flatnonzero(exact & (why == code))
+                if some.size:
+                    batch.append(int(some[np.argmax(key[some])]))
         else:
-            high = mid
-    return low
+            some = np.flatnonzero(chosen)
+            search = self.shapes.search
+            best = some[np.argmax(self.score[some])]
+            batch = np.flatnonzero(chosen & (search == search[best])).tolist()
+        self.alive[batch] = False
+        return batch
 
+    def why(self, kept: Sequence[Candidate], others: tuple[float, float] | None) -> np.ndarray:
+        """Per program why its search must run (0: it need not): it might be
+        chosen (``SCORE``), set the decision's largest value (``SCALE``), or
+        dominate a kept candidate (``DOMINANCE``).  ``kept``: this kind's
+        undominated candidates so far; ``others``: the best known score and the
+        largest value of the decision's candidates of other kinds
+        (:func:`summary`; None: there are none)."""
+        best, largest = others if others is not None else (float("-inf"), float("-inf"))
+        for c in kept:
+            if not c.unknown and c.score > best:
+                best = c.score
+            largest = max(largest, abs(c.value))
+        why = np.zeros(self.alive.size, dtype=np.int64)
+        if best == float("-inf"):  # no known score to beat: any may win
+            why[self.alive] = SCORE
+            return why
+        best -= MARGIN * abs(best)
+        scale = largest * (1.0 + SCALE_SLACK) * (1.0 + MARGIN)  # values carry the margin
+        score = self.alive & (self.score >= best)
+        why[score] = SCORE
+        rest = self.alive & ~score
+        scaled = rest & (self.value > scale)
+        why[scaled] = SCALE
+        rest &= ~scaled
+        if rest.any():
+            why[rest & self._may_dominate(kept)] = DOMINANCE
+        return why
 
-def score_bound(value: float, t_ms: float, slope: float, size: int, price: float) -> float:
-    """An upper bound on the score of a value bound ``value`` run in ``t_ms``
-    by a cohort of at most ``size`` lanes (``policy.value_rate``)."""
-    if value == float("-inf"):
-        return value  # nothing fits
-    age = max(slope, slope * size)
-    score = value / t_ms + age - 0.5 * t_ms * price
-    return score + MARGIN * abs(score)
-
-
-def to_search(
-    deferred: Iterable[Deferred], kept: Sequence[Candidate], others: tuple[float, float] | None
-) -> list[Deferred]:
-    """The deferred programs whose search must run: those that might be chosen,
-    set the decision's largest value, or dominate a kept candidate.
-    ``kept``: this kind's undominated candidates so far; ``others``: the best
-    known score and the largest value of the decision's candidates of other
-    kinds (:func:`summary`; None: there are none)."""
-    best, largest = others if others is not None else (float("-inf"), float("-inf"))
-    for c in kept:
-        if not c.unknown and c.score > best:
-            best = c.score
-        largest = max(largest, abs(c.value))
-    if best == float("-inf"):  # no known score to beat: any may win
-        out = [d for d in deferred if d.value != float("-inf")]
-        for d in out:
-            d.why = "score"
+    def _may_dominate(self, kept: Sequence[Candidate]) -> np.ndarray:
+        """Per program whether it could hold a kept candidate's work on a shape
+        no larger in every capacity (and not the same shape)."""
+        s = self.shapes
+        out = np.zeros(self.alive.size, dtype=bool)
+        for cand in kept:
+            desc = cand.entry.descriptor
+            b, w, p = desc.batch_capacity, desc.token_capacity, desc.target_capacity
+            queries = cand.queries or ()
+            out |= (
+                (self.value >= cand.value)
+                & (s.depth == desc.proposal_depth)
+                & (s.device == desc.device_allocated)
+                & (s.batch <= b) & (s.width <= w) & (s.target <= p)
+                & ~((s.batch == b) & (s.width == w) & (s.target == p)
+                    & (desc.prompt_capacity == 0))
+                & (len(cand.lanes) <= np.minimum(s.batch, s.target))
+                & (sum(queries) <= s.target)
+            )  # fmt: skip
         return out
-    best -= MARGIN * abs(best)
-    scale = largest * (1.0 + SCALE_SLACK) * (1.0 + MARGIN)  # the values carry the margin
-    out = []
-    for d in deferred:
-        if d.value == float("-inf"):
-            continue  # no lane fits: the search finds nothing
-        if d.score >= best:
-            d.why = "score"
-        elif d.value > scale:
-            d.why = "scale"
-        elif _may_dominate(d, kept):
-            d.why = "dominance"
-        else:
-            continue
-        out.append(d)
-    return out
-
-
-def next_batch(chosen: Sequence[Deferred]) -> list[Deferred]:
-    """Which programs :func:`to_search` chose to evaluate first.  While exact
-    (rectangular) ones remain: the one of the best score, the one of the
-    largest value and those that may dominate (evaluating the first two
-    settles the rest's score and scale tests).  Then the causal group
-    (W, D, device) of the best bound, whose programs share one search."""
-    exact = [d for d in chosen if d.exact]
-    if not exact:
-        group = max(chosen, key=lambda d: d.score).group
-        return [d for d in chosen if d.group == group]
-    batch = [d for d in exact if d.why == "dominance"]
-    for why, key in (("score", "score"), ("scale", "value")):
-        some = [d for d in exact if d.why == why]
-        if some:
-            batch.append(max(some, key=lambda d: getattr(d, key)))
-    assert batch, "every chosen program has a reason"
-    return batch
 
 
 def summary(candidates: Sequence[Candidate]) -> tuple[float, float] | None:
@@ -188,22 +288,3 @@ def summary(candidates: Sequence[Candidate]) -> tuple[float, float] | None:
         return None
     known = [c.score for c in candidates if not c.unknown]
     return max(known, default=float("-inf")), max(abs(c.value) for c in candidates)
-
-
-def _may_dominate(d: Deferred, kept: Sequence[Candidate]) -> bool:
-    """Whether ``d`` could hold a kept candidate's work on a shape no larger."""
-    batch, _, target, _ = d.extents
-    for cand in kept:
-        if cand.value > d.value:
-            continue  # more than it can be worth: not its work
-        desc = cand.entry.descriptor
-        if desc.proposal_depth != d.depth or desc.device_allocated != d.device:
-            continue
-        mine = (desc.batch_capacity, desc.token_capacity, desc.target_capacity,
-                desc.prompt_capacity)  # fmt: skip
-        if mine == d.extents or not all(a >= o for a, o in zip(mine, d.extents)):
-            continue
-        queries = cand.queries or ()
-        if len(cand.lanes) <= min(batch, target) and sum(queries) <= target:
-            return True
-    return False

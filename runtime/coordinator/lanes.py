@@ -7,9 +7,10 @@ them)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import accumulate
-from typing import NamedTuple
 
+import numpy as np
+
+from runtime.coordinator.bounds import Tops, tops_of
 from runtime.coordinator.causal import CausalSearch
 from runtime.coordinator.policy import LaneView, SelectionContext
 
@@ -76,15 +77,6 @@ class Lane:
         return self.view.request.slot
 
 
-class Columns(NamedTuple):
-    """A (W, D)'s lanes as columns: each lane's base, every lane's row gains
-    (rows 2.. up to its ceiling, lane after lane), each lane's complete value."""
-
-    bases: list[float]
-    gains: list[float]
-    fulls: list[float]
-
-
 class LaneTable:
     """The decoders of one decision with their survival read once at the deepest
     depth any program offers (``survival`` and ``forecast`` are called once per
@@ -117,9 +109,8 @@ class LaneTable:
         self._depth = depth
         self._orders: list[Sequence[float]] | None = None
         self._lanes: dict[tuple[int, int, bool], list[Lane]] = {}
-        self._columns: dict[tuple[int, int], Columns] = {}
-        self._cohorts: dict[tuple[int, int], list[float]] = {}
         self._causal: dict[tuple[int, int, bool], CausalSearch] = {}
+        self._tops: dict[tuple[int, ...], Tops] = {}
 
     def lanes(self, width: int, depth: int, device: bool) -> list[Lane]:
         key = (width, depth, device)
@@ -137,44 +128,30 @@ class LaneTable:
             self._lanes[key] = held
         return held
 
-    def columns(self, width: int, depth: int) -> Columns:
-        """The (W, D) lanes' bases, row gains and complete-prefix values as plain
-        lists (what a bound reads), without building the lanes."""
-        key = (width, depth)
-        held = self._columns.get(key)
+    def tops(self, ceilings: Sequence[int]) -> Tops:
+        """The lanes' sorted prefix sums (:class:`bounds.Tops`) per ceiling group:
+        group g holds the lanes of programs whose min(D + 1, W) is ``ceilings[g]``."""
+        key = tuple(ceilings)
+        held = self._tops.get(key)
         if held is None:
-            bases, gains, fulls = [], [], []
-            top = min(depth + 1, width)
-            for view, left, row, prefix in zip(self.views, self.left, self.gains, self.prefix):
-                limit = top if left >= top else left  # ceiling(view, width, depth)
-                if limit < 1:
-                    continue
-                base = view.decode_value
-                bases.append(base)
-                gains.extend(row[: limit - 1])
-                fulls.append(base + prefix[min(limit, len(prefix)) - 1])  # Lane.full
-            held = self._columns[key] = Columns(bases, gains, fulls)
+            included = [i for i, left in enumerate(self.left) if left >= 1]
+            views = [self.views[i] for i in included]
+            bases = np.array([v.decode_value for v in views], dtype=float)
+            depth = max(0, self._depth)
+            gains = _gain_matrix([self.gains[i] for i in included], depth)  # (lanes, depth)
+            prefix = np.zeros((len(included), depth + 1))
+            np.cumsum(gains, axis=1, out=prefix[:, 1:])  # the sums Lane.prefix holds
+            have = np.array([len(self.gains[i]) for i in included], dtype=np.int64)
+            left = np.array([self.left[i] for i in included], dtype=np.int64)
+            top = np.array(ceilings, dtype=np.int64)
+            # rows[g, i]: the rows 2.. lane i can get under ceiling group g.
+            rows = np.minimum(np.minimum(left[None, :], top[:, None]) - 1, have[None, :])
+            fulls = bases[None, :] + prefix[np.arange(len(included))[None, :], rows]
+            masked = np.where(
+                np.arange(depth)[None, None, :] < rows[:, :, None], gains[None, :, :], -np.inf
+            ).reshape(len(ceilings), len(included) * depth)
+            held = self._tops[key] = tops_of(bases, masked, fulls)
         return held
-
-    def cohort_values(self, width: int, depth: int) -> list[float]:
-        """``[0, v1, v1 + v2, ...]``: the value of the best k lanes of (W, D) at
-        their complete prefixes, in the rectangular ranking (value descending,
-        the less recently served, then the request id), summed left to right
-        as a rectangular candidate's value is."""
-        key = (width, depth)
-        held = self._cohorts.get(key)
-        if held is None:
-            lanes = [
-                (-full, v.lru, v.request.handle.id, full)
-                for v, full in zip(self._included(width, depth), self.columns(width, depth).fulls)
-            ]
-            lanes.sort()
-            held = self._cohorts[key] = [0.0, *accumulate(x[3] for x in lanes)]
-        return held
-
-    def _included(self, width: int, depth: int) -> list[LaneView]:
-        top = min(depth + 1, width)
-        return [v for v, left in zip(self.views, self.left) if min(top, left) >= 1]
 
     def causal(
         self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
@@ -204,3 +181,13 @@ ORDERINGS = (
     lambda x: (-x.view.delivery_price, x.view.lru, x.slot()),  # pending-token delivery value
     lambda x: (-x.full / x.limit, x.view.lru, x.slot()),  # value per target row
 )
+
+
+def _gain_matrix(gains: Sequence[Sequence[float]], depth: int) -> np.ndarray:
+    """Every decoder's row gains as one row of ``depth`` columns (zero past its own)."""
+    if all(len(g) == depth for g in gains):
+        return np.array(gains, dtype=float).reshape(len(gains), depth)
+    out = np.zeros((len(gains), depth))
+    for i, g in enumerate(gains):
+        out[i, : len(g)] = g
+    return out

@@ -53,16 +53,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from runtime.catalog import GraphKind
-from runtime.coordinator.bounds import (
-    MARGIN,
-    Deferred,
-    next_batch,
-    score_bound,
-    summary,
-    to_search,
-    value_bounds,
-)
+from runtime.coordinator.bounds import Pending, Shapes, summary
 from runtime.coordinator.lanes import (
     Lane,
     LaneTable,
@@ -89,12 +83,12 @@ def _extents_of(desc) -> tuple[int, int, int, int]:
     return desc.batch_capacity, desc.token_capacity, desc.proposal_depth, desc.target_capacity
 
 
-def _competes(desc, fixed_width: int, forecast: SurvivalFn | None) -> bool:
+def _competes(desc, fixed_width: int, forecasts: bool) -> bool:
     """Whether speculative program ``desc`` competes in this decision: under fixed
     width only host programs of that width; device allocation needs forecasts."""
     if fixed_width and (desc.token_capacity != fixed_width or desc.device_allocated):
         return False
-    return not (desc.device_allocated and forecast is None)
+    return not (desc.device_allocated and not forecasts)
 
 
 def _best_fitting(ranked: Sequence[Lane], batch: int, rows: int) -> list[Lane]:
@@ -146,26 +140,55 @@ def speculative_candidates(
     the caller already read them (:func:`round_candidates`).  ``bound``: ``out``
     holds the decision's other candidates, and a causally allocated program
     whose bound rules it out is not searched (:mod:`runtime.coordinator.bounds`)."""
-    entries = ctx.catalog.entries(GraphKind.SPECULATIVE)
-    if not entries or not ctx.decode:
+    if not ctx.catalog.entries(GraphKind.SPECULATIVE) or not ctx.decode:
         return
+    layout = _layout(ctx, fixed_width, forecast is not None)
     if table is None:
-        table = LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
-    competing = [
-        (index, entry, _extents_of(entry.descriptor))
-        for index, entry in enumerate(entries)
-        if _competes(entry.descriptor, fixed_width, forecast)
-    ]
+        table = LaneTable(ctx, survival, alpha, layout.deepest, forecast)
+    competing = layout.competing
     now: list[int] = []
     deferred: list[int] = []
+    now_ns, ttl_ns = ctx.now_ns, ctx.ttl_ns
     for position, (_, entry, _) in enumerate(competing):
-        fresh = entry.estimate_ns > 0 and not entry.stale(ctx.now_ns, ctx.ttl_ns)
+        fresh = entry.estimate_ns > 0 and not entry.stale(now_ns, ttl_ns)
         (deferred if bound and not fixed_width and fresh else now).append(position)
     found = _evaluate(ctx, table, competing, now, fixed_width, {})
-    kept = _settle(ctx, table, competing, deferred, found, out) if deferred else None
+    kept = _settle(ctx, table, layout, deferred, found, out) if deferred else None
     if kept is None:
         kept = _undominated([found[position] for position in sorted(found)])
     out.extend(kept)
+
+
+class _Layout:
+    """The speculative programs that compete under one setting (fixed width,
+    forecasts or not) of a catalog, with their shapes as arrays and their
+    ceiling groups (min(D + 1, W)): what every decision shares
+    (``CostCatalog.derived``, for good)."""
+
+    def __init__(self, catalog, fixed_width: int, forecasts: bool) -> None:
+        entries = catalog.entries(GraphKind.SPECULATIVE)
+        self.deepest = _deepest(entries, fixed_width)
+        self.competing = [
+            (index, entry, _extents_of(entry.descriptor))
+            for index, entry in enumerate(entries)
+            if _competes(entry.descriptor, fixed_width, forecasts)
+        ]
+        self.shapes = Shapes([entry.descriptor for _, entry, _ in self.competing])
+        ceilings: dict[int, int] = {}
+        self.group = np.array(
+            [ceilings.setdefault(min(d + 1, w), len(ceilings)) for *_, (_, w, d, _) in
+             self.competing],
+            dtype=np.int64,
+        )  # fmt: skip
+        self.ceilings = list(ceilings)
+
+
+def _layout(ctx: SelectionContext, fixed_width: int, forecasts: bool) -> _Layout:
+    return ctx.catalog.derived(
+        f"rounds:{fixed_width}:{forecasts}",
+        lambda: _Layout(ctx.catalog, fixed_width, forecasts),
+        per_version=False,
+    )
 
 
 def _evaluate(
@@ -223,58 +246,29 @@ def _evaluate(
 
 
 def _settle(
-    ctx: SelectionContext, table: LaneTable, competing: list, positions: list[int],
+    ctx: SelectionContext, table: LaneTable, layout: _Layout, positions: list[int],
     found: dict[int, tuple[tuple, Candidate]], others: Sequence[Candidate],
 ) -> list[Candidate] | None:  # fmt: skip
     """Evaluate the deferred programs at ``positions`` that their bounds cannot
-    rule out, into ``found``, one (W, D, device) group at a time, until the
-    bounds rule out the rest; then the
-    undominated candidates of ``found`` (None: every one was evaluated)."""
-    deferred = _deferred(ctx, table, competing, positions)
+    rule out (:class:`bounds.Pending`), into ``found``, one (W, D, device)
+    group at a time, until the bounds rule out the rest; then the undominated
+    candidates of ``found`` (None: every one was evaluated)."""
+    deferred = np.zeros(len(layout.competing), dtype=bool)
+    deferred[positions] = True
+    t_ms = np.array([entry.estimate_ns for _, entry, _ in layout.competing], dtype=float) / 1e6
+    pending = Pending(
+        layout.shapes, deferred, table.tops(layout.ceilings), layout.group, t_ms,
+        ctx.decode_age_slope, ctx.active_age_price,
+    )  # fmt: skip
     rest = summary(others)
-    while deferred:
+    competing = layout.competing
+    while pending.alive.any():
         kept = _undominated([found[position] for position in sorted(found)])
-        chosen = to_search(deferred, kept, rest)
-        if not chosen:
+        batch = pending.next_batch(kept, rest)
+        if not batch:
             return kept
-        batch = next_batch(chosen)
-        found.update(_evaluate(ctx, table, competing, [d.position for d in batch], 0, {}))
-        deferred = [d for d in deferred if d not in batch]
+        found.update(_evaluate(ctx, table, competing, batch, 0, {}))
     return None
-
-
-def _deferred(
-    ctx: SelectionContext, table: LaneTable, competing: list, positions: list[int]
-) -> list[Deferred]:
-    """The programs at ``positions`` with their value and score bounds: a
-    causally allocated one's from :func:`bounds.value_bounds`, a rectangular
-    one's exact (its B best lanes at complete prefixes)."""
-    groups: dict[tuple[int, int, bool], list[int]] = {}
-    for position in positions:
-        _, entry, (_, w, d, _) = competing[position]
-        groups.setdefault((w, d, entry.descriptor.device_allocated), []).append(position)
-    out = []
-    for (w, d, device), group in groups.items():
-        columns = table.columns(w, d)
-        n = len(columns.bases)
-        shapes = [competing[i][2] for i in group]  # (B, W, D, P)
-        causal = [device or p < b * w for b, _, _, p in shapes]
-        bounds = iter(
-            value_bounds(columns, [(b, p) for (b, _, _, p), c in zip(shapes, causal) if c])
-        )
-        for position, (b, _, _, p), is_causal in zip(group, shapes, causal):
-            if is_causal:
-                value = next(bounds)
-            else:  # rectangular: exact
-                value = table.cohort_values(w, d)[min(b, n)] if n else float("-inf")
-                value += MARGIN * abs(value)
-            entry = competing[position][1]
-            score = score_bound(
-                value, entry.estimate_ns / 1e6, ctx.decode_age_slope, min(b, n, p),
-                ctx.active_age_price,
-            )  # fmt: skip
-            out.append(Deferred(position, entry.descriptor, value, score, not is_causal))
-    return out
 
 
 def wide_mixed_candidates(
@@ -324,13 +318,18 @@ def round_candidates(
     """Speculative and wide mixed candidates from one read of the decoders'
     estimates (each request's survival and forecast once per decision)."""
     catalog = ctx.catalog
-    entries = [
-        *catalog.entries(GraphKind.SPECULATIVE),
-        *(e for e in catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1),
-    ]
-    if not entries:
+
+    def deepest() -> int | None:  # None: no round program
+        entries = [
+            *catalog.entries(GraphKind.SPECULATIVE),
+            *(e for e in catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1),
+        ]
+        return _deepest(entries, fixed_width) if entries else None
+
+    depth = catalog.derived(f"rounds-depth:{fixed_width}", deepest, per_version=False)
+    if depth is None:
         return
-    table = LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), forecast)
+    table = LaneTable(ctx, survival, alpha, depth, forecast)
     speculative_candidates(ctx, out, survival, alpha, fixed_width, forecast, table, bound=True)
     wide_mixed_candidates(ctx, out, survival, alpha, fixed_width, table)
 

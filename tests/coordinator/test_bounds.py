@@ -8,10 +8,10 @@ import itertools
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
-from runtime.coordinator.bounds import score_bound, value_bounds
-from runtime.coordinator.lanes import Columns
+from runtime.coordinator.bounds import score_bounds, value_bounds
 from runtime.coordinator.utility import value_rate
 
 
@@ -28,11 +28,9 @@ class Lane:
         return self.base + sum(self.gains)
 
 
-def columns(lanes: list[Lane]) -> Columns:
-    """The lanes as value_bounds reads them (lanes.LaneTable.columns)."""
-    return Columns(
-        [x.base for x in lanes], [g for x in lanes for g in x.gains], [x.full for x in lanes]
-    )
+def columns(lanes: list[Lane]) -> tuple[list[float], list[float], list[float]]:
+    """The lanes as value_bounds reads them: bases, every row gain, complete values."""
+    return [x.base for x in lanes], [g for x in lanes for g in x.gains], [x.full for x in lanes]
 
 
 def best_allocation(lanes: list[Lane], batch: int, target: int) -> float:
@@ -67,7 +65,7 @@ def test_value_bound_is_at_least_every_allocation(seed):
     width = rng.randint(2, 4)
     lanes = random_lanes(rng, rng.randint(1, 5), width)
     programs = [(b, p) for b in range(1, 5) for p in range(b, b * width + 1)]
-    bounds = value_bounds(columns(lanes), programs)
+    bounds = value_bounds(*columns(lanes), programs)
     tight = 0
     for (batch, target), bound in zip(programs, bounds):
         actual = best_allocation(lanes, batch, target)
@@ -80,9 +78,9 @@ def test_value_bound_is_at_least_every_allocation(seed):
 
 def test_value_bound_without_a_bound_or_a_fit():
     lanes = [Lane(1.0, [0.5, -0.1]), Lane(1.0, [0.2])]
-    assert value_bounds(columns(lanes), [(2, 4)]) == [float("inf")]  # a negative gain: no bound
-    assert value_bounds(columns([Lane(-0.5, [])]), [(1, 1)]) == [float("inf")]  # a negative base
-    assert value_bounds(columns([]), [(2, 4)]) == [float("-inf")]  # no lane fits
+    assert value_bounds(*columns(lanes), [(2, 4)]) == [float("inf")]  # a negative gain: no bound
+    assert value_bounds(*columns([Lane(-0.5, [])]), [(1, 1)]) == [float("inf")]  # a negative base
+    assert value_bounds(*columns([]), [(2, 4)]) == [float("-inf")]  # no lane fits
 
 
 @pytest.mark.parametrize("slope", [0.3, 0.0, -0.2])
@@ -93,4 +91,6 @@ def test_score_bound_is_at_least_the_score(slope):
         size = rng.randint(1, 8)
         for n in range(1, size + 1):
             score = value_rate(value * rng.random(), slope * n, t_ms, price)
-            assert score_bound(value, t_ms, slope, size, price) >= score
+            one = np.array
+            bound = score_bounds(one([value]), one([t_ms]), slope, one([size]), price)
+            assert bound[0] >= score
