@@ -71,25 +71,20 @@ class Tops(NamedTuple):
     bases: np.ndarray  # (lanes + 1,): every group has the same lanes and bases
     gains: np.ndarray  # (groups, rows + 1)
     fulls: np.ndarray  # (groups, lanes + 1)
-    negative: np.ndarray  # (groups,) bool
+    negative: bool
 
 
-def tops_of(bases: np.ndarray, gains: np.ndarray, fulls: np.ndarray) -> Tops:
+def tops_of(bases: np.ndarray, gains: np.ndarray, fulls: np.ndarray, negative: bool) -> Tops:
     """:class:`Tops` from the lanes' bases (lanes,), their row gains per group
-    (groups, rows; ``-inf`` where a group's lane has no such row) and their
-    complete-prefix values per group (groups, lanes)."""
-    groups = fulls.shape[0]
+    (groups, rows; zero where a group's lane has no such row, which leaves
+    the sorted sums of non-negative gains as they are) and their
+    complete-prefix values per group (groups, lanes).  ``negative``: a base or
+    a gain is negative."""
     top_bases = np.zeros(bases.size + 1)
     np.cumsum(np.sort(bases)[::-1], out=top_bases[1:])
-    ordered = np.sort(gains, axis=1)[:, ::-1]
-    top_gains = np.zeros((groups, gains.shape[1] + 1))
-    np.cumsum(np.where(ordered == -np.inf, 0.0, ordered), axis=1, out=top_gains[:, 1:])
-    # The smallest real gain decides negativity: masked rows are -inf, not gains.
-    real = np.where(gains == -np.inf, np.inf, gains)
-    negative = real.min(axis=1, initial=np.inf) < 0.0
-    if bases.size and bases.min() < 0.0:
-        negative[:] = True
-    top_fulls = np.zeros((groups, fulls.shape[1] + 1))
+    top_gains = np.zeros((gains.shape[0], gains.shape[1] + 1))
+    np.cumsum(np.sort(gains, axis=1)[:, ::-1], axis=1, out=top_gains[:, 1:])
+    top_fulls = np.zeros((fulls.shape[0], fulls.shape[1] + 1))
     np.cumsum(np.sort(fulls, axis=1)[:, ::-1], axis=1, out=top_fulls[:, 1:])
     return Tops(top_bases, top_gains, top_fulls, negative)
 
@@ -106,6 +101,7 @@ def value_bounds(
         np.asarray(bases, dtype=float),
         np.asarray(gains, dtype=float).reshape(1, len(gains)),
         np.asarray(fulls, dtype=float).reshape(1, len(fulls)),
+        min(bases, default=0.0) < 0.0 or min(gains, default=0.0) < 0.0,
     )
     group = np.zeros(len(programs), dtype=np.int64)
     batch = np.array([b for b, _ in programs], dtype=np.int64)
@@ -126,18 +122,20 @@ def program_values(
     if lanes == 0 or batch.size == 0:
         return np.full(batch.size, -np.inf)
     m = np.minimum(np.minimum(batch, lanes), target)
-    n = np.arange(1, lanes + 1)
-    split = (
-        tops.bases[n][None, :]
-        + tops.gains[group[:, None], np.clip(target[:, None] - n[None, :], 0, rows)]
-    )
-    split = np.where(n[None, :] <= m[:, None], split, -np.inf).max(axis=1)
-    bound = np.where(
-        causal, np.minimum(split, tops.fulls[group, m]), tops.fulls[group, np.minimum(batch, lanes)]
-    )
+    bound = tops.fulls[group, np.minimum(batch, lanes)]  # rectangular: exact
+    some = np.flatnonzero(causal & (m >= 1))
+    if some.size:
+        cm = m[some]
+        n = np.arange(1, int(cm.max()) + 1)
+        split = tops.bases[n][None, :] + tops.gains[
+            group[some][:, None], np.clip(target[some][:, None] - n[None, :], 0, rows)
+        ]
+        split = np.where(n[None, :] <= cm[:, None], split, -np.inf).max(axis=1)
+        bound[some] = np.minimum(split, tops.fulls[group[some], cm])
     bound = bound + MARGIN * np.abs(bound)
     bound[causal & (m < 1)] = -np.inf
-    bound[causal & tops.negative[group]] = np.inf
+    if tops.negative:
+        bound[causal] = np.inf
     return bound
 
 

@@ -134,23 +134,33 @@ class LaneTable:
         key = tuple(ceilings)
         held = self._tops.get(key)
         if held is None:
-            included = [i for i, left in enumerate(self.left) if left >= 1]
-            views = [self.views[i] for i in included]
+            left, gains = self.left, self.gains
+            if min(left, default=1) < 1:  # a lane without a row left has no place
+                included = [i for i, x in enumerate(left) if x >= 1]
+                left, gains = [left[i] for i in included], [gains[i] for i in included]
+                views: Sequence[LaneView] = [self.views[i] for i in included]
+            else:
+                views = self.views
             bases = np.array([v.decode_value for v in views], dtype=float)
             depth = max(0, self._depth)
-            gains = _gain_matrix([self.gains[i] for i in included], depth)  # (lanes, depth)
-            prefix = np.zeros((len(included), depth + 1))
-            np.cumsum(gains, axis=1, out=prefix[:, 1:])  # the sums Lane.prefix holds
-            have = np.array([len(self.gains[i]) for i in included], dtype=np.int64)
-            left = np.array([self.left[i] for i in included], dtype=np.int64)
+            matrix = _gain_matrix(gains, depth)  # (lanes, depth), zero past a lane's own
+            prefix = np.zeros((len(views), depth + 1))
+            np.cumsum(matrix, axis=1, out=prefix[:, 1:])  # the sums Lane.prefix holds
+            have = np.array([len(g) for g in gains], dtype=np.int64)
             top = np.array(ceilings, dtype=np.int64)
             # rows[g, i]: the rows 2.. lane i can get under ceiling group g.
-            rows = np.minimum(np.minimum(left[None, :], top[:, None]) - 1, have[None, :])
-            fulls = bases[None, :] + prefix[np.arange(len(included))[None, :], rows]
+            rows = np.minimum(
+                np.minimum(np.array(left, dtype=np.int64)[None, :], top[:, None]) - 1,
+                have[None, :],
+            )
+            fulls = bases[None, :] + prefix[np.arange(len(views))[None, :], rows]
             masked = np.where(
-                np.arange(depth)[None, None, :] < rows[:, :, None], gains[None, :, :], -np.inf
-            ).reshape(len(ceilings), len(included) * depth)
-            held = self._tops[key] = tops_of(bases, masked, fulls)
+                np.arange(depth)[None, None, :] < rows[:, :, None], matrix[None, :, :], 0.0
+            ).reshape(len(ceilings), len(views) * depth)
+            negative = bool(
+                (bases.size and bases.min() < 0.0) or (matrix.size and matrix.min() < 0.0)
+            )
+            held = self._tops[key] = tops_of(bases, masked, fulls, negative)
         return held
 
     def causal(
