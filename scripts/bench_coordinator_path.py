@@ -33,7 +33,11 @@ rest, joined by fence):
   (``sched_complete``, its part), rank metrics, the trace hook, streaming the
   tokens, the engine's stats;
 * path: plan + commit_send + apply of the same frame;
-* device: the trace's ``device_ns`` (the largest rank interval), for scale.
+* device: the trace's ``device_ns`` (the largest rank interval), for scale;
+* plan_cpu, commit_cpu, sched_complete_cpu: the engine thread's own CPU time
+  (``time.thread_time_ns``) in ``plan()``, ``commit()`` and the scheduler's
+  ``complete*``.  On a machine whose cores the CPU ranks also use, the wall
+  times above include waiting for a core (and the GIL); these do not.
 
 Prints a table, then as the LAST line one JSON object with every figure
 (``c{N}_plan_us_median``, ``c{N}_commit_send_us_p90``, ``c{N}_apply_us_median``,
@@ -63,6 +67,7 @@ from runtime.trace.writer import TraceOptions
 
 HELD_OUT = ("typesseq", "typesseq-mutable", "unary", "while", "with", "yield")
 now_ns = time.monotonic_ns  # the engine's and the trace's clock
+cpu_ns = time.thread_time_ns  # the engine thread's own CPU time
 
 
 def prompt_windows(tokens: int) -> list[list[int]]:
@@ -84,33 +89,36 @@ class Recorder:
     def __init__(self, engine) -> None:
         self.frames: dict[int, dict] = {}
         self.plan_none_ns = 0
-        self._pending: tuple[int, int] | None = None
+        self._pending: tuple[int, int, int] | None = None
         sched, channel = engine.scheduler, engine._channel
         plan, commit, publish = sched.plan, sched.commit, channel.publish
         frame, apply, complete = engine._frame, engine._apply, engine._complete
 
         def timed_plan():
-            t0 = now_ns()
+            t0, c0 = now_ns(), cpu_ns()
             result = plan()
             t1 = now_ns()
             if result is None:
                 self.plan_none_ns += t1 - t0
             else:
-                self._pending = (t0, t1)
+                self._pending = (t0, t1, cpu_ns() - c0)
             return result
 
         def timed_frame(p, fence):
             t0 = now_ns()
             result = frame(p, fence)
-            start, end = self._pending or (t0, t0)
-            self.frames[fence] = {"plan_start": start, "plan_end": end, "build": now_ns() - t0}
+            start, end, cpu = self._pending or (t0, t0, 0)
+            self.frames[fence] = {
+                "plan_start": start, "plan_end": end, "plan_cpu": cpu, "build": now_ns() - t0,
+            }  # fmt: skip
             return result
 
         def timed_commit(p, fence):
-            t0 = now_ns()
+            t0, c0 = now_ns(), cpu_ns()
             commit(p, fence)
             if fence in self.frames:
                 self.frames[fence]["commit"] = now_ns() - t0
+                self.frames[fence]["commit_cpu"] = cpu_ns() - c0
 
         def timed_publish(message):
             t0 = now_ns()
@@ -129,11 +137,12 @@ class Recorder:
                 entry["apply_start"], entry["apply_end"] = t0, now_ns()
 
         def timed_complete(dispatch, records, timing):
-            t0 = now_ns()
+            t0, c0 = now_ns(), cpu_ns()
             result = complete(dispatch, records, timing)
             entry = self.frames.get(dispatch.fence)
             if entry is not None:
                 entry["sched_complete"] = now_ns() - t0
+                entry["sched_complete_cpu"] = cpu_ns() - c0
             return result
 
         sched.plan, sched.commit, channel.publish = timed_plan, timed_commit, timed_publish
@@ -142,6 +151,11 @@ class Recorder:
     def reset(self) -> None:
         self.frames.clear()
         self.plan_none_ns = 0
+
+
+NAMES = ("plan", "commit_send", "apply", "path", "device", "build", "commit", "publish",
+         "sched_complete", "trace_plan_to_sent", "plan_cpu", "commit_cpu",
+         "sched_complete_cpu")  # fmt: skip
 
 
 def trace_frames(path: Path) -> dict[int, dict]:
@@ -191,6 +205,9 @@ def measure(engine, rec: Recorder, trace_path: Path, prompts, c: int, args) -> d
             "publish": t["publish"],
             "apply": t["apply_end"] - arrived,
             "sched_complete": t.get("sched_complete", 0),
+            "plan_cpu": t["plan_cpu"],
+            "commit_cpu": t.get("commit_cpu", 0),
+            "sched_complete_cpu": t.get("sched_complete_cpu", 0),
             "trace_plan_to_sent": line["sent_ns"] - line["plan_ns"],
             "device": line.get("device_ns", 0),
         }
@@ -201,8 +218,7 @@ def measure(engine, rec: Recorder, trace_path: Path, prompts, c: int, args) -> d
     out: dict = {"frames": len(rows), "tokens": tokens, "wall_s": wall}
     out["tokens_per_s"] = statistics.median(rates)
     out["tokens_per_s_runs"] = [round(x, 1) for x in rates]
-    for name in ("plan", "commit_send", "apply", "path", "device", "build", "commit", "publish",
-                 "sched_complete", "trace_plan_to_sent"):  # fmt: skip
+    for name in NAMES:
         values = [r[name] / 1e3 for r in rows]
         out[f"{name}_us_median"] = statistics.median(values) if values else 0.0
         out[f"{name}_us_p90"] = quantile(values, 0.9) if values else 0.0
@@ -250,8 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(note, file=sys.stderr, flush=True)
 
     print(f"coordinator path per frame, {tree} (us; median / p90)")
-    names = ("plan", "commit_send", "apply", "path", "device", "build", "commit", "publish",
-             "sched_complete", "trace_plan_to_sent")  # fmt: skip
+    names = NAMES
     print(f"{'':>20} " + " ".join(f"{'c=' + str(c):>17}" for c in args.concurrency))
     for name in names:
         cells = [

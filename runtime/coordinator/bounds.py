@@ -27,20 +27,21 @@ candidate).  The rest are searched; a candidate that search adds may drop
 others by dominance, so the test is repeated until it holds
 (``rounds._settle``).
 
-Every deferred program of a decision is bounded at once, as arrays
-(:class:`Pending`): the lanes' sorted prefix sums per ceiling (``Tops``,
-built once a decision by ``lanes.LaneTable.tops``), then each program's
-bounds and the search test by array operations, so a plan's cost grows with
-lanes and shapes, not with their product; only the few programs the test
-chooses are evaluated (``Pending.next_batch``).
+The deferred programs of a decision share their lanes' sorted columns per
+ceiling group (:class:`TopLists`, built once a decision by
+``lanes.LaneTable.top_lists``: one sort per ceiling, whatever the programs),
+so each program's bounds cost a lookup and a binary search
+(:class:`Pending`); the programs' shapes are read once a catalog
+(:class:`Shapes`).  Plain lists, not arrays: an array operation costs a
+microsecond or two whatever its size, and a decision of a few dozen programs
+is cheaper as a loop than as the hundred array operations it would take
+(``docs/scheduler.md``, "Planning time").
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
-
-import numpy as np
+from itertools import accumulate
 
 from runtime.coordinator.policy import Candidate
 
@@ -58,35 +59,40 @@ SCALE_SLACK = 1e-12
 # Why a program must be searched (Pending.why): it might be chosen, set the
 # plan's log scale, or dominate a kept candidate.
 SCORE, SCALE, DOMINANCE = 1, 2, 3
+INF = float("inf")
 
 
-class Tops(NamedTuple):
-    """The lanes of a decision as the bounds read them, per ceiling group g
-    (the lanes' ceilings on programs of min(D + 1, W) = that group's top):
-    prefix sums ``[0, x1, x1 + x2, ...]`` of the bases, of the row gains and of
-    the complete-prefix values, each sorted descending (the gains' sums stay
-    flat past the group's rows), and whether a base or gain is negative (then
-    there is no bound)."""
+class TopLists:
+    """One ceiling group's lanes as the bounds read them: the bases and the row
+    gains sorted descending, and prefix sums ``[0, x1, x1 + x2, ...]`` of the
+    bases, the gains and the complete-prefix values (sorted descending)."""
 
-    bases: np.ndarray  # (lanes + 1,): every group has the same lanes and bases
-    gains: np.ndarray  # (groups, rows + 1)
-    fulls: np.ndarray  # (groups, lanes + 1)
-    negative: bool
+    __slots__ = ("bases", "fulls", "gains", "top_bases", "top_gains")
+
+    def __init__(self, bases: list[float], gains: list[float], fulls: list[float]) -> None:
+        self.bases = sorted(bases, reverse=True)
+        self.gains = sorted(gains, reverse=True)
+        self.top_bases = [0.0, *accumulate(self.bases)]
+        self.top_gains = [0.0, *accumulate(self.gains)]
+        self.fulls = [0.0, *accumulate(sorted(fulls, reverse=True))]
 
 
-def tops_of(bases: np.ndarray, gains: np.ndarray, fulls: np.ndarray, negative: bool) -> Tops:
-    """:class:`Tops` from the lanes' bases (lanes,), their row gains per group
-    (groups, rows; zero where a group's lane has no such row, which leaves
-    the sorted sums of non-negative gains as they are) and their
-    complete-prefix values per group (groups, lanes).  ``negative``: a base or
-    a gain is negative."""
-    top_bases = np.zeros(bases.size + 1)
-    np.cumsum(np.sort(bases)[::-1], out=top_bases[1:])
-    top_gains = np.zeros((gains.shape[0], gains.shape[1] + 1))
-    np.cumsum(np.sort(gains, axis=1)[:, ::-1], axis=1, out=top_gains[:, 1:])
-    top_fulls = np.zeros((fulls.shape[0], fulls.shape[1] + 1))
-    np.cumsum(np.sort(fulls, axis=1)[:, ::-1], axis=1, out=top_fulls[:, 1:])
-    return Tops(top_bases, top_gains, top_fulls, negative)
+def _best_split(bases: Sequence[float], gains: Sequence[float], target: int, m: int) -> int:
+    """The n in 1..m that maximises (the n largest bases) + (the target - n
+    largest gains), both sorted descending.  One more lane changes the sum by
+    bases[n] less the gain it displaces, gains[target - n - 1] (0 past the
+    end): a non-increasing step, so the sum is concave in n and the last n
+    whose step in is positive is a maximum."""
+    rows = len(gains)
+    low, high = 1, m  # the answer lies in [low, high]
+    while low < high:
+        mid = (low + high) // 2
+        k = target - mid - 1
+        if bases[mid] - (gains[k] if k < rows else 0.0) > 0.0:
+            low = mid + 1
+        else:
+            high = mid
+    return low
 
 
 def value_bounds(
@@ -96,110 +102,93 @@ def value_bounds(
     """Per causally allocated program (B, P) an upper bound on its best
     cohort's value, the margin included (``-inf``: no lane fits; ``inf``: no
     bound, a negative base or gain), for one width's lanes given as their
-    bases, every row gain and their complete-prefix values."""
-    tops = tops_of(
-        np.asarray(bases, dtype=float),
-        np.asarray(gains, dtype=float).reshape(1, len(gains)),
-        np.asarray(fulls, dtype=float).reshape(1, len(fulls)),
-        min(bases, default=0.0) < 0.0 or min(gains, default=0.0) < 0.0,
-    )
-    group = np.zeros(len(programs), dtype=np.int64)
-    batch = np.array([b for b, _ in programs], dtype=np.int64)
-    target = np.array([p for _, p in programs], dtype=np.int64)
-    return program_values(tops, group, batch, target, np.ones(len(programs), bool)).tolist()
+    bases, every row gain and their complete-prefix values: what
+    :class:`Pending` computes."""
+    top = TopLists(list(bases), list(gains), list(fulls))
+    negative = min(bases, default=0.0) < 0.0 or min(gains, default=0.0) < 0.0
+    return [causal_bound(top, b, p, negative) for b, p in programs]
 
 
-def program_values(
-    tops: Tops, group: np.ndarray, batch: np.ndarray, target: np.ndarray, causal: np.ndarray
-) -> np.ndarray:
-    """Per program j (of ceiling group ``group[j]``, batch B and target rows P)
-    an upper bound on its value, the margin included: a causally allocated
-    one's (``causal[j]``) the smaller of the best split (the n largest bases
-    and the P - n largest gains, over 1 <= n <= m = min(B, lanes, P)) and the
-    m best complete prefixes; a rectangular one's exact, its B best lanes at
-    their complete prefixes.  ``-inf``: no lane fits; ``inf``: no bound."""
-    lanes, rows = tops.bases.size - 1, tops.gains.shape[1] - 1
-    if lanes == 0 or batch.size == 0:
-        return np.full(batch.size, -np.inf)
-    m = np.minimum(np.minimum(batch, lanes), target)
-    bound = tops.fulls[group, np.minimum(batch, lanes)]  # rectangular: exact
-    some = np.flatnonzero(causal & (m >= 1))
-    if some.size:
-        cm = m[some]
-        n = np.arange(1, int(cm.max()) + 1)
-        split = tops.bases[n][None, :] + tops.gains[
-            group[some][:, None], np.clip(target[some][:, None] - n[None, :], 0, rows)
-        ]
-        split = np.where(n[None, :] <= cm[:, None], split, -np.inf).max(axis=1)
-        bound[some] = np.minimum(split, tops.fulls[group[some], cm])
-    bound = bound + MARGIN * np.abs(bound)
-    bound[causal & (m < 1)] = -np.inf
-    if tops.negative:
-        bound[causal] = np.inf
-    return bound
+def causal_bound(top: TopLists, batch: int, target: int, negative: bool) -> float:
+    """The value bound of a causally allocated program (module docstring)."""
+    if negative:
+        return INF
+    m = min(batch, len(top.bases), target)
+    if m < 1:
+        return -INF
+    n = _best_split(top.bases, top.gains, target, m)
+    split = top.top_bases[n] + top.top_gains[min(len(top.gains), target - n)]
+    value = min(split, top.fulls[m])
+    return value + MARGIN * abs(value)
 
 
-def score_bounds(
-    values: np.ndarray, t_ms: np.ndarray, slope: float, sizes: np.ndarray, price: float
-) -> np.ndarray:
-    """Upper bounds on the scores of programs of value bounds ``values`` run in
-    ``t_ms`` by cohorts of at most ``sizes`` lanes (``policy.value_rate``),
-    widened by the margin (``-inf`` where nothing fits, ``inf`` without a bound
-    or without a time: an unmeasured program)."""
-    finite = np.isfinite(values)
-    measured = t_ms > 0.0
-    t = np.where(measured, t_ms, 1.0)
-    age = np.maximum(slope, slope * sizes)
-    score = np.where(finite, values, 0.0) / t + age - 0.5 * t * price
-    score = score + MARGIN * np.abs(score)
-    return np.where(finite, np.where(measured, score, np.inf), values)
+def score_bound(value: float, t_ms: float, slope: float, size: int, price: float) -> float:
+    """An upper bound on the score of a value bound ``value`` run in ``t_ms``
+    by a cohort of at most ``size`` lanes (``policy.value_rate``; ``inf``
+    without a bound or a time, ``-inf`` where nothing fits)."""
+    if value == INF or value == -INF or t_ms <= 0.0:
+        return value if value == -INF else INF
+    score = value / t_ms + max(slope, slope * size) - 0.5 * t_ms * price
+    return score + MARGIN * abs(score)
 
 
 class Shapes:
-    """Programs' descriptors and shapes as arrays (what :class:`Pending` reads),
-    built once a catalog."""
+    """Programs' shapes, read once a catalog: per program (B, W, P, D,
+    device-allocated, exact, search), where exact marks a rectangular host
+    program (its bounds are its exact value and score) and search numbers its
+    (W, D, device) group (the programs one lane set and one cohort search
+    serve)."""
 
     def __init__(self, descs: Sequence) -> None:
         self.descs = list(descs)
-        shape = np.array(
-            [
-                (d.batch_capacity, d.token_capacity, d.target_capacity, d.proposal_depth,
-                 d.device_allocated)
-                for d in self.descs
-            ],
-            dtype=np.int64,
-        ).reshape(len(self.descs), 5)  # fmt: skip
-        self.batch, self.width, self.target = shape[:, 0], shape[:, 1], shape[:, 2]
-        self.depth, self.device = shape[:, 3], shape[:, 4].astype(bool)
-        # Rectangular host programs: their bounds are their exact values.
-        self.exact = ~self.device & (self.target >= self.batch * self.width)
-        # (W, D, device): the programs one lane set and one cohort search serve.
         searches: dict[tuple[int, int, bool], int] = {}
-        self.search = np.array(
-            [
+        self.rows = [
+            (
+                d.batch_capacity, d.token_capacity, d.target_capacity, d.proposal_depth,
+                d.device_allocated,
+                not d.device_allocated and d.target_capacity >= d.batch_capacity * d.token_capacity,
                 searches.setdefault(
                     (d.token_capacity, d.proposal_depth, d.device_allocated), len(searches)
-                )
-                for d in self.descs
-            ],
-            dtype=np.int64,
-        )
+                ),
+            )
+            for d in self.descs
+        ]  # fmt: skip
 
 
 class Pending:
-    """The deferred programs of a decision: their bounds, as arrays over
-    ``shapes``, and which are deferred and still unevaluated (``alive``)."""
+    """The deferred programs of a decision (positions ``deferred`` of
+    ``shapes``, of ceiling groups ``group``, measured ``t_ms``) with their
+    value and score bounds, the margin included, until they are evaluated."""
 
     def __init__(
-        self, shapes: Shapes, deferred: np.ndarray, tops: Tops, group: np.ndarray,
-        t_ms: np.ndarray, slope: float, price: float,
+        self, shapes: Shapes, deferred: Sequence[int], tops: Sequence[TopLists],
+        group: Sequence[int], t_ms: Sequence[float], slope: float, price: float,
+        negative: bool,
     ) -> None:  # fmt: skip
-        self.shapes = s = shapes
-        self.value = program_values(tops, group, s.batch, s.target, ~s.exact)
-        lanes = tops.bases.size - 1
-        sizes = np.minimum(np.minimum(s.batch, lanes), s.target)
-        self.score = score_bounds(self.value, t_ms, slope, sizes, price)
-        self.alive = deferred & (self.value != -np.inf)  # no lane fits: nothing to find
+        self.shapes = shapes
+        rows = shapes.rows
+        self.value: dict[int, float] = {}
+        self.score: dict[int, float] = {}
+        for i in deferred:
+            b, _, p, _, _, exact, _ = rows[i]
+            top = tops[group[i]]
+            lanes = len(top.bases)
+            if not exact:
+                value = causal_bound(top, b, p, negative)
+            elif lanes:
+                value = top.fulls[min(b, lanes)]
+                value += MARGIN * abs(value)
+            else:
+                value = -INF
+            if value == -INF:
+                continue  # no lane fits: the search finds nothing
+            self.value[i] = value
+            self.score[i] = score_bound(value, t_ms[i], slope, min(b, lanes, p), price)
+
+    @property
+    def left(self) -> bool:
+        """Whether a deferred program is still unevaluated."""
+        return bool(self.value)
 
     def next_batch(
         self, kept: Sequence[Candidate], others: tuple[float, float] | None
@@ -211,72 +200,72 @@ class Pending:
         first two settles the rest's score and scale tests); then the causal
         (W, D, device) group of the best bound, whose programs share one search."""
         why = self.why(kept, others)
-        chosen = why > 0
-        if not chosen.any():
+        if not why:
             return []
-        exact = chosen & self.shapes.exact
-        if exact.any():
-            batch = np.flatnonzero(exact & (why == DOMINANCE)).tolist()
+        rows = self.shapes.rows
+        exact = [i for i in why if rows[i][5]]
+        if exact:
+            batch = [i for i in exact if why[i] == DOMINANCE]
             for code, key in ((SCORE, self.score), (SCALE, self.value)):
-                some = np.flatnonzero(exact & (why == code))
-                if some.size:
-                    batch.append(int(some[np.argmax(key[some])]))
+                some = [i for i in exact if why[i] == code]
+                if some:
+                    batch.append(max(some, key=key.__getitem__))
         else:
-            some = np.flatnonzero(chosen)
-            search = self.shapes.search
-            best = some[np.argmax(self.score[some])]
-            batch = np.flatnonzero(chosen & (search == search[best])).tolist()
-        self.alive[batch] = False
+            best = max(why, key=self.score.__getitem__)
+            search = rows[best][6]
+            batch = [i for i in why if rows[i][6] == search]
+        for i in batch:
+            del self.value[i], self.score[i]
         return batch
 
-    def why(self, kept: Sequence[Candidate], others: tuple[float, float] | None) -> np.ndarray:
-        """Per program why its search must run (0: it need not): it might be
-        chosen (``SCORE``), set the decision's largest value (``SCALE``), or
-        dominate a kept candidate (``DOMINANCE``).  ``kept``: this kind's
-        undominated candidates so far; ``others``: the best known score and the
-        largest value of the decision's candidates of other kinds
-        (:func:`summary`; None: there are none)."""
-        best, largest = others if others is not None else (float("-inf"), float("-inf"))
+    def why(self, kept: Sequence[Candidate], others: tuple[float, float] | None) -> dict[int, int]:
+        """The unevaluated programs whose search must run, in position order,
+        with why: they might be chosen (``SCORE``), set the decision's largest
+        value (``SCALE``), or dominate a kept candidate (``DOMINANCE``).
+        ``kept``: this kind's undominated candidates so far; ``others``: the
+        best known score and the largest value of the decision's candidates of
+        other kinds (:func:`summary`; None: there are none)."""
+        best, largest = others if others is not None else (-INF, -INF)
         for c in kept:
             if not c.unknown and c.score > best:
                 best = c.score
             largest = max(largest, abs(c.value))
-        why = np.zeros(self.alive.size, dtype=np.int64)
-        if best == float("-inf"):  # no known score to beat: any may win
-            why[self.alive] = SCORE
-            return why
+        positions = sorted(self.value)
+        if best == -INF:  # no known score to beat: any may win
+            return dict.fromkeys(positions, SCORE)
         best -= MARGIN * abs(best)
         scale = largest * (1.0 + SCALE_SLACK) * (1.0 + MARGIN)  # values carry the margin
-        score = self.alive & (self.score >= best)
-        why[score] = SCORE
-        rest = self.alive & ~score
-        scaled = rest & (self.value > scale)
-        why[scaled] = SCALE
-        rest &= ~scaled
-        if rest.any():
-            why[rest & self._may_dominate(kept)] = DOMINANCE
-        return why
-
-    def _may_dominate(self, kept: Sequence[Candidate]) -> np.ndarray:
-        """Per program whether it could hold a kept candidate's work on a shape
-        no larger in every capacity (and not the same shape)."""
-        s = self.shapes
-        out = np.zeros(self.alive.size, dtype=bool)
-        for cand in kept:
-            desc = cand.entry.descriptor
-            b, w, p = desc.batch_capacity, desc.token_capacity, desc.target_capacity
-            queries = cand.queries or ()
-            out |= (
-                (self.value >= cand.value)
-                & (s.depth == desc.proposal_depth)
-                & (s.device == desc.device_allocated)
-                & (s.batch <= b) & (s.width <= w) & (s.target <= p)
-                & ~((s.batch == b) & (s.width == w) & (s.target == p)
-                    & (desc.prompt_capacity == 0))
-                & (len(cand.lanes) <= np.minimum(s.batch, s.target))
-                & (sum(queries) <= s.target)
-            )  # fmt: skip
+        out: dict[int, int] = {}
+        for i in positions:
+            if self.score[i] >= best:
+                out[i] = SCORE
+            elif self.value[i] > scale:
+                out[i] = SCALE
+            elif kept and self._may_dominate(i, kept):
+                out[i] = DOMINANCE
         return out
+
+    def _may_dominate(self, i: int, kept: Sequence[Candidate]) -> bool:
+        """Whether program ``i`` could hold a kept candidate's work on a shape no
+        larger in every capacity (and not the same shape): the same depth and
+        allocation, a value bound at least the candidate's, room for its cohort
+        and its rows."""
+        batch, width, target, depth, device, _, _ = self.shapes.rows[i]
+        value = self.value[i]
+        for cand in kept:
+            if cand.value > value:
+                continue  # more than it can be worth: not its work
+            desc = cand.entry.descriptor
+            if desc.proposal_depth != depth or desc.device_allocated != device:
+                continue
+            b, w, p = desc.batch_capacity, desc.token_capacity, desc.target_capacity
+            if (b, w, p, desc.prompt_capacity) == (batch, width, target, 0):
+                continue  # the same shape
+            if b < batch or w < width or p < target:
+                continue
+            if len(cand.lanes) <= min(batch, target) and sum(cand.queries or ()) <= target:
+                return True
+        return False
 
 
 def summary(candidates: Sequence[Candidate]) -> tuple[float, float] | None:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
-from runtime.coordinator.bounds import Tops, tops_of
+from runtime.coordinator.bounds import TopLists
 from runtime.coordinator.causal import CausalSearch
 from runtime.coordinator.policy import LaneView, SelectionContext
 
@@ -110,7 +108,6 @@ class LaneTable:
         self._orders: list[Sequence[float]] | None = None
         self._lanes: dict[tuple[int, int, bool], list[Lane]] = {}
         self._causal: dict[tuple[int, int, bool], CausalSearch] = {}
-        self._tops: dict[tuple[int, ...], Tops] = {}
 
     def lanes(self, width: int, depth: int, device: bool) -> list[Lane]:
         key = (width, depth, device)
@@ -128,40 +125,29 @@ class LaneTable:
             self._lanes[key] = held
         return held
 
-    def tops(self, ceilings: Sequence[int]) -> Tops:
-        """The lanes' sorted prefix sums (:class:`bounds.Tops`) per ceiling group:
-        group g holds the lanes of programs whose min(D + 1, W) is ``ceilings[g]``."""
-        key = tuple(ceilings)
-        held = self._tops.get(key)
-        if held is None:
-            left, gains = self.left, self.gains
-            if min(left, default=1) < 1:  # a lane without a row left has no place
-                included = [i for i, x in enumerate(left) if x >= 1]
-                left, gains = [left[i] for i in included], [gains[i] for i in included]
-                views: Sequence[LaneView] = [self.views[i] for i in included]
-            else:
-                views = self.views
-            bases = np.array([v.decode_value for v in views], dtype=float)
-            depth = max(0, self._depth)
-            matrix = _gain_matrix(gains, depth)  # (lanes, depth), zero past a lane's own
-            prefix = np.zeros((len(views), depth + 1))
-            np.cumsum(matrix, axis=1, out=prefix[:, 1:])  # the sums Lane.prefix holds
-            have = np.array([len(g) for g in gains], dtype=np.int64)
-            top = np.array(ceilings, dtype=np.int64)
-            # rows[g, i]: the rows 2.. lane i can get under ceiling group g.
-            rows = np.minimum(
-                np.minimum(np.array(left, dtype=np.int64)[None, :], top[:, None]) - 1,
-                have[None, :],
-            )
-            fulls = bases[None, :] + prefix[np.arange(len(views))[None, :], rows]
-            masked = np.where(
-                np.arange(depth)[None, None, :] < rows[:, :, None], matrix[None, :, :], 0.0
-            ).reshape(len(ceilings), len(views) * depth)
-            negative = bool(
-                (bases.size and bases.min() < 0.0) or (matrix.size and matrix.min() < 0.0)
-            )
-            held = self._tops[key] = tops_of(bases, masked, fulls, negative)
-        return held
+    def top_lists(self, ceilings: Sequence[int]) -> tuple[list[TopLists], bool]:
+        """The lanes' columns per ceiling group, sorted and summed
+        (:class:`bounds.TopLists`; group g holds the lanes of programs whose
+        min(D + 1, W) is ``ceilings[g]``), and whether a base or a gain is
+        negative."""
+        lanes = [
+            (view.decode_value, left, row, prefix)
+            for view, left, row, prefix in zip(self.views, self.left, self.gains, self.prefix)
+            if left >= 1
+        ]
+        out = []
+        bases = [base for base, *_ in lanes]
+        negative = bool(bases) and min(bases) < 0.0
+        for top in ceilings:
+            gains: list[float] = []
+            fulls = []
+            for base, left, row, prefix in lanes:
+                rows = min(top if left >= top else left, len(prefix)) - 1  # ceiling - 1
+                gains.extend(row[:rows])
+                fulls.append(base + prefix[rows])
+            negative = negative or (bool(gains) and min(gains) < 0.0)
+            out.append(TopLists(bases, gains, fulls))
+        return out, negative
 
     def causal(
         self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
@@ -191,13 +177,3 @@ ORDERINGS = (
     lambda x: (-x.view.delivery_price, x.view.lru, x.slot()),  # pending-token delivery value
     lambda x: (-x.full / x.limit, x.view.lru, x.slot()),  # value per target row
 )
-
-
-def _gain_matrix(gains: Sequence[Sequence[float]], depth: int) -> np.ndarray:
-    """Every decoder's row gains as one row of ``depth`` columns (zero past its own)."""
-    if all(len(g) == depth for g in gains):
-        return np.array(gains, dtype=float).reshape(len(gains), depth)
-    out = np.zeros((len(gains), depth))
-    for i, g in enumerate(gains):
-        out[i, : len(g)] = g
-    return out

@@ -53,8 +53,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from runtime.catalog import GraphKind
 from runtime.coordinator.bounds import Pending, Shapes, summary
 from runtime.coordinator.lanes import (
@@ -175,11 +173,9 @@ class _Layout:
         ]
         self.shapes = Shapes([entry.descriptor for _, entry, _ in self.competing])
         ceilings: dict[int, int] = {}
-        self.group = np.array(
-            [ceilings.setdefault(min(d + 1, w), len(ceilings)) for *_, (_, w, d, _) in
-             self.competing],
-            dtype=np.int64,
-        )  # fmt: skip
+        self.groups = [
+            ceilings.setdefault(min(d + 1, w), len(ceilings)) for *_, (_, w, d, _) in self.competing
+        ]
         self.ceilings = list(ceilings)
 
 
@@ -253,16 +249,15 @@ def _settle(
     rule out (:class:`bounds.Pending`), into ``found``, one (W, D, device)
     group at a time, until the bounds rule out the rest; then the undominated
     candidates of ``found`` (None: every one was evaluated)."""
-    deferred = np.zeros(len(layout.competing), dtype=bool)
-    deferred[positions] = True
-    t_ms = np.array([entry.estimate_ns for _, entry, _ in layout.competing], dtype=float) / 1e6
+    entries = [entry for _, entry, _ in layout.competing]
+    tops, negative = table.top_lists(layout.ceilings)
     pending = Pending(
-        layout.shapes, deferred, table.tops(layout.ceilings), layout.group, t_ms,
-        ctx.decode_age_slope, ctx.active_age_price,
+        layout.shapes, positions, tops, layout.groups, [e.estimate_ns / 1e6 for e in entries],
+        ctx.decode_age_slope, ctx.active_age_price, negative,
     )  # fmt: skip
     rest = summary(others)
     competing = layout.competing
-    while pending.alive.any():
+    while pending.left:
         kept = _undominated([found[position] for position in sorted(found)])
         batch = pending.next_batch(kept, rest)
         if not batch:

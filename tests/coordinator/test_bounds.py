@@ -8,10 +8,9 @@ import itertools
 import random
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 
-from runtime.coordinator.bounds import score_bounds, value_bounds
+from runtime.coordinator.bounds import score_bound, value_bounds
 from runtime.coordinator.utility import value_rate
 
 
@@ -91,6 +90,4 @@ def test_score_bound_is_at_least_the_score(slope):
         size = rng.randint(1, 8)
         for n in range(1, size + 1):
             score = value_rate(value * rng.random(), slope * n, t_ms, price)
-            one = np.array
-            bound = score_bounds(one([value]), one([t_ms]), slope, one([size]), price)
-            assert bound[0] >= score
+            assert score_bound(value, t_ms, slope, size, price) >= score
