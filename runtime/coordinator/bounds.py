@@ -62,19 +62,53 @@ SCORE, SCALE, DOMINANCE = 1, 2, 3
 INF = float("inf")
 
 
-class TopLists:
-    """One ceiling group's lanes as the bounds read them: the bases and the row
-    gains sorted descending, and prefix sums ``[0, x1, x1 + x2, ...]`` of the
-    bases, the gains and the complete-prefix values (sorted descending)."""
+class Columns:
+    """One decision's lanes as the bounds read them: the bases sorted
+    descending with their prefix sums ``[0, x1, x1 + x2, ...]``, per ceiling
+    group the prefix sums of the complete-prefix values sorted descending, and
+    per group, on first use (:meth:`gains`), the row gains sorted descending
+    with their prefix sums.
 
-    __slots__ = ("bases", "fulls", "gains", "top_bases", "top_gains")
+    ``lanes``: per lane with a row left, (base, row gains, rows left, gains'
+    prefix sums ``[0, g1, g1 + g2, ...]``); group g holds the programs whose
+    min(D + 1, W) is ``ceilings[g]``.  ``negative``: some base or gain may be
+    negative (then nothing is bounded)."""
 
-    def __init__(self, bases: list[float], gains: list[float], fulls: list[float]) -> None:
-        self.bases = sorted(bases, reverse=True)
-        self.gains = sorted(gains, reverse=True)
+    __slots__ = ("_gains", "_lanes", "bases", "ceilings", "count", "fulls", "negative", "top_bases")
+
+    def __init__(
+        self, lanes: Sequence[tuple[float, Sequence[float], int, Sequence[float]]],
+        ceilings: Sequence[int], negative: bool,
+    ) -> None:  # fmt: skip
+        self._lanes = lanes
+        self.ceilings = ceilings
+        self.count = len(lanes)
+        self.negative = negative
+        self.bases = sorted((lane[0] for lane in lanes), reverse=True)
         self.top_bases = [0.0, *accumulate(self.bases)]
-        self.top_gains = [0.0, *accumulate(self.gains)]
-        self.fulls = [0.0, *accumulate(sorted(fulls, reverse=True))]
+        self.fulls = []
+        for top in ceilings:
+            fulls = []
+            for base, _, left, prefix in lanes:
+                rows = top if left >= top else left  # the lane's ceiling on this group
+                last = len(prefix)
+                fulls.append(base + prefix[(rows if rows < last else last) - 1])
+            fulls.sort(reverse=True)
+            self.fulls.append([0.0, *accumulate(fulls)])
+        self._gains: dict[int, tuple[list[float], list[float]]] = {}
+
+    def gains(self, group: int) -> tuple[list[float], list[float]]:
+        """Group ``group``'s row gains sorted descending, and their prefix sums."""
+        held = self._gains.get(group)
+        if held is None:
+            top = self.ceilings[group]
+            gains: list[float] = []
+            for _, row, left, _ in self._lanes:
+                rows = top if left >= top else left
+                gains.extend(row[: rows - 1])
+            gains.sort(reverse=True)
+            held = self._gains[group] = (gains, [0.0, *accumulate(gains)])
+        return held
 
 
 def _best_split(bases: Sequence[float], gains: Sequence[float], target: int, m: int) -> int:
@@ -104,21 +138,25 @@ def value_bounds(
     bound, a negative base or gain), for one width's lanes given as their
     bases, every row gain and their complete-prefix values: what
     :class:`Pending` computes."""
-    top = TopLists(list(bases), list(gains), list(fulls))
     negative = min(bases, default=0.0) < 0.0 or min(gains, default=0.0) < 0.0
-    return [causal_bound(top, b, p, negative) for b, p in programs]
+    columns = Columns([(b, [], 1, [0.0]) for b in bases], [1], negative)
+    top = sorted(gains, reverse=True)
+    columns._gains[0] = (top, [0.0, *accumulate(top)])
+    columns.fulls[0] = [0.0, *accumulate(sorted(fulls, reverse=True))]
+    return [causal_bound(columns, 0, b, p) for b, p in programs]
 
 
-def causal_bound(top: TopLists, batch: int, target: int, negative: bool) -> float:
+def causal_bound(columns: Columns, group: int, batch: int, target: int) -> float:
     """The value bound of a causally allocated program (module docstring)."""
-    if negative:
+    if columns.negative:
         return INF
-    m = min(batch, len(top.bases), target)
+    m = min(batch, columns.count, target)
     if m < 1:
         return -INF
-    n = _best_split(top.bases, top.gains, target, m)
-    split = top.top_bases[n] + top.top_gains[min(len(top.gains), target - n)]
-    value = min(split, top.fulls[m])
+    gains, top_gains = columns.gains(group)
+    n = _best_split(columns.bases, gains, target, m)
+    split = columns.top_bases[n] + top_gains[min(len(gains), target - n)]
+    value = min(split, columns.fulls[group][m])
     return value + MARGIN * abs(value)
 
 
@@ -158,32 +196,64 @@ class Shapes:
 class Pending:
     """The deferred programs of a decision (positions ``deferred`` of
     ``shapes``, of ceiling groups ``group``, measured ``t_ms``) with their
-    value and score bounds, the margin included, until they are evaluated."""
+    value and score bounds, the margin included, until they are evaluated.
+
+    A causally allocated program starts with the cheaper of its two bounds,
+    its best min(B, P) lanes at their complete prefixes; only when that cannot
+    rule it out is its split bound (the sorted row gains of its group) taken
+    too (``_loose``)."""
 
     def __init__(
-        self, shapes: Shapes, deferred: Sequence[int], tops: Sequence[TopLists],
+        self, shapes: Shapes, deferred: Sequence[int], columns: Columns,
         group: Sequence[int], t_ms: Sequence[float], slope: float, price: float,
-        negative: bool,
     ) -> None:  # fmt: skip
         self.shapes = shapes
-        rows = shapes.rows
+        self.columns = columns
+        self.group = group
+        self.t_ms = t_ms
+        self.slope = slope
+        self.price = price
         self.value: dict[int, float] = {}
         self.score: dict[int, float] = {}
+        self._loose: set[int] = set()
+        lanes = columns.count
+        if lanes < 1:
+            return  # no lane fits: every search finds nothing
+        rows, fulls = shapes.rows, columns.fulls
+        value = self.value
+        score = self.score
+        negative = columns.negative
+        half = 0.5 * price
         for i in deferred:
             b, _, p, _, _, exact, _ = rows[i]
-            top = tops[group[i]]
-            lanes = len(top.bases)
+            m = b if b < lanes else lanes
             if not exact:
-                value = causal_bound(top, b, p, negative)
-            elif lanes:
-                value = top.fulls[min(b, lanes)]
-                value += MARGIN * abs(value)
-            else:
-                value = -INF
-            if value == -INF:
-                continue  # no lane fits: the search finds nothing
-            self.value[i] = value
-            self.score[i] = score_bound(value, t_ms[i], slope, min(b, lanes, p), price)
+                if p < m:
+                    m = p
+                if m < 1:
+                    continue
+                if negative:
+                    value[i] = score[i] = INF
+                    continue
+                self._loose.add(i)
+            v = fulls[group[i]][m]
+            v += MARGIN * abs(v)
+            value[i] = v
+            t = t_ms[i]
+            if t <= 0.0:
+                score[i] = INF
+                continue
+            s = v / t + (slope * m if slope > 0.0 else slope) - half * t
+            score[i] = s + MARGIN * abs(s)
+
+    def _tighten(self, i: int) -> None:
+        """Program ``i``'s split bound too (a causally allocated program)."""
+        self._loose.discard(i)
+        b, _, p, _, _, _, _ = self.shapes.rows[i]
+        value = min(self.value[i], causal_bound(self.columns, self.group[i], b, p))
+        self.value[i] = value
+        size = min(b, self.columns.count, p)
+        self.score[i] = score_bound(value, self.t_ms[i], self.slope, size, self.price)
 
     @property
     def left(self) -> bool:
@@ -199,18 +269,20 @@ class Pending:
         one of the largest value and those that may dominate (evaluating the
         first two settles the rest's score and scale tests); then the causal
         (W, D, device) group of the best bound, whose programs share one search."""
-        why = self.why(kept, others)
-        if not why:
-            return []
         rows = self.shapes.rows
-        exact = [i for i in why if rows[i][5]]
-        if exact:
-            batch = [i for i in exact if why[i] == DOMINANCE]
+        # Exact programs first (their bounds are their scores): while one must
+        # be evaluated, no causal bound is computed or tightened.
+        why = self.why(kept, others, [i for i in self.value if rows[i][5]])
+        if why:
+            batch = [i for i in why if why[i] == DOMINANCE]
             for code, key in ((SCORE, self.score), (SCALE, self.value)):
-                some = [i for i in exact if why[i] == code]
+                some = [i for i in why if why[i] == code]
                 if some:
                     batch.append(max(some, key=key.__getitem__))
         else:
+            why = self.why(kept, others, [i for i in self.value if not rows[i][5]])
+            if not why:
+                return []
             best = max(why, key=self.score.__getitem__)
             search = rows[best][6]
             batch = [i for i in why if rows[i][6] == search]
@@ -218,54 +290,79 @@ class Pending:
             del self.value[i], self.score[i]
         return batch
 
-    def why(self, kept: Sequence[Candidate], others: tuple[float, float] | None) -> dict[int, int]:
-        """The unevaluated programs whose search must run, in position order,
-        with why: they might be chosen (``SCORE``), set the decision's largest
-        value (``SCALE``), or dominate a kept candidate (``DOMINANCE``).
-        ``kept``: this kind's undominated candidates so far; ``others``: the
-        best known score and the largest value of the decision's candidates of
-        other kinds (:func:`summary`; None: there are none)."""
+    def why(
+        self, kept: Sequence[Candidate], others: tuple[float, float] | None,
+        positions: Sequence[int] | None = None,
+    ) -> dict[int, int]:  # fmt: skip
+        """The unevaluated programs (of ``positions``, default all) whose search
+        must run, in position order, with why: they might be chosen
+        (``SCORE``), set the decision's largest value (``SCALE``), or dominate
+        a kept candidate (``DOMINANCE``).  ``kept``: this kind's undominated
+        candidates so far; ``others``: the best known score and the largest
+        value of the decision's candidates of other kinds (:func:`summary`;
+        None: there are none)."""
         best, largest = others if others is not None else (-INF, -INF)
         for c in kept:
             if not c.unknown and c.score > best:
                 best = c.score
             largest = max(largest, abs(c.value))
-        positions = sorted(self.value)
+        positions = sorted(self.value if positions is None else positions)
         if best == -INF:  # no known score to beat: any may win
             return dict.fromkeys(positions, SCORE)
         best -= MARGIN * abs(best)
         scale = largest * (1.0 + SCALE_SLACK) * (1.0 + MARGIN)  # values carry the margin
+        works = _works(kept)
         out: dict[int, int] = {}
         for i in positions:
-            if self.score[i] >= best:
-                out[i] = SCORE
-            elif self.value[i] > scale:
-                out[i] = SCALE
-            elif kept and self._may_dominate(i, kept):
-                out[i] = DOMINANCE
+            code = self._why(i, best, scale, works)
+            if code and i in self._loose:
+                self._tighten(i)
+                code = self._why(i, best, scale, works)
+            if code:
+                out[i] = code
         return out
 
-    def _may_dominate(self, i: int, kept: Sequence[Candidate]) -> bool:
-        """Whether program ``i`` could hold a kept candidate's work on a shape no
-        larger in every capacity (and not the same shape): the same depth and
-        allocation, a value bound at least the candidate's, room for its cohort
-        and its rows."""
-        batch, width, target, depth, device, _, _ = self.shapes.rows[i]
+    def _why(self, i: int, best: float, scale: float, works: list[tuple]) -> int:
+        if self.score[i] >= best:
+            return SCORE
         value = self.value[i]
-        for cand in kept:
-            if cand.value > value:
-                continue  # more than it can be worth: not its work
-            desc = cand.entry.descriptor
-            if desc.proposal_depth != depth or desc.device_allocated != device:
-                continue
-            b, w, p = desc.batch_capacity, desc.token_capacity, desc.target_capacity
-            if (b, w, p, desc.prompt_capacity) == (batch, width, target, 0):
-                continue  # the same shape
+        if value > scale:
+            return SCALE
+        if works and self._may_dominate(i, value, works):
+            return DOMINANCE
+        return 0
+
+    def _may_dominate(self, i: int, value: float, works: list[tuple]) -> bool:
+        """Whether program ``i`` (its value bound ``value``) could hold a kept
+        candidate's work (:func:`_works`) on a shape no larger in every
+        capacity (and not the same shape): the same depth and allocation, a
+        value bound at least the candidate's, room for its cohort and its rows."""
+        batch, width, target, depth, device, _, _ = self.shapes.rows[i]
+        for held, d, dev, b, w, p, same, lanes, rows in works:
+            if held > value or d != depth or dev != device:
+                continue  # more than it can be worth, or not its depth or allocation
             if b < batch or w < width or p < target:
-                continue
-            if len(cand.lanes) <= min(batch, target) and sum(cand.queries or ()) <= target:
+                continue  # program i is larger in some capacity: it cannot dominate
+            if same and b == batch and w == width and p == target:
+                continue  # the same shape
+            if lanes <= min(batch, target) and rows <= target:
                 return True
         return False
+
+
+def _works(kept: Sequence[Candidate]) -> list[tuple]:
+    """What the dominance test reads of each kept candidate: its value, depth,
+    allocation, B, W, P, whether it may be a speculative shape (no prompt
+    capacity), its lanes and its rows."""
+    out = []
+    for cand in kept:
+        desc = cand.entry.descriptor
+        out.append((
+            cand.value, desc.proposal_depth, desc.device_allocated, desc.batch_capacity,
+            desc.token_capacity, desc.target_capacity, desc.prompt_capacity == 0,
+            len(cand.lanes), sum(cand.queries or ()),
+        ))  # fmt: skip
+    return out
 
 
 def summary(candidates: Sequence[Candidate]) -> tuple[float, float] | None:

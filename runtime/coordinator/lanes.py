@@ -7,8 +7,9 @@ them)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import accumulate
 
-from runtime.coordinator.bounds import TopLists
+from runtime.coordinator.bounds import Columns
 from runtime.coordinator.causal import CausalSearch
 from runtime.coordinator.policy import LaneView, SelectionContext
 
@@ -90,19 +91,28 @@ class LaneTable:
         forecast: SurvivalFn | None,
     ) -> None:
         self.views = ctx.decode
+        self.beta = ctx.beta
         self.gains: list[list[float]] = []
         self.prefix: list[list[float]] = []
         # Per decoder the rows its output limit and KV pages leave (``ceiling``).
         self.left = [
             min(v.request.remaining_output - v.request.inflight_output, v.room) for v in self.views
         ]
-        for view in self.views:
-            gains = row_gains(view, survival(view, depth), alpha, ctx.beta) if depth > 0 else []
-            prefix = [0.0]
-            for g in gains:
-                prefix.append(prefix[-1] + g)
-            self.gains.append(gains)
-            self.prefix.append(prefix)
+        if depth > 0:
+            beta = ctx.beta
+            for view in self.views:
+                price = beta + view.token_price
+                if alpha == 1.0:  # s**1.0 is s: row_gains without the power
+                    gains = [(s if s > 0 else 0.0) * price for s in survival(view, depth)]
+                else:
+                    gains = [(s**alpha if s > 0 else 0.0) * price for s in survival(view, depth)]
+                self.gains.append(gains)
+                self.prefix.append([0.0, *accumulate(gains)])
+        else:
+            self.gains = [[] for _ in self.views]
+            self.prefix = [[0.0] for _ in self.views]
+        self.count = sum(1 for left in self.left if left >= 1)  # lanes with a row left
+        self._ranked: dict[tuple[int, int], list[tuple]] = {}
         self._forecast = forecast
         self._depth = depth
         self._orders: list[Sequence[float]] | None = None
@@ -125,29 +135,41 @@ class LaneTable:
             self._lanes[key] = held
         return held
 
-    def top_lists(self, ceilings: Sequence[int]) -> tuple[list[TopLists], bool]:
-        """The lanes' columns per ceiling group, sorted and summed
-        (:class:`bounds.TopLists`; group g holds the lanes of programs whose
-        min(D + 1, W) is ``ceilings[g]``), and whether a base or a gain is
-        negative."""
+    def ranked(self, width: int, depth: int) -> list[tuple]:
+        """The lanes of host programs of (W, D) by value at their complete
+        prefixes, best first (ties: the less recently served, then the request):
+        ``(-value, lru, request id, ceiling, view)``, what a :class:`Lane`'s
+        ``full`` and ``limit`` would be, without building lanes."""
+        key = (width, depth)
+        held = self._ranked.get(key)
+        if held is None:
+            top = min(depth + 1, width)
+            held = []
+            for view, left, prefix in zip(self.views, self.left, self.prefix):
+                limit = top if left >= top else left  # ceiling(view, width, depth)
+                if limit < 1:
+                    continue
+                last = len(prefix)
+                full = view.decode_value + prefix[(limit if limit < last else last) - 1]
+                held.append((-full, view.lru, view.request.handle.id, limit, view))
+            held.sort(key=_rank_key)
+            self._ranked[key] = held
+        return held
+
+    def columns(self, ceilings: Sequence[int]) -> Columns:
+        """The lanes as the bounds read them, per ceiling group (group g holds
+        the programs whose min(D + 1, W) is ``ceilings[g]``): :class:`bounds.Columns`."""
         lanes = [
-            (view.decode_value, left, row, prefix)
+            (view.decode_value, row, left, prefix)
             for view, left, row, prefix in zip(self.views, self.left, self.gains, self.prefix)
             if left >= 1
         ]
-        out = []
-        bases = [base for base, *_ in lanes]
-        negative = bool(bases) and min(bases) < 0.0
-        for top in ceilings:
-            gains: list[float] = []
-            fulls = []
-            for base, left, row, prefix in lanes:
-                rows = min(top if left >= top else left, len(prefix)) - 1  # ceiling - 1
-                gains.extend(row[:rows])
-                fulls.append(base + prefix[rows])
-            negative = negative or (bool(gains) and min(gains) < 0.0)
-            out.append(TopLists(bases, gains, fulls))
-        return out, negative
+        # A gain is s**alpha * (beta + f/x) with s >= 0: negative only at a negative price.
+        negative = bool(lanes) and (
+            min(lane[0] for lane in lanes) < 0.0
+            or self.beta + min(view.token_price for view in self.views) < 0.0
+        )
+        return Columns(lanes, ceilings, negative)
 
     def causal(
         self, width: int, depth: int, device: bool, programs: Sequence[tuple[int, int]]
@@ -168,6 +190,10 @@ class LaneTable:
             assert forecast is not None
             self._orders = [forecast(view, self._depth) for view in self.views]
         return self._orders
+
+
+def _rank_key(row: tuple) -> tuple:
+    return row[:3]
 
 
 # The spec's three bounded orderings of a causally allocated program's cohort

@@ -31,7 +31,7 @@ class LanePhase(str, Enum):
     TERMINAL = "terminal"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class LaneWork:
     """One request's row in a plan, frozen with the epoch it was planned against.
 
@@ -52,6 +52,21 @@ class LaneWork:
     expected_tokens: float
     expected_deliveries: float
     value: float  # unscaled lane value (priced service plus age value)
+
+    def __init__(
+        self, handle: RequestHandle, slot: int, generation: int, phase: LanePhase,
+        prompt_start: int, prompt_tokens: int, output_start: int, max_tokens: int,
+        expected_tokens: float, expected_deliveries: float, value: float,
+    ) -> None:  # fmt: skip
+        # Every field in one dict: the generated frozen __init__ sets them one
+        # by one through object.__setattr__, a cost per lane of every plan.
+        object.__setattr__(self, "__dict__", {
+            "handle": handle, "slot": slot, "generation": generation, "phase": phase,
+            "prompt_start": prompt_start, "prompt_tokens": prompt_tokens,
+            "output_start": output_start, "max_tokens": max_tokens,
+            "expected_tokens": expected_tokens, "expected_deliveries": expected_deliveries,
+            "value": value,
+        })  # fmt: skip
 
     @property
     def finishes_prompt(self) -> bool:

@@ -176,14 +176,15 @@ def _lane_views(
     beta = policy.output_token_value
     prefill: list[LaneView] = []
     decode: list[LaneView] = []
+    unbounded = 1 << 30
     for r in runnable:
         x, z, last_visible = state[r.handle.id]
         token_price = f / x
-        held = len(r.pages) * page_size if page_size else 1 << 30
-        if r.consumed_prompt < r.prefill_target:
+        held = len(r.pages) * page_size if page_size else unbounded
+        pos = r.consumed_prompt
+        if pos < r.prefill_target:
             if r.inflight_fences:
                 continue  # one prefill chunk at a time; its completion is feedback
-            pos = r.consumed_prompt
             available = min(r.prefill_available(pos), held - pos)
             if available <= 0:
                 continue
@@ -193,30 +194,26 @@ def _lane_views(
                 finish = decode_lane_value(1.0, 1.0, token_price, g / z, beta) + slope * age_ms
             prefill.append(_prompt_view(r, token_price, pos, available, finish))
             continue
+        spec = r.spec
+        inflight = r.inflight_output
         if r.inflight_fences and (
-            r.spec.step_feedback or r.remaining_output - r.inflight_output < 1
+            spec.step_feedback or spec.max_output_tokens - r.committed_output - inflight < 1
         ):
             continue  # needs the in-flight completion first
-        room = held - (r.spec.prompt_len + r.committed_output + r.inflight_output - 1)
+        output = r.committed_output + inflight
+        room = held - (spec.prompt_len + output - 1)
         if room <= 0:
             continue  # no page for its next token
         delivery_price = g / z
         age_ms = max(0, start - last_visible) / 1e6
-        value = decode_lane_value(1.0, 1.0, token_price, delivery_price, beta) + slope * age_ms
+        # decode_lane_value(1, 1, ...) + the age value, the same arithmetic inline
+        value = (beta + token_price) + delivery_price + slope * age_ms
         decode.append(
             LaneView(
-                r,
-                token_price,
-                delivery_price,
-                r.spec.prompt_len,
-                0,
-                0,
-                r.committed_output + r.inflight_output,
-                value,
-                r.last_selected,
-                room=room,
+                r, token_price, delivery_price, spec.prompt_len, 0, 0, output, value,
+                r.last_selected, 0, 0.0, room,
             )
-        )
+        )  # fmt: skip
     return prefill, decode
 
 

@@ -146,10 +146,20 @@ def speculative_candidates(
     competing = layout.competing
     now: list[int] = []
     deferred: list[int] = []
-    now_ns, ttl_ns = ctx.now_ns, ctx.ttl_ns
-    for position, (_, entry, _) in enumerate(competing):
-        fresh = entry.estimate_ns > 0 and not entry.stale(now_ns, ttl_ns)
-        (deferred if bound and not fixed_width and fresh else now).append(position)
+    if bound and not fixed_width:
+        # Fresh measured programs are deferred to the bounds, but for the
+        # rectangular ones that serve every lane on a shape larger than another
+        # that does: the same work, dominated (_undominated).
+        stale_before = ctx.now_ns - ctx.ttl_ns
+        padded = layout.padded(sum(1 for left in table.left if left >= 1))
+        for position, (_, entry, _) in enumerate(competing):
+            seen = entry.last_valid_ns
+            if entry.estimate_ns <= 0 or (seen is not None and seen <= stale_before):
+                now.append(position)
+            elif position not in padded:
+                deferred.append(position)
+    else:
+        now = list(range(len(competing)))
     found = _evaluate(ctx, table, competing, now, fixed_width, {})
     kept = _settle(ctx, table, layout, deferred, found, out) if deferred else None
     if kept is None:
@@ -177,6 +187,24 @@ class _Layout:
             ceilings.setdefault(min(d + 1, w), len(ceilings)) for *_, (_, w, d, _) in self.competing
         ]
         self.ceilings = list(ceilings)
+        self._padded: dict[int, frozenset[int]] = {}
+
+    def padded(self, lanes: int) -> frozenset[int]:
+        """The rectangular host programs that serve all ``lanes`` lanes on a
+        larger batch than another of their (W, D) that does (positions)."""
+        held = self._padded.get(lanes)
+        if held is None:
+            smallest: dict[tuple[int, int], int] = {}
+            for _, entry, (b, w, d, p) in self.competing:
+                if b >= lanes and p >= b * w and not entry.descriptor.device_allocated:
+                    smallest[(w, d)] = min(b, smallest.get((w, d), b))
+            held = self._padded[lanes] = frozenset(
+                position
+                for position, (_, entry, (b, w, d, p)) in enumerate(self.competing)
+                if p >= b * w and not entry.descriptor.device_allocated
+                and b > smallest.get((w, d), b)
+            )  # fmt: skip
+        return held
 
 
 def _layout(ctx: SelectionContext, fixed_width: int, forecasts: bool) -> _Layout:
@@ -200,19 +228,32 @@ def _evaluate(
             causal.setdefault((w, d, entry.descriptor.device_allocated), []).append((b, p))
     found: dict[int, tuple[tuple, Candidate]] = {}
     whole: dict[tuple[int, int], list[tuple]] = {}  # rectangular shapes serving every lane
+    count = table.count
     for position in positions:
         index, entry, (b, w, d, p) = competing[position]
         device = entry.descriptor.device_allocated
-        lanes = table.lanes(w, d, device)
-        if not lanes:
+        if not count:
             continue
         rectangular = p >= b * w and not device
-        if rectangular and b >= len(lanes):  # every lane, complete prefixes: one work
+        if rectangular and b >= count:  # every lane, complete prefixes: one work
             shapes, mine = whole.setdefault((w, d), []), (b, w, p, 0)
             if any(o != mine and all(a >= x for a, x in zip(mine, o)) for o in shapes):
                 continue  # a smaller shape does the same work: dominated (_undominated)
             shapes.append(mine)
-        best: tuple[float, list[Lane], list[int]] | None = None
+        best: tuple[float, list, list[int]] | None = None
+        if rectangular and not fixed_width:  # the B best lanes at their complete prefixes
+            top = table.ranked(w, d)[:b]
+            views = [row[4] for row in top]
+            best = (sum(-row[0] for row in top), views, [row[3] for row in top])
+            candidate = Candidate(
+                entry, index, views, best[0], ctx.decode_age_slope * len(views),
+                p - sum(best[2]), max(v.lru for v in views), 0, ctx,
+            )  # fmt: skip
+            candidate.queries = best[2]
+            key = (tuple(v.request.handle.id for v in views), tuple(best[2]), d, device)
+            found[position] = (key, candidate)
+            continue
+        lanes = table.lanes(w, d, device)
         if rectangular or fixed_width:
             ranked = ranked_rect.get((w, d))
             if ranked is None:  # one order for every batch of this width and depth
@@ -250,10 +291,9 @@ def _settle(
     group at a time, until the bounds rule out the rest; then the undominated
     candidates of ``found`` (None: every one was evaluated)."""
     entries = [entry for _, entry, _ in layout.competing]
-    tops, negative = table.top_lists(layout.ceilings)
     pending = Pending(
-        layout.shapes, positions, tops, layout.groups, [e.estimate_ns / 1e6 for e in entries],
-        ctx.decode_age_slope, ctx.active_age_price, negative,
+        layout.shapes, positions, table.columns(layout.ceilings), layout.groups,
+        [e.estimate_ns / 1e6 for e in entries], ctx.decode_age_slope, ctx.active_age_price,
     )  # fmt: skip
     rest = summary(others)
     competing = layout.competing
