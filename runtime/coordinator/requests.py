@@ -220,12 +220,21 @@ class Request:
 
     @property
     def decoding(self) -> bool:
-        return self.phase is Phase.DECODE
+        """``phase is Phase.DECODE``, read without building the phase (hot)."""
+        return (
+            self.resident
+            and self.finish_reason is None
+            and not self.cancelled
+            and self.consumed_prompt >= self.prefill_target
+        )
 
     @property
     def runnable(self) -> bool:
         return self.resident and not (
-            self.finished or self.cancelled or self.preempted or self.restore_pending
+            self.finish_reason is not None
+            or self.cancelled
+            or self.preempted
+            or self.restore_pending
         )
 
     @property
@@ -234,7 +243,9 @@ class Request:
         "Every participant, every interval"): runnable, or resident awaiting the
         restore that makes it runnable (a candidate of every decision meanwhile,
         so a decision that passes it over starves it like any other)."""
-        return self.resident and not (self.finished or self.cancelled or self.preempted)
+        return self.resident and not (
+            self.finish_reason is not None or self.cancelled or self.preempted
+        )
 
     @property
     def in_flight(self) -> bool:
