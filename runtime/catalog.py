@@ -7,7 +7,9 @@ that happen to be active in one execution never changes that identity (spec,
 
 Extents, in the spec's letters:
 
-* ``batch_capacity``  B: request rows.
+* ``batch_capacity``  B: request rows.  A prefill program of B > 1 is packed:
+  up to B prompt rows share its ``prompt_capacity`` tokens, each with its own
+  query length (their offsets are the prefix sums, as in mixed programs).
 * ``token_capacity``  W: per-request target capacity, including the pending
   token (decode width).  Ordinary decode has W = 1.
 * ``proposal_depth``  D: captured proposal depth; width-one programs have D = 0.
@@ -126,7 +128,10 @@ class GraphDescriptor:
         elif c:
             raise CatalogError(f"prompt_capacity must be 0 for {kind.value}, got {c}")
         if kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
-            if b != 1:
+            # A packed prefill: up to B prompt rows share the C prompt tokens.
+            if kind is GraphKind.PREFILL and not _is_power_of_two(b):
+                raise CatalogError(f"batch_capacity must be a power of two for prefill, got {b}")
+            if kind is GraphKind.SCORED_PREFILL and b != 1:
                 raise CatalogError(f"batch_capacity must be 1 for {kind.value}, got {b}")
             if w != 1 or d != 0:
                 raise CatalogError(f"{kind.value} takes token_capacity=1 and proposal_depth=0")

@@ -23,8 +23,15 @@ def check_shape(plan: ScheduledPlan) -> None:
         raise CommitError("plan has more lanes than its batch capacity")
     kind = plan.graph.kind
     prompt_rows = sum(1 for lane in plan.lanes if lane.phase is LanePhase.PREFILL)
-    if kind is GraphKind.PREFILL and (prompt_rows, len(plan.lanes)) != (1, 1):
-        raise CommitError("a prefill plan has exactly one lane, its prompt row")
+    if kind is GraphKind.PREFILL:
+        if prompt_rows != len(plan.lanes):
+            raise CommitError("every lane of a prefill plan is a prompt row")
+        tokens = sum(lane.prompt_tokens for lane in plan.lanes)
+        if tokens > plan.graph.prompt_capacity:
+            raise CommitError(
+                f"the prompt rows' {tokens} tokens exceed the prompt capacity "
+                f"{plan.graph.prompt_capacity}"
+            )
     if kind is GraphKind.DECODE and prompt_rows:
         raise CommitError("a decode plan has no prompt row")
     if kind is GraphKind.MIXED and prompt_rows > 1:

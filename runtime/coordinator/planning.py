@@ -23,6 +23,7 @@ from runtime.coordinator.commit_checks import (
 from runtime.coordinator.errors import CommitError
 from runtime.coordinator.lanes import complete_prefix_value
 from runtime.coordinator.learning import choose_probe
+from runtime.coordinator.packing import packed_prefill_candidates
 from runtime.coordinator.plan import (
     LanePhase,
     LaneWork,
@@ -82,6 +83,7 @@ class SchedulerPlanning(SchedulerAdmission):
 
     def _candidates(self, ctx: SelectionContext) -> list[Candidate]:
         cands = candidates(ctx)
+        packed_prefill_candidates(ctx, cands)
         fixed = self._fixed_width
         if ctx.states is not None:
             rounds = self.speculation is not None and fixed != 1
@@ -171,6 +173,8 @@ class SchedulerPlanning(SchedulerAdmission):
     ) -> LaneWork:
         """Lane ``i`` of ``winner``'s plan: what it feeds, commits and is worth."""
         r = view.request
+        if winner.chunks is not None:  # a packed prefill's row
+            return _prompt_work(view, winner.chunks[i], ctx.beta)
         roles = winner.roles or ()
         if roles:  # a state program's row: it feeds and commits nothing
             phase = LanePhase.RESTORE if roles[i] == RESTORE_ROLE else LanePhase.TERMINAL
@@ -188,21 +192,7 @@ class SchedulerPlanning(SchedulerAdmission):
                 1.0, view.decode_value + ctx.decode_age_slope * winner.t_ms,
             )  # fmt: skip
         if i == winner.prompt_row:
-            tokens = winner.prompt_tokens
-            finishes = view.prompt_pos + tokens == r.prefill_target
-            return LaneWork(
-                r.handle,
-                r.slot,
-                r.generation,
-                LanePhase.PREFILL,
-                view.prompt_pos,
-                tokens,
-                view.output_start,
-                1 if finishes else 0,
-                1.0 if finishes else 0.0,
-                0.0,
-                prompt_lane_value(view, tokens, ctx.beta),
-            )
+            return _prompt_work(view, winner.prompt_tokens, ctx.beta)
         return LaneWork(
             r.handle,
             r.slot,
@@ -318,6 +308,18 @@ class SchedulerPlanning(SchedulerAdmission):
                 capacity = 0 if r is None else self._res.capacity(r)
                 out.append(check_lane(lane, r, plan.graph, capacity))
         return out
+
+
+def _prompt_work(view: LaneView, tokens: int, beta: float) -> LaneWork:
+    """A prompt row taking ``tokens`` from its position: it commits the first
+    output token when the chunk ends the prompt."""
+    r = view.request
+    finishes = view.prompt_pos + tokens == r.prefill_target
+    return LaneWork(
+        r.handle, r.slot, r.generation, LanePhase.PREFILL, view.prompt_pos, tokens,
+        view.output_start, 1 if finishes else 0, 1.0 if finishes else 0.0, 0.0,
+        prompt_lane_value(view, tokens, beta),
+    )  # fmt: skip
 
 
 def _fixed_width_allows(candidate: Candidate, width: int) -> bool:

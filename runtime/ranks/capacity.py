@@ -5,6 +5,9 @@
   beyond the model's context.
 * Decode buckets: power-of-two batch capacities through the padded concurrency:
   a concurrency of 6 captures batches 1, 2, 4 and 8.
+* Packed prefill buckets (``packed_prefill``):
+  :func:`packed_prefill_shapes`, a prefill of B rows for every decode batch
+  B >= 2, at every prompt bucket that holds at least 64 tokens a row.
 
 * Mixed prefill/decode shapes (opt-in, ``mixed_prefill``): :func:`mixed_shapes`,
   the spec's joint-catalog rule ("Mixed execution contract"), over those two
@@ -59,6 +62,7 @@ class CapacityConfig:
     min_prefill_tokens: int = 64
     max_prefill_tokens: int = 2048
     mixed_prefill: bool = False
+    packed_prefill: bool = False
     speculative_widths: tuple[int, ...] = ()
     speculative_token_capacity: int = 0
     device_allocation: bool = False
@@ -76,6 +80,8 @@ class CapacityConfig:
             raise CapacityError("device_allocation needs speculative_widths")
         if not isinstance(self.mixed_prefill, bool):
             raise CapacityError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
+        if not isinstance(self.packed_prefill, bool):
+            raise CapacityError(f"packed_prefill must be a bool, got {self.packed_prefill!r}")
         c = self.max_concurrency
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_BATCH_CAPACITY:
             raise CapacityError(f"max_concurrency must be in 1..{MAX_BATCH_CAPACITY}, got {c!r}")
@@ -169,10 +175,30 @@ def mixed_shapes(
     return out
 
 
+def packed_prefill_shapes(
+    batch_buckets: Sequence[int], prompt_buckets: Sequence[int]
+) -> list[GraphDescriptor]:
+    """The packed prefill programs: for every batch bucket B >= 2, a prefill of
+    B rows at each prompt bucket C >= 64 B (so its rows average at least one
+    64-token chunk when it is full).  The spec gives prefill no batch capacity;
+    this bounds the catalog to sum over B of the buckets of at least 64 B
+    tokens, at most log2(B_max) programs per prompt bucket: the default
+    (batches 2-32, prompts 64-2048) adds 15."""
+    return [
+        GraphDescriptor(GraphKind.PREFILL, b, prompt_capacity=c)
+        for b in sorted(set(batch_buckets))
+        if b >= 2
+        for c in sorted(prompt_buckets)
+        if c >= b * PROMPT_ALIGNMENT
+    ]
+
+
 def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[GraphDescriptor]:
     prompts = cfg.prefill_buckets(max_context)
     batches = cfg.decode_batches()
     out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in prompts]
+    if cfg.packed_prefill:
+        out += packed_prefill_shapes(batches, prompts)
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
     if cfg.mixed_prefill:  # with speculation, wide mixed programs at each round width
         wider = [w for w in cfg.speculative_widths if w <= MAX_MIXED_TOKEN_CAPACITY]

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.ranks.capacity import mixed_shapes
+from runtime.ranks.capacity import mixed_shapes, packed_prefill_shapes
 
 HBM_BYTES_PER_MS = 3.35e12 / 1e3
 ACHIEVED_FLOP_PER_MS = 550e12 / 1e3
@@ -111,6 +111,11 @@ class RooflineProfile:
     a graph's cost depends on its shape only).  KV bytes per token are
     ``2 (K and V) * layers * kv_heads * head_dim * 2 bytes``.  Prefill chunks
     read no earlier KV (a chunk is priced as if it started the prompt).
+
+    A packed prefill (B rows sharing C tokens) costs what the single-row
+    prefill of capacity C does: the same C tokens, and attention priced as if
+    one row held them all, the worst case of its shape (a graph's cost depends
+    on its shape only, never on how its rows split the tokens).
 
     Compute: ``2 * params`` FLOP per packed token (prefill: C; decode: B;
     mixed: C + P, where P = B * W for rectangular shapes; speculative: the P
@@ -277,9 +282,12 @@ def build_catalog(
     decode_batches: Sequence[int] = (1, 2, 4, 8, 16),
     speculative_widths: Sequence[int] = (),
     mixed: bool = False,
+    packed: bool = False,
 ) -> list[GraphDescriptor]:
     """Prefill buckets, power-of-two decode batches, rectangular speculative shapes,
-    and (``mixed=True``) the joint mixed prefill/decode shapes of
+    (``packed=True``) the packed prefill shapes of
+    :func:`runtime.ranks.capacity.packed_prefill_shapes`, and (``mixed=True``)
+    the joint mixed prefill/decode shapes of
     :func:`runtime.ranks.capacity.mixed_shapes` over the same two ladders.
 
     Speculative shapes: for every decode batch B and width W of
@@ -288,6 +296,8 @@ def build_catalog(
     proposals D bounds the supplied prefix); the proposal source changes their
     cost, not their shape: see :func:`profile_for`."""
     out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in prefill_buckets]
+    if packed:
+        out += packed_prefill_shapes(decode_batches, prefill_buckets)
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in decode_batches]
     for b in decode_batches:
         for w in speculative_widths:

@@ -101,7 +101,8 @@ def solo_frames(spec: RequestSpec, catalog: Sequence[GraphDescriptor]) -> list[G
     shapes the baselines synthesize).
     """
     prefill = sorted(
-        (d for d in catalog if d.kind is GraphKind.PREFILL), key=lambda d: d.prompt_capacity
+        (d for d in catalog if d.kind is GraphKind.PREFILL and d.batch_capacity == 1),
+        key=lambda d: d.prompt_capacity,
     )
     decode = sorted(
         (d for d in catalog if d.kind is GraphKind.DECODE), key=lambda d: d.batch_capacity

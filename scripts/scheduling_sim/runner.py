@@ -56,6 +56,7 @@ class RunConfig:
     profile: str = "llama1b-h100"
     policy: str = "balanced"
     mixed_prefill: bool = False
+    packed_prefill: bool = True  # flare: packed prefill programs in its catalog
     max_slots: int = 64
     prefill_buckets: tuple[int, ...] = PREFILL_BUCKETS
     decode_batches: tuple[int, ...] | None = None  # None: through the padded slot count
@@ -105,6 +106,7 @@ class RunConfig:
             batches,
             speculative_widths=self.speculative_widths,
             mixed=self.mixed_prefill,
+            packed=self.packed_prefill and self.scheduler == "flare",
         )
 
     def duration_ns(self, desc: GraphDescriptor) -> int:

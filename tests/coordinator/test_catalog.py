@@ -38,9 +38,14 @@ BAD_DESCRIPTORS = [
     pytest.param({"kind": GraphKind.DECODE, "batch_capacity": True}, "batch_capacity", id="b-bool"),
     pytest.param({"kind": GraphKind.DECODE, "batch_capacity": "4"}, "batch_capacity", id="b-str"),
     pytest.param(
-        {"kind": GraphKind.PREFILL, "batch_capacity": 2, "prompt_capacity": 64},
+        {"kind": GraphKind.PREFILL, "batch_capacity": 3, "prompt_capacity": 64},
         "batch_capacity",
-        id="prefill-b-2",
+        id="prefill-b-not-pow2",
+    ),
+    pytest.param(
+        {"kind": GraphKind.SCORED_PREFILL, "batch_capacity": 2, "prompt_capacity": 64},
+        "batch_capacity",
+        id="scored-prefill-b-2",
     ),
     pytest.param(
         {"kind": GraphKind.MIXED, "batch_capacity": 1, "prompt_capacity": 64},
@@ -432,3 +437,12 @@ def test_the_speculative_token_capacity_envelope():
     assert fits(wide_mixed, 16) and not fits(wide_mixed, 15)
     with pytest.raises(CatalogError, match="speculative token capacity"):
         fits(rect, 0)
+
+
+def test_a_packed_prefill_program_has_power_of_two_rows_sharing_its_capacity():
+    packed = GraphDescriptor(GraphKind.PREFILL, 4, prompt_capacity=256)
+    assert (packed.batch_capacity, packed.prompt_capacity, packed.target_capacity) == (4, 256, 0)
+    assert packed.key != GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=256).key
+    assert packed.describe() == "prefill B=4 C=256"
+    assert not packed.queueable  # a prefill drains the window, packed or not
+    assert GraphDescriptor.from_wire(packed.to_wire()) == packed

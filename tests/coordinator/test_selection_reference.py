@@ -42,12 +42,12 @@ def test_random_states_choose_what_the_reference_chooses(chunk):
 
 
 def test_long_runs_reach_refresh_probes_and_restores():
-    """Longer runs, where timing refresh, acceptance probes and restores happen:
-    they are compared too (and the explorer does reach them)."""
+    """Longer runs, where timing refresh, acceptance probes, restores and packed
+    prefills happen: they are compared too (and the explorer does reach them)."""
     from runtime.catalog import GraphKind
     from runtime.coordinator.plan import SelectionReason
 
-    seen_reasons, seen_kinds = set(), set()
+    seen_reasons, seen_kinds, packed_rows = set(), set(), set()
     for seed in range(1000, 1012):
         explorer = Explorer(seed)
         original = explorer.compare
@@ -57,6 +57,8 @@ def test_long_runs_reach_refresh_probes_and_restores():
             if plan is not None:
                 seen_reasons.add(plan.reason)
                 seen_kinds.add(plan.graph.kind)
+                if plan.graph.kind is GraphKind.PREFILL and plan.graph.batch_capacity > 1:
+                    packed_rows.add(len(plan.lanes))
             return plan
 
         explorer.compare = compare
@@ -64,6 +66,7 @@ def test_long_runs_reach_refresh_probes_and_restores():
         assert not explorer.differences, "\n".join(explorer.differences[:10])
     assert {SelectionReason.TIMING_REFRESH, SelectionReason.ACCEPTANCE_LEARNING} <= seen_reasons
     assert {GraphKind.RESTORE, GraphKind.SNAPSHOT, GraphKind.MIXED} <= seen_kinds
+    assert max(packed_rows, default=0) >= 2  # packed prefills of several rows are compared
 
 
 @settings(

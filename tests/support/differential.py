@@ -5,7 +5,7 @@ through random events and, before every ``plan()``, asks both the scheduler and
 the reference (:func:`tests.support.reference.planning.reference_plan`) what to
 run: a *state* is one such comparison.  The events cover what selection reads:
 
-* catalogs of every program kind: prefill buckets, decode batches, width-one
+* catalogs of every program kind: prefill buckets (packed ones too), decode batches, width-one
   and wide mixed shapes, rectangular, ragged and device-allocated speculative
   programs, restore and snapshot programs (with a page pool small enough to
   preempt, so restores happen);
@@ -48,6 +48,13 @@ def random_catalog(rng: random.Random, speculation: bool, states: bool) -> list[
         for c in (64, 128, 256, 512)
         if c == 64 or rng.random() < 0.6
     ]
+    if rng.random() < 0.5:  # packed prefill programs
+        for b in (2, 4):
+            out += [
+                GraphDescriptor(GraphKind.PREFILL, b, prompt_capacity=c)
+                for c in (64, 128, 256)
+                if rng.random() < 0.5
+            ]
     batches = [b for b in BATCHES if b == 1 or rng.random() < 0.7]
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
     for b in batches:
@@ -80,7 +87,8 @@ def cost_ns(desc: GraphDescriptor) -> int:
     if desc.kind in (GraphKind.SNAPSHOT, GraphKind.RESTORE):
         return int((0.4 + 0.05 * desc.batch_capacity) * MS)
     rows = desc.target_capacity + desc.prompt_capacity
-    return int((3.0 + 0.02 * rows + 0.5 * desc.proposal_depth) * MS)
+    packed = 0.05 * (desc.batch_capacity - 1) if desc.kind is GraphKind.PREFILL else 0.0
+    return int((3.0 + 0.02 * rows + 0.5 * desc.proposal_depth + packed) * MS)
 
 
 @dataclass

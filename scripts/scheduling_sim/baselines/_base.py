@@ -69,8 +69,9 @@ class ShapeLadder:
         self.decode = sorted(
             (d for d in catalog if d.kind is GraphKind.DECODE), key=lambda d: d.batch_capacity
         )
-        self.prefill = sorted(
-            (d for d in catalog if d.kind is GraphKind.PREFILL), key=lambda d: d.prompt_capacity
+        self.prefill = sorted(  # single-row prefills (a packed one is flare's shape)
+            (d for d in catalog if d.kind is GraphKind.PREFILL and d.batch_capacity == 1),
+            key=lambda d: d.prompt_capacity,
         )
         self.mixed = sorted(
             (

@@ -10,6 +10,7 @@ from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan, Selecti
 from runtime.coordinator.scheduler import Scheduler
 from runtime.coordinator.utility import log_scale_for
 from tests.support.reference.learning import choose_probe
+from tests.support.reference.packing import packed_prefill_candidates
 from tests.support.reference.policy import (
     Candidate,
     LaneView,
@@ -75,6 +76,7 @@ def _context(s: Scheduler) -> SelectionContext | None:
 
 def _candidates(s: Scheduler, ctx: SelectionContext) -> list[Candidate]:
     cands = candidates(ctx)
+    packed_prefill_candidates(ctx, cands)
     fixed = s._fixed_width
     if ctx.states is not None:
         rounds = s.speculation is not None and fixed != 1
@@ -180,6 +182,8 @@ def _lane_work(
     s: Scheduler, winner: Candidate, i: int, view: LaneView, ctx: SelectionContext
 ) -> LaneWork:
     r = view.request
+    if winner.chunks is not None:
+        return _prompt_work(view, winner.chunks[i], ctx.beta)
     roles = winner.roles or ()
     if roles:
         phase = LanePhase.RESTORE if roles[i] == RESTORE_ROLE else LanePhase.TERMINAL
@@ -197,16 +201,20 @@ def _lane_work(
             1.0, view.decode_value + ctx.decode_age_slope * winner.t_ms,
         )  # fmt: skip
     if i == winner.prompt_row:
-        tokens = winner.prompt_tokens
-        finishes = view.prompt_pos + tokens == r.prefill_target
-        return LaneWork(
-            r.handle, r.slot, r.generation, LanePhase.PREFILL, view.prompt_pos, tokens,
-            view.output_start, 1 if finishes else 0, 1.0 if finishes else 0.0, 0.0,
-            prompt_lane_value(view, tokens, ctx.beta),
-        )  # fmt: skip
+        return _prompt_work(view, winner.prompt_tokens, ctx.beta)
     return LaneWork(
         r.handle, r.slot, r.generation, LanePhase.DECODE, r.spec.prompt_len, 0,
         view.output_start, 1, 1.0, 1.0, view.decode_value + ctx.decode_age_slope * winner.t_ms,
+    )  # fmt: skip
+
+
+def _prompt_work(view: LaneView, tokens: int, beta: float) -> LaneWork:
+    r = view.request
+    finishes = view.prompt_pos + tokens == r.prefill_target
+    return LaneWork(
+        r.handle, r.slot, r.generation, LanePhase.PREFILL, view.prompt_pos, tokens,
+        view.output_start, 1 if finishes else 0, 1.0 if finishes else 0.0, 0.0,
+        prompt_lane_value(view, tokens, beta),
     )  # fmt: skip
 
 

@@ -103,6 +103,7 @@ class Candidate:
     __slots__ = (
         "age_slope",
         "ceilings",
+        "chunks",
         "entry",
         "index",
         "lanes",
@@ -144,6 +145,7 @@ class Candidate:
         self.queries: list[int] | None = None  # speculative: each lane's query length
         self.ceilings: list[int] | None = None  # device-allocated: each lane's ceiling
         self.roles: list[str] | None = None  # state programs: each lane's role (state_ops)
+        self.chunks: list[int] | None = None  # packed prefill: each row's prompt tokens
         estimate_ns = entry.estimate_ns
         if estimate_ns <= 0:  # indeterminate (CostEntry.known is False)
             self.unknown = True
@@ -184,6 +186,8 @@ def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
         included = 0  # largest capacity kept as a candidate so far
         previous = 0  # largest smaller capacity seen, kept or not
         for index, entry in enumerate(entries):
+            if entry.descriptor.batch_capacity > 1:
+                continue  # packed programs: reference.packing
             capacity = entry.descriptor.prompt_capacity
             if included >= avail:
                 break  # a kept smaller shape already consumes everything: padding only

@@ -186,6 +186,8 @@ def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed
             if not fixed_width or w == fixed_width:
                 yield _Follow(entry, b, True, rounds=True)
     for entry in catalog.entries(GraphKind.PREFILL):
+        if entry.descriptor.batch_capacity > 1:
+            continue
         for lane in states.prompt_ready:
             yield _Follow(entry, 1, False, lane, True)
 
