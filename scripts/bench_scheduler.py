@@ -33,6 +33,7 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.scheduler import Scheduler
+from runtime.ranks.capacity import packed_prefill_shapes
 from scripts.scheduling_sim.catalogs import PROFILES
 from scripts.scheduling_sim.engine import Simulation
 from scripts.scheduling_sim.workload import WorkloadConfig, make_workload
@@ -43,6 +44,8 @@ POPULATIONS = (8, 32, 64)
 def bench_catalog() -> list[GraphDescriptor]:
     out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in range(64, 4097, 64)]
     batches = (1, 2, 4, 8, 16, 32, 64)
+    # Packed prefills at the doubling prompt ladder, as the ranks capture them.
+    out += packed_prefill_shapes(batches, [64 << i for i in range(7)])
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
     for b in batches:
         for w in range(2, 9):

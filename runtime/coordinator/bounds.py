@@ -206,8 +206,10 @@ class Pending:
     def __init__(
         self, shapes: Shapes, deferred: Sequence[int], columns: Columns,
         group: Sequence[int], t_ms: Sequence[float], slope: float, price: float,
+        floor: float | None = None,
     ) -> None:  # fmt: skip
         self.shapes = shapes
+        self.floor = floor  # a fixed score to beat, and no scale test (an acceptance probe)
         self.columns = columns
         self.group = group
         self.t_ms = t_ms
@@ -301,11 +303,14 @@ class Pending:
         candidates so far; ``others``: the best known score and the largest
         value of the decision's candidates of other kinds (:func:`summary`;
         None: there are none)."""
-        best, largest = others if others is not None else (-INF, -INF)
-        for c in kept:
-            if not c.unknown and c.score > best:
-                best = c.score
-            largest = max(largest, abs(c.value))
+        if self.floor is not None:  # only candidates above the floor matter
+            best, largest = self.floor, INF
+        else:
+            best, largest = others if others is not None else (-INF, -INF)
+            for c in kept:
+                if not c.unknown and c.score > best:
+                    best = c.score
+                largest = max(largest, abs(c.value))
         positions = sorted(self.value if positions is None else positions)
         if best == -INF:  # no known score to beat: any may win
             return dict.fromkeys(positions, SCORE)

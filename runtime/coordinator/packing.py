@@ -110,48 +110,73 @@ class PromptRows:
     def best(self, batch: int, capacity: int) -> tuple[float, list[int], list[int]]:
         """(value, rows, chunks) of the search's cohort for a program of ``batch``
         rows and ``capacity`` tokens (module docstring); rows in cohort order."""
-        best: tuple[float, list[int], list[int]] | None = None
+        best_value = -1.0
+        best: tuple | None = None
         for order, sizes, values in self.orders(capacity):
-            top = min(batch, len(order))
-            whole = min(top, bisect_right(sizes, capacity) - 1)  # rows taking whole chunks
-            rows = order[:whole]
-            chunks = [self.sizes[i] for i in rows]
+            top = batch if batch < len(order) else len(order)
+            whole = bisect_right(sizes, capacity) - 1  # rows taking whole chunks
+            if whole > top:
+                whole = top
             value = values[whole]
             left = capacity - sizes[whole]
-            if whole < top and left > 0:  # the next row takes what is left over
-                i = order[whole]
-                rows = [*rows, i]
-                chunks.append(left)
-                value += prompt_lane_value(self.lanes[i], left, self.beta)
-            if best is None or value > best[0]:
-                best = (value, rows, chunks)
-        assert best is not None and best[1]  # every row has a token available
-        return best
+            partial = whole < top and left > 0  # the next row takes what is left over
+            if partial:
+                value += prompt_lane_value(self.lanes[order[whole]], left, self.beta)
+            if best is None or value > best_value:
+                best_value, best = value, (order, whole, left if partial else 0)
+        assert best is not None
+        order, whole, left = best
+        rows = order[: whole + 1] if left else order[:whole]
+        chunks = [self.sizes[i] for i in order[:whole]]
+        if left:
+            chunks.append(left)
+        assert rows  # every row has a token available
+        return best_value, rows, chunks
+
+
+class _Layout:
+    """A catalog's packed prefill programs (index, entry, B, C), the single
+    prefill capacities, and each batch's capacities ascending (for good: the
+    shapes do not change)."""
+
+    def __init__(self, catalog) -> None:
+        entries = catalog.entries(GraphKind.PREFILL)
+        self.packed = [
+            (index, entry, entry.descriptor.batch_capacity, entry.descriptor.prompt_capacity)
+            for index, entry in enumerate(entries)
+            if entry.descriptor.batch_capacity > 1
+        ]
+        self.singles = sorted(
+            e.descriptor.prompt_capacity for e in entries if e.descriptor.batch_capacity == 1
+        )
+        self.ladders: dict[int, list[int]] = {}
+        for _, _, b, c in self.packed:
+            self.ladders.setdefault(b, []).append(c)
+        for ladder in self.ladders.values():
+            ladder.sort()
 
 
 def packed_prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
     """One candidate per packed prefill program (batch > 1) whose cohort is not
-    left to a smaller shape (module docstring)."""
-    entries = ctx.catalog.entries(GraphKind.PREFILL)
-    if not ctx.prefill or not any(e.descriptor.batch_capacity > 1 for e in entries):
+    left to a smaller shape (module docstring); shapes doing the same work are
+    dropped before any candidate is built."""
+    if not ctx.prefill:
         return
-    beta = ctx.beta
-    rows = PromptRows(ctx.prefill, beta)
-    singles = sorted(
-        d.prompt_capacity for d in (e.descriptor for e in entries) if d.batch_capacity == 1
-    )
+    layout = ctx.catalog.derived("packed", lambda: _Layout(ctx.catalog), per_version=False)
+    if not layout.packed:
+        return
+    rows = PromptRows(ctx.prefill, ctx.beta)
+    singles = layout.singles
     reach = sorted((v.to_endpoint for v in ctx.prefill), reverse=True)
-    ladders: dict[int, list[int]] = {}  # batch -> its capacities, ascending
-    for e in entries:
-        ladders.setdefault(e.descriptor.batch_capacity, []).append(e.descriptor.prompt_capacity)
-    found: list[tuple[tuple, Candidate]] = []
-    for index, entry in enumerate(entries):
-        desc = entry.descriptor
-        b, c = desc.batch_capacity, desc.prompt_capacity
-        if b == 1:
-            continue
+    # (rows, chunks) -> the smallest batch seen doing that work.  Programs come in
+    # catalog order (capacity, then batch), so an earlier program of the same work
+    # has no larger a capacity: it dominates a later one of no smaller a batch.
+    smallest: dict[tuple, int] = {}
+    kept: list[Candidate] = []
+    lanes = rows.lanes
+    for index, entry, b, c in layout.packed:
         if not entry.known:
-            ladder = ladders[b]
+            ladder = layout.ladders[b]
             k = bisect_left(ladder, c)
             if k and ladder[k - 1] >= sum(reach[:b]):
                 continue  # exploration: a smaller capacity of this batch holds it all
@@ -160,28 +185,17 @@ def packed_prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> No
             k = bisect_right(singles, c)
             if k and singles[k - 1] >= chunks[0]:
                 continue  # a single prefill of capacity in [chunk, C] does this work
-        views = [rows.lanes[i] for i in cohort]
+        key = (tuple(cohort), tuple(chunks))
+        held = smallest.get(key)
+        if held is not None and held <= b:
+            continue  # the same rows and chunks on a shape no larger: dominated
+        smallest[key] = b if held is None else min(held, b)
+        views = [lanes[i] for i in cohort]
         tokens = sum(chunks)
         cand = Candidate(
             entry, index, views, value, 0.0, (c - tokens) + (b - len(views)),
             max(v.lru for v in views), tokens, ctx,
         )  # fmt: skip
         cand.chunks = chunks
-        found.append(((tuple(v.request.handle.id for v in views), tuple(chunks)), cand))
-    out.extend(_smallest_shapes(found))
-
-
-def _smallest_shapes(found: list[tuple[tuple, Candidate]]) -> list[Candidate]:
-    """Drop a candidate when another with the same rows and chunks runs on a
-    shape no larger in batch and capacity (and not the same shape)."""
-    shapes: dict[tuple, list[tuple[int, int]]] = {}
-    for key, cand in found:
-        desc = cand.entry.descriptor
-        shapes.setdefault(key, []).append((desc.batch_capacity, desc.prompt_capacity))
-    kept = []
-    for key, cand in found:
-        desc = cand.entry.descriptor
-        mine = (desc.batch_capacity, desc.prompt_capacity)
-        if not any(o != mine and o[0] <= mine[0] and o[1] <= mine[1] for o in shapes[key]):
-            kept.append(cand)
-    return kept
+        kept.append(cand)
+    out.extend(kept)  # (a later program never dominates a kept one: its capacity is larger)

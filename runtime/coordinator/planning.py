@@ -101,12 +101,17 @@ class SchedulerPlanning(SchedulerAdmission):
 
     def _probe(self, ctx: SelectionContext, winner: Candidate) -> Candidate | None:
         """A funded acceptance probe instead of ``winner`` (learning.choose_probe)."""
-        if self.speculation is None or self._fixed_width or not self.learning_ledger.can_open():
-            return None
+        if (
+            self.speculation is None
+            or self._fixed_width
+            or winner.unknown
+            or not self.learning_ledger.can_open()
+        ):
+            return None  # (an unknown winner is discovery: choose_probe would decline)
         optimistic: list[Candidate] = []
         speculative_candidates(
             ctx, optimistic, self._optimistic, self.policy.adaptive_verification_alpha, 0,
-            self._forecast,
+            self._forecast, bound=True, floor=winner.score,
         )  # fmt: skip
         source = self.config.proposer
 

@@ -28,6 +28,8 @@ by the exploration rule dominates nothing.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,34 +174,116 @@ class Candidate:
         return self.unknown or self.stale or not self.entry.descriptor.queueable
 
 
-def prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
-    entries = ctx.catalog.entries(GraphKind.PREFILL)
-    if not entries or not ctx.prefill:
+def prefill_options(ctx: SelectionContext, lane: LaneView) -> Iterator[tuple]:
+    """The single-row prefill programs ``lane`` competes on, as (entry, index,
+    value, padding, tokens): every capacity up to the first that holds its
+    available tokens (a larger one would do the same work with more padding),
+    but for the exploration rule."""
+    avail = lane.available
+    to_end = lane.to_endpoint
+    included = 0  # largest capacity kept as a candidate so far
+    previous = 0  # largest smaller capacity seen, kept or not
+    for index, entry in enumerate(ctx.catalog.entries(GraphKind.PREFILL)):
+        if entry.descriptor.batch_capacity > 1:
+            continue  # packed programs: runtime.coordinator.packing
+        capacity = entry.descriptor.prompt_capacity
+        if included >= avail:
+            break  # a kept smaller shape already consumes everything: padding only
+        if not entry.known and previous >= to_end:
+            # Exploration: a larger unmeasured graph is excluded when a smaller
+            # capacity consumes the same tokens up to the next endpoint.
+            previous = capacity
+            continue
+        tokens = capacity if capacity < avail else avail
+        yield entry, index, prompt_lane_value(lane, tokens, ctx.beta), capacity - tokens, tokens
+        included = previous = capacity
+
+
+class _PrefillLadder:
+    """A catalog version's single-row prefill programs, ascending: whether all
+    are measured, the oldest last observation, the most prompt tokens per ms
+    (C / T) and the shortest time: what a row's score bound reads."""
+
+    def __init__(self, catalog: CostCatalog) -> None:
+        items = [
+            (index, entry)
+            for index, entry in enumerate(catalog.entries(GraphKind.PREFILL))
+            if entry.descriptor.batch_capacity == 1
+        ]
+        self.items = items
+        self.capacities = [entry.descriptor.prompt_capacity for _, entry in items]
+        self.measured = bool(items) and all(entry.known for _, entry in items)
+        self.rate = self.t_min = 0.0
+        self.oldest = 0
+        if self.measured:
+            times = [entry.estimate_ns / 1e6 for _, entry in items]
+            self.rate = max(c / t for c, t in zip(self.capacities, times))
+            self.t_min = min(times)
+            self.oldest = min(entry.last_valid_ns or 0 for _, entry in items)
+
+
+def _prefill_ladder(ctx: SelectionContext) -> _PrefillLadder:
+    return ctx.catalog.derived("prefill-ladder", lambda: _PrefillLadder(ctx.catalog))
+
+
+def prefill_candidates(
+    ctx: SelectionContext, out: list[Candidate], floor: float | None = None
+) -> None:
+    """Per prompt row, its single-row prefill candidates (:func:`prefill_options`).
+    Only those a decision can read become objects: the best by
+    :meth:`Candidate.rank_key` (what selection reads), the most valuable (the
+    plan's log scale), and the stale ones (a timing refresh's alternatives);
+    the row's other options cannot change a plan.  ``floor``: a known score
+    the decision already has; a row whose every option is measured and fresh
+    and whose score bound is below it offers only its most valuable option
+    (the bound: its best token price at the ladder's best tokens per ms, its
+    first output over the shortest time, less the active age cost of the
+    shortest time; the margin of runtime.coordinator.bounds)."""
+    if not ctx.prefill or not ctx.catalog.entries(GraphKind.PREFILL):
         return
-    beta = ctx.beta
+    now_ns, ttl_ns, price = ctx.now_ns, ctx.ttl_ns, ctx.active_age_price
+    ladder = _prefill_ladder(ctx)
+    if floor is not None and (not ladder.measured or now_ns - ladder.oldest >= ttl_ns):
+        floor = None  # an unmeasured or stale option may win: every row searched
+    if floor is not None:
+        floor -= 1e-9 * abs(floor)
     for lane in ctx.prefill:
-        avail = lane.available
-        to_end = lane.to_endpoint
-        included = 0  # largest capacity kept as a candidate so far
-        previous = 0  # largest smaller capacity seen, kept or not
-        for index, entry in enumerate(entries):
-            if entry.descriptor.batch_capacity > 1:
-                continue  # packed programs: runtime.coordinator.packing
-            capacity = entry.descriptor.prompt_capacity
-            if included >= avail:
-                break  # a kept smaller shape already consumes everything: padding only
-            if not entry.known and previous >= to_end:
-                # Exploration: a larger unmeasured graph is excluded when a smaller
-                # capacity consumes the same tokens up to the next endpoint.
-                previous = capacity
+        if floor is not None:
+            per = 1.0 + lane.token_price
+            if lane.history_end > lane.prompt_pos:  # restored history's continuation index
+                per = max(per, lane.finish_value / (lane.request.prefill_target - lane.prompt_pos))
+            t = ladder.t_min
+            bound = per * ladder.rate + lane.finish_value / t - 0.5 * t * price
+            if bound + 1e-9 * abs(bound) < floor:
+                k = min(bisect_left(ladder.capacities, lane.available), len(ladder.items) - 1)
+                index, entry = ladder.items[k]
+                tokens = min(ladder.capacities[k], lane.available)
+                value = prompt_lane_value(lane, tokens, ctx.beta)
+                option = (entry, index, value, ladder.capacities[k] - tokens, tokens)
+                out.append(_prompt_candidate(ctx, lane, option))  # the scale's candidate
                 continue
-            tokens = capacity if capacity < avail else avail
-            value = prompt_lane_value(lane, tokens, beta)
-            padding = capacity - tokens
-            out.append(
-                Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx, 0)
-            )
-            included = previous = capacity
+        best_key: tuple | None = None
+        best = last = None
+        for option in prefill_options(ctx, lane):
+            entry, index, value, padding, _ = last = option
+            estimate = entry.estimate_ns
+            if estimate > 0:
+                t_ms = estimate / 1e6
+                key = (False, value_rate(value, 0.0, t_ms, price), -t_ms, -padding, -index)
+                if entry.stale(now_ns, ttl_ns):
+                    out.append(_prompt_candidate(ctx, lane, option))
+            else:
+                key = (True, value, -0.0, -padding, -index)
+            if best_key is None or key > best_key:
+                best_key, best = key, option
+        for held in (best, last) if best is not last else (best,):
+            if held is not None and not (held[0].known and held[0].stale(now_ns, ttl_ns)):
+                out.append(_prompt_candidate(ctx, lane, held))  # (a stale one is out already)
+
+
+def _prompt_candidate(ctx: SelectionContext, lane: LaneView, option: tuple) -> Candidate:
+    entry, index, value, padding, tokens = option
+    return Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx, 0)
 
 
 def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
@@ -396,13 +480,16 @@ def _best_rows(
     return best
 
 
-CANDIDATE_BUILDERS = (prefill_candidates, decode_candidates, mixed_candidates)
-
-
 def candidates(ctx: SelectionContext) -> list[Candidate]:
+    """Prefill, decode and mixed candidates, in that order; the prefill rows
+    are bounded by the best known score of the others (prefill_candidates)."""
+    decode: list[Candidate] = []
+    decode_candidates(ctx, decode)
+    mixed_candidates(ctx, decode)
+    floor = max((c.score for c in decode if not c.unknown), default=None)
     out: list[Candidate] = []
-    for build in CANDIDATE_BUILDERS:
-        build(ctx, out)
+    prefill_candidates(ctx, out, floor)
+    out += decode
     return out
 
 

@@ -131,13 +131,16 @@ def speculative_candidates(
     forecast: SurvivalFn | None = None,
     table: LaneTable | None = None,
     bound: bool = False,
+    floor: float | None = None,
 ) -> None:
     """One candidate per speculative program: its best cohort and query lengths
     (``Candidate.queries``; a device-allocated program's lanes also carry their
     ceilings, ``Candidate.ceilings``).  ``table``: the decision's lanes, when
     the caller already read them (:func:`round_candidates`).  ``bound``: ``out``
-    holds the decision's other candidates, and a causally allocated program
-    whose bound rules it out is not searched (:mod:`runtime.coordinator.bounds`)."""
+    holds the decision's other candidates, and a program whose bound rules it
+    out is not searched (:mod:`runtime.coordinator.bounds`).  ``floor`` (with
+    ``bound``): only a candidate scoring above it matters (an acceptance
+    probe must beat the ordinary winner's score); nothing else is compared."""
     if not ctx.catalog.entries(GraphKind.SPECULATIVE) or not ctx.decode:
         return
     layout = _layout(ctx, fixed_width, forecast is not None)
@@ -161,7 +164,7 @@ def speculative_candidates(
     else:
         now = list(range(len(competing)))
     found = _evaluate(ctx, table, competing, now, fixed_width, {})
-    kept = _settle(ctx, table, layout, deferred, found, out) if deferred else None
+    kept = _settle(ctx, table, layout, deferred, found, out, floor) if deferred else None
     if kept is None:
         kept = _undominated([found[position] for position in sorted(found)])
     out.extend(kept)
@@ -285,6 +288,7 @@ def _evaluate(
 def _settle(
     ctx: SelectionContext, table: LaneTable, layout: _Layout, positions: list[int],
     found: dict[int, tuple[tuple, Candidate]], others: Sequence[Candidate],
+    floor: float | None = None,
 ) -> list[Candidate] | None:  # fmt: skip
     """Evaluate the deferred programs at ``positions`` that their bounds cannot
     rule out (:class:`bounds.Pending`), into ``found``, one (W, D, device)
@@ -294,6 +298,7 @@ def _settle(
     pending = Pending(
         layout.shapes, positions, table.columns(layout.ceilings), layout.groups,
         [e.estimate_ns / 1e6 for e in entries], ctx.decode_age_slope, ctx.active_age_price,
+        floor,
     )  # fmt: skip
     rest = summary(others)
     competing = layout.competing

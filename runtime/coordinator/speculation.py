@@ -158,8 +158,17 @@ class _PrefixEstimates:
         return list(self._clamped[:n])
 
     def optimistic(self, n: int) -> list[float]:
-        """Optimistic bounds for depths 1..n, clamped to [0, 1] and non-increasing."""
-        return _monotone([e.optimistic() for e in self._depths(n)])
+        """Optimistic bounds for depths 1..n, clamped to [0, 1] and non-increasing
+        (``PrefixEstimate.optimistic`` then ``_monotone``, the same arithmetic in
+        one pass: every plan with learning credit reads it for every decoder)."""
+        out: list[float] = []
+        previous = 1.0
+        for e in self._depths(n):
+            w = e.weight
+            v = 1.0 if w <= 0.0 else min(1.0, e.mean + math.sqrt(OPTIMISM_LOG / (2.0 * w)))
+            previous = min(previous, max(0.0, min(1.0, v)))
+            out.append(previous)
+        return out
 
     def weight(self, depth: int) -> float:
         return self._estimates[_check_count("depth", depth, 1, self.depth_cap) - 1].weight

@@ -434,7 +434,7 @@ def test_commit_refuses_plans_whose_roles_do_not_fit_the_program():
     with pytest.raises(CommitError, match="decode plan has no prompt row"):
         drv.sched.commit(as_decode, drv.fence + 1)
     as_prefill = replace(plan, graph=prefill(256), lanes=plan.lanes[1:2])  # a decode lane
-    with pytest.raises(CommitError, match="exactly one lane"):
+    with pytest.raises(CommitError, match="every lane of a prefill plan is a prompt row"):
         drv.sched.commit(as_prefill, drv.fence + 1)
     wrong_token = replace(plan, lanes=(_lane(row, max_tokens=1), *plan.lanes[1:]))
     with pytest.raises(CommitError, match="when it ends the prompt"):

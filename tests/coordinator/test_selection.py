@@ -20,7 +20,7 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import PolicyConfig, SchedulerConfig
 from runtime.coordinator.errors import CommitError
 from runtime.coordinator.plan import LanePhase, SelectionReason
-from runtime.coordinator.policy import best, candidates
+from runtime.coordinator.policy import best, candidates, prefill_options
 from runtime.coordinator.requests import Phase, RequestSpec
 from runtime.coordinator.scheduler import Scheduler
 from scripts.scheduling_sim.engine import Simulation
@@ -51,6 +51,16 @@ def catalog(buckets=BUCKETS, batches=(1, 2, 4, 8)) -> list[GraphDescriptor]:
     return [prefill(c) for c in buckets] + [decode(b) for b in batches]
 
 
+def prefill_work(ctx) -> dict[int, int]:
+    """The prompt tokens each single-row prefill capacity would consume, over
+    every capacity the context's prompt rows compete on."""
+    return {
+        entry.descriptor.prompt_capacity: tokens
+        for lane in ctx.prefill
+        for entry, _, _, _, tokens in prefill_options(ctx, lane)
+    }
+
+
 # ------------------------------------------------ 1. one long prefill (discovery)
 
 
@@ -70,15 +80,14 @@ def test_lone_cold_request_tries_its_largest_useful_prefill(prompt, largest):
     assert plan.requires_empty_window
     # Every capacity up to the smallest one covering the prompt competes; a
     # larger one would do the same logical work with more padding.
-    caps = {c.entry.descriptor.prompt_capacity for c in candidates(drv.sched._context())}
+    caps = set(prefill_work(drv.sched._context()))
     assert caps == {c for c in BUCKETS if c <= largest}
 
 
 def test_message_endpoint_excludes_larger_unmeasured_prefills():
     drv = Driver(catalog())
     drv.admit(3000, 16, message_endpoints=(1000,))
-    cands = candidates(drv.sched._context())
-    caps = sorted(c.entry.descriptor.prompt_capacity for c in cands)
+    caps = sorted(prefill_work(drv.sched._context()))
     # 1024 is the smallest capacity covering the 1000 tokens to the endpoint.
     assert caps == [64, 128, 256, 512, 1024]
     plan = drv.plan()
@@ -100,8 +109,7 @@ def test_measured_larger_prefills_stay_eligible_past_an_endpoint():
     assert [est[prefill(c).describe()] > 0 for c in BUCKETS] == [False] * 5 + [True] * 2
 
     drv.admit(3000, 16, message_endpoints=(1000,))
-    cands = candidates(drv.sched._context())
-    work = {c.entry.descriptor.prompt_capacity: c.prompt_tokens for c in cands}
+    work = prefill_work(drv.sched._context())
     assert work == {64: 64, 128: 128, 256: 256, 512: 512, 1024: 1024, 2048: 2048, 4096: 3000}
     # An indeterminate candidate still wins (spec: it wins over a determinate one).
     assert drv.plan().graph == prefill(1024)
@@ -132,10 +140,7 @@ def test_measured_prefill_stays_eligible_when_a_smaller_one_is_excluded_from_exp
     est = drv.sched.catalog.estimates()
     assert est[prefill(2048).describe()] == 0 and est[prefill(4096).describe()] > 0
     drv.admit(1500, 16, message_endpoints=(1000,))
-    work = {
-        c.entry.descriptor.prompt_capacity: c.prompt_tokens
-        for c in candidates(drv.sched._context())
-    }
+    work = prefill_work(drv.sched._context())
     assert 2048 not in work  # the exploration rule
     assert work.get(4096) == 1500, work
 

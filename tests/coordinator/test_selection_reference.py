@@ -119,7 +119,7 @@ def test_simulator_states_on_the_benchmark_catalog(population):
 
     sched.plan = plan  # type: ignore[method-assign]
     sim = Simulation(sched, profile.duration_ns, workload, seed=population)
-    limit = 150 if population > 8 else 250
+    limit = 150  # packed prefills: the 8-request run has about 180 plans
     sim.run(stop=lambda s: compared[0] >= limit)
     assert not differences, "\n".join(differences[:10])
     assert compared[0] >= limit
