@@ -4,7 +4,8 @@
   ``tpot_slo_ms``, where TPOT = (e2e - TTFT) / (output tokens - 1) (0 for a
   one-token output), per second of the span (first arrival to last finish);
   ``goodput_fraction`` is their share of all admitted requests (unfinished
-  ones count as misses).
+  ones count as misses).  ``goodput_tight_*``: the same at the tight pair
+  (:data:`TIGHT_TTFT_SLO_MS`, :data:`TIGHT_TPOT_SLO_MS`).
 * Fairness: Jain's index over per-request slowdown, slowdown = e2e latency /
   the request's latency alone under the same costs (``solo_ns``, by default
   :meth:`Simulation.solo_ns`).  Unfinished requests count with their residence
@@ -27,6 +28,10 @@ from scripts.scheduling_sim.engine import RequestStats, Simulation
 # at least 20 tokens per second (well above reading speed).
 DEFAULT_TTFT_SLO_MS = 500.0
 DEFAULT_TPOT_SLO_MS = 50.0
+# A tight pair beside it (issue 26): the first token within 200 ms, then 50
+# tokens per second: ``goodput_tight_*``.
+TIGHT_TTFT_SLO_MS = 200.0
+TIGHT_TPOT_SLO_MS = 20.0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -121,6 +126,7 @@ def summarize(
     start_ns = min((s.arrival_ns for s in stats), default=0)
     span_s = max(1e-9, (end_ns - start_ns) / 1e9)
     good = sum(1 for s in stats if meets_slo(s, ttft_slo_ms, tpot_slo_ms))
+    tight = sum(1 for s in stats if meets_slo(s, TIGHT_TTFT_SLO_MS, TIGHT_TPOT_SLO_MS))
     report = {
         "requests": len(stats),
         "finished": sum(1 for s in stats if s.finished_ns is not None),
@@ -139,6 +145,8 @@ def summarize(
         "goodput_fraction": round(good / len(stats), 4) if stats else 0.0,
         "goodput_ttft_slo_ms": ttft_slo_ms,
         "goodput_tpot_slo_ms": tpot_slo_ms,
+        "goodput_tight_req_per_s": round(tight / span_s, 3),
+        "goodput_tight_fraction": round(tight / len(stats), 4) if stats else 0.0,
     }
     if solo_ns is None and getattr(sim, "catalog", None) is not None:
         solo_ns = sim.solo_ns
