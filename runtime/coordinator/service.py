@@ -129,8 +129,9 @@ def account_interval(
     entered into the request's history.  Normalizers are those recorded at
     commit; a family still unmeasured then uses the catalog as the completion
     left it (``now``), and before any generation graph is measured the frame's
-    own duration stands in (one unit per frame).  Prompt tokens wait for a
-    prefill measurement and are charged in the first interval that has one.
+    own duration stands in (one unit per frame).  Prompt tokens are charged
+    when the prompt completes (its first output), in the first interval from
+    then on that has a prefill measurement.
     Returns the served requests whose delivery a publication may still correct.
     """
     dt_ms = credited_ns / 1e6
@@ -145,7 +146,10 @@ def account_interval(
         output = r.committed_output - r.accounted_output
         r.accounted_output = r.committed_output
         prompt = 0
-        if pref is not None:
+        if pref is not None and r.consumed_prompt >= r.prefill_target:
+            # A prompt is charged when it completes, with the first output it
+            # enables (docs/scheduling-utility.md, "Prompt service"): a prompt
+            # part-way through keeps its price and is not outbid by newer ones.
             prompt = r.consumed_prompt - r.accounted_prompt
             r.accounted_prompt = r.consumed_prompt
         rate = x0 if r.token_rate is None else r.token_rate

@@ -461,7 +461,10 @@ def next_chunk(rig: Rig, long):
     return rig.step_until(lambda p: p.graph == PREFILL_64 and p.lanes[0].handle == long)
 
 
-def test_prefill_service_counts_consumed_prompt_tokens():
+def test_prompt_service_is_charged_when_the_prompt_completes():
+    """docs/scheduling-utility.md, "Prompt service": chunks that do not finish
+    the prompt starve the request like any unserved interval; the chunk that
+    finishes it charges the whole prompt and its first output token."""
     rig, long = prompt_rig()
     tref = 1.0 / 100.0  # decode B=1: one token per 100 ms
     pref = 64 / 10.0  # prefill: 64 prompt tokens per 10 ms
@@ -470,13 +473,38 @@ def test_prefill_service_counts_consumed_prompt_tokens():
     first = next_chunk(rig, long)
     rig.complete(rig.commit(first), first)
     assert r.consumed_prompt == 64 and r.token_rate is not None
-    for consumed, output in ((128, 0), (192, 1)):  # the last chunk also commits a token
+    assert r.accounted_prompt == 0  # nothing charged yet
+    for consumed, output, charged in ((128, 0, 0), (192, 1, 192)):
         plan = next_chunk(rig, long)
         x = r.token_rate
         rig.complete(rig.commit(plan), plan)
         assert r.consumed_prompt == consumed and r.committed_output == output
-        expected = update_rate(x, tref, 10.0, output, tau, 64, pref)
+        expected = update_rate(x, tref, 10.0, output, tau, charged, pref)
         assert r.token_rate == pytest.approx(expected, rel=1e-12)
+        assert r.accounted_prompt == charged
+    starved = update_rate(x, tref, 10.0, 0, tau)
+    assert r.token_rate > starved * 2  # the whole prompt lowered the price at once
+
+
+def test_a_started_prompt_is_not_outbid_by_a_newer_one():
+    """Issue 26, "Nothing finishes a started prompt": two equal prompts of three
+    chunks, the second arriving once the first has run one chunk.  The started
+    one has waited longer and (its service charged only at its end) kept its
+    price, so its chunks win until it finishes: first come, first finished.
+    Charged per chunk instead, its first chunk lowered its price below the
+    newcomer's starting price and the two interleaved."""
+    rig = Rig((PREFILL_64, DECODE_1))
+    first = rig.s.admit(RequestSpec(prompt_len=192, max_output_tokens=4))
+    plan = rig.step_until(lambda p: p.graph == PREFILL_64)
+    assert plan.lanes[0].handle == first
+    rig.complete(rig.commit(plan), plan)
+    second = rig.s.admit(RequestSpec(prompt_len=192, max_output_tokens=4))
+    order = []
+    for _ in range(4):
+        plan = rig.step_until(lambda p: p.graph == PREFILL_64)
+        order.append(plan.lanes[0].handle)
+        rig.complete(rig.commit(plan), plan)
+    assert order == [first, first, second, second]
 
 
 def test_prompt_service_uses_the_normalizer_recorded_at_commit():
@@ -488,15 +516,17 @@ def test_prompt_service_uses_the_normalizer_recorded_at_commit():
     # Prefill samples become [10, 30] ms: estimate 20 ms.
     rig.complete(rig.commit(first), first, ExecutionTiming((30 * MS,), host_wall_ns=30 * MS))
     second = next_chunk(rig, long)
+    rig.complete(rig.commit(second), second)  # samples [10, 30, 10]: estimate 10 ms
+    last = next_chunk(rig, long)  # the chunk that finishes the prompt
     at_commit = 64 / (rig.s.catalog.entry(PREFILL_64).estimate_ns / 1e6)
-    assert at_commit == pytest.approx(3.2)
+    assert at_commit == pytest.approx(6.4)
     x = r.token_rate
-    rig.commit(second)
-    # Its own 100 ms sample moves the estimate to the median of [10, 30, 100] = 30 ms.
-    rig.complete(rig.fence, second, ExecutionTiming((100 * MS,), host_wall_ns=100 * MS))
-    assert rig.s.catalog.entry(PREFILL_64).estimate_ns == 30 * MS
-    expected = update_rate(x, 1.0 / 100.0, 100.0, 0, tau, 64, at_commit)
-    at_completion = update_rate(x, 1.0 / 100.0, 100.0, 0, tau, 64, 64 / 30.0)
+    rig.commit(last)
+    # Its own 100 ms sample moves the estimate to the median of [10, 30, 10, 100] = 20 ms.
+    rig.complete(rig.fence, last, ExecutionTiming((100 * MS,), host_wall_ns=100 * MS))
+    assert rig.s.catalog.entry(PREFILL_64).estimate_ns == 20 * MS
+    expected = update_rate(x, 1.0 / 100.0, 100.0, 1, tau, 192, at_commit)
+    at_completion = update_rate(x, 1.0 / 100.0, 100.0, 1, tau, 192, 64 / 20.0)
     assert r.token_rate == pytest.approx(expected, rel=1e-12), (
         f"normalized by the catalog at completion ({at_completion!r}), not at commit"
     )
@@ -759,8 +789,9 @@ def test_trace_of_discovery_and_failed_commit():
 
 def test_prefill_frames_enter_history_before_any_decode_graph_is_measured():
     """Every measured frame is one interval for every participant, even before a
-    generation graph is measured: the unserved request is starved and charged
-    nothing; the served one is charged exactly its chunk."""
+    generation graph is measured: both are starved; a chunk that does not finish
+    its prompt is charged nothing yet (docs/scheduling-utility.md, "Prompt
+    service")."""
     rig = Rig([PREFILL_64, DECODE_1])
     a = rig.s.admit(RequestSpec(prompt_len=256, max_output_tokens=8))
     b = rig.s.admit(RequestSpec(prompt_len=256, max_output_tokens=8))
@@ -771,8 +802,9 @@ def test_prefill_frames_enter_history_before_any_decode_graph_is_measured():
     rig.complete(rig.commit(plan), plan)
     rs, ri = rig.s.request(served), rig.s.request(idle)
     assert rs.token_rate is not None and ri.token_rate is not None
-    assert (rs.accounted_prompt, ri.accounted_prompt) == (64, 0)
-    assert rs.token_rate > ri.token_rate
+    # Neither prompt is complete: both are charged nothing and starved alike.
+    assert (rs.accounted_prompt, ri.accounted_prompt) == (0, 0)
+    assert rs.token_rate == ri.token_rate
     before = ri.token_rate
     plan = rig.plan()
     rig.complete(rig.commit(plan), plan)
