@@ -16,11 +16,16 @@ assignments, then moved to the device with one copy of the used slice.
 Layout of the integer arena for L lanes and N tokens::
 
     state_row[L] query_lens[L] start_pos[L] step[L] count_row[L] from_pending[L]
-    prefill_row reset_row prompt_lane  input_ids[N]
+    reset_row[L]  prefill_row  input_ids[N]
 
 ``state_row``: the lane's slot (padding: scratch); ``count_row``: where its
 sampled token is committed (its slot when it commits one, else scratch);
-``from_pending``: 1 for a decode lane, whose token is the slot's pending one.
+``from_pending``: 1 for a decode lane, whose token is the slot's pending one
+(0 for a prompt lane, whose tokens are in ``input_ids`` at its packed offset,
+and for padding); ``reset_row``: the penalty-state row the lane resets before
+sampling (its slot when it is a prompt lane that starts a new generation not
+restored by the rank, else scratch); ``prefill_row``: a mixed program's prompt
+row (-1: none; unused by other programs).
 """
 
 from __future__ import annotations
@@ -35,8 +40,16 @@ import torch
 from runtime.ranks.sampling import bias_table
 from runtime.transport.sampling import MAX_LOGIT_BIAS, SamplingParams
 
-LANE_FIELDS = ("state_row", "query_lens", "start_pos", "step", "count_row", "from_pending")
-SCALARS = ("prefill_row", "reset_row", "prompt_lane")
+LANE_FIELDS = (
+    "state_row",
+    "query_lens",
+    "start_pos",
+    "step",
+    "count_row",
+    "from_pending",
+    "reset_row",
+)
+SCALARS = ("prefill_row",)
 SLOT_FLOATS = (
     "temperature",
     "top_p",
@@ -93,7 +106,7 @@ class SlotArena:
         """Append ``pages`` (flat, in lane order) to each lane's slot row at ``base``."""
         if not pages.size:
             return
-        if counts.size == 1:  # one lane (every prefill frame): one slice write
+        if counts.size == 1:  # one lane (a single prefill frame): one slice write
             row, first = int(slot[0]), int(base[0])
             values = torch.from_numpy(np.ascontiguousarray(pages))
             self.page_tables[row, first : first + pages.size].copy_(values)
@@ -169,9 +182,8 @@ class FrameInputs:
     step: torch.Tensor  # (L,)
     count_row: torch.Tensor  # (L,)
     from_pending: torch.Tensor  # (L,)
+    reset_row: torch.Tensor  # (L,)
     prefill_row: torch.Tensor  # (1,)
-    reset_row: torch.Tensor  # (1,)
-    prompt_lane: torch.Tensor  # (1,)
     input_ids: torch.Tensor  # (N,)
 
     @classmethod

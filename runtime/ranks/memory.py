@@ -282,12 +282,28 @@ def largest_shapes(capacity: CapacityConfig, max_context: int) -> list[ProgramSh
     return [most_tokens] if most_lanes == most_tokens else [most_tokens, most_lanes]
 
 
+def packed_lengths(tokens: int, bounds: list[int]) -> list[int]:
+    """Every lane active (one token at least), the ``tokens`` filled in lane order
+    up to each lane's bound: the prompt row first (mixed), every lane full
+    (decode, rectangular rounds), or, when the lanes share fewer tokens than
+    their bounds sum to (a packed prefill's B rows over C tokens), the first
+    rows longest.  Sums to ``tokens`` when they fit."""
+    lens = [1] * len(bounds)
+    left = tokens - len(bounds)
+    for i, bound in enumerate(bounds):
+        extra = max(0, min(bound - 1, left))
+        lens[i] += extra
+        left -= extra
+    return lens
+
+
 def dummy_forward(
     model: LlamaForCausalLM, shape: ProgramShape, max_context: int, page_size: int
 ) -> torch.Tensor:
     """One forward at ``shape`` over the whole context width (as captured programs
-    attend), every lane full, writing no KV; then the sampler's (L, vocab)
-    temporaries (a float copy, softmax, a sort for top-p).  Any device."""
+    attend), every lane active and the tokens full (:func:`packed_lengths`),
+    writing no KV; then the sampler's (L, vocab) temporaries (a float copy,
+    softmax, a sort for top-p).  Any device."""
     import torch
 
     from runtime.ranks.model.attention import AttentionMetadata
@@ -295,7 +311,7 @@ def dummy_forward(
     device = model.model.embed_tokens.weight.device
     n, lanes, q = shape.tokens, shape.lanes, shape.max_query_len
     row = shape.row_query_len if shape.mixed else q
-    lens = [q] + [row] * (lanes - 1)  # the prompt row first (mixed), then every other
+    lens = packed_lengths(n, [q] + [row] * (lanes - 1))
     starts = [sum(lens[:i]) for i in range(lanes)]
     if starts[-1] + lens[-1] != n:
         raise ValueError(f"shape {shape} does not pack {lens}")

@@ -2,13 +2,14 @@
 
 Graph capture is one component (STYLE.md).  Each program owns one small
 integer arena on the device (:class:`~runtime.ranks.arena.FrameInputs`: per
-lane its slot, query length, start position, step, commit row and whether its
-token is the slot's pending one; per token the prompt ids), refilled by one
-copy of the used slice per frame.  Everything that persists across frames
-lives in the rank's :class:`~runtime.ranks.arena.SlotArena` (page tables,
-pending tokens, sampling settings) and is gathered by slot inside the body, so
-positions, slot mappings and page tables are derived on the device and the
-host packs a handful of numbers per lane, whatever the context length.
+lane its slot, query length, start position, step, commit row, whether its
+token is the slot's pending one and the penalty row it resets; per token the
+prompt ids), refilled by one copy of the used slice per frame.  Everything
+that persists across frames lives in the rank's
+:class:`~runtime.ranks.arena.SlotArena` (page tables, pending tokens,
+sampling settings) and is gathered by slot inside the body, so positions,
+slot mappings and page tables are derived on the device and the host packs a
+handful of numbers per lane, whatever the context length.
 
 The sampled token of every committing lane is written into the slot's pending
 row on the device (the next decode frame reads it there) and into the shared
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.ranks.arena import LANE_FIELDS, FrameInputs, SlotArena, int_size
+from runtime.ranks.arena import LANE_FIELDS, SCALARS, FrameInputs, SlotArena, int_size
 from runtime.ranks.checked_frame import CheckedFrame
 from runtime.ranks.draft import DraftContext
 from runtime.ranks.model.attention import AttentionMetadata
@@ -200,7 +201,7 @@ class PreparedProgram:
         if variant == "argmax":
             tokens = logits.argmax(dim=-1)  # (L,)
         else:
-            tokens = self._sample(logits, query_start, input_ids, step)
+            tokens = self._sample(logits, input_ids, step, lane, valid)
             if variant == "logprobs":
                 chosen, top_values, top_ids = token_logprobs(logits, tokens, out.max_logprobs)
                 out.logprob[:lanes].copy_(chosen)
@@ -218,18 +219,21 @@ class PreparedProgram:
     def _sample(
         self,
         logits: torch.Tensor,
-        query_start: torch.Tensor,
         input_ids: torch.Tensor,
         step: torch.Tensor,
+        lane: torch.Tensor,
+        valid: torch.Tensor,
     ) -> torch.Tensor:
-        """The full sampler, with the penalty state: the prompt lane's row is reset
+        """The full sampler, with the penalty state: each prompt lane's row is reset
         when it starts a generation and its tokens marked before sampling (so a
-        first token sees its whole prompt), every committed token counted after."""
+        first token sees its whole prompt), every committed token counted after.
+        ``lane``/``valid`` (N,): each packed token's lane (clamped) and whether
+        it belongs to one."""
         x, out = self.inputs, self.outputs
         state = out.penalties
-        if self.desc.prompt_capacity:  # only programs with prompt capacity take a prompt lane
-            state.reset(x.reset_row)
-            state.mark_prompt(self._prompt_rows(query_start, state.scratch), input_ids)
+        if self.desc.prompt_capacity:  # only programs with prompt capacity take prompt lanes
+            state.reset(self._reset_rows())
+            state.mark_prompt(self._prompt_rows(lane, valid, state.scratch), input_ids)
         s = self.slots.settings(x.state_row)
         counts, prompt_mask = state.gather(x.state_row)  # (L, V) each
         adjustments = LogitAdjustments(
@@ -254,17 +258,31 @@ class PreparedProgram:
         state.count(x.count_row, tokens)
         return tokens
 
-    def _prompt_rows(self, query_start: torch.Tensor, scratch: int) -> torch.Tensor:
-        """(N,) the penalty-state row each packed token marks as a prompt token:
-        the prompt lane's row for its tokens, ``scratch`` for every other token."""
+    def _token_lanes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lane (N,): each packed token's lane, clamped to L - 1; valid (N,):
+        whether the token belongs to a lane): lane ``i`` owns the tokens from the
+        prefix sum of the query lengths before it."""
+        ends = torch.cumsum(self.inputs.query_lens, 0)  # (L,)
+        lane = torch.searchsorted(ends, self._token_index, right=True)  # (N,) L = padding
+        return lane.clamp(max=self.shape.lanes - 1), lane < self.shape.lanes
+
+    def _reset_rows(self) -> torch.Tensor:
+        """The penalty rows a program with prompt capacity resets: every lane's
+        ``reset_row`` in a prefill program (each lane may be a prompt row), the
+        prompt row's alone in a mixed one ((1,): its other lanes never reset)."""
         x = self.inputs
-        has = x.prompt_lane >= 0  # (1,)
-        lane = x.prompt_lane.clamp(min=0)  # (1,)
-        start = query_start.index_select(0, lane)  # (1,)
-        length = torch.where(has, x.query_lens.index_select(0, lane), 0)  # (1,)
-        n = self._token_index
-        inside = (n >= start) & (n < start + length)
-        return torch.where(inside, x.state_row.index_select(0, lane), scratch)
+        if self.shape.mixed:
+            return x.reset_row.index_select(0, x.prefill_row.clamp(min=0))  # (1,)
+        return x.reset_row  # (L,)
+
+    def _prompt_rows(self, lane: torch.Tensor, valid: torch.Tensor, scratch: int) -> torch.Tensor:
+        """(N,) the penalty-state row each packed token marks as a prompt token:
+        its lane's slot for the tokens of a prompt lane (one not continuing from
+        its pending token), ``scratch`` for every other token.  ``lane``/``valid``:
+        :meth:`_token_lanes`."""
+        x = self.inputs
+        prompt = valid & (x.from_pending.index_select(0, lane) == 0)  # (N,)
+        return torch.where(prompt, x.state_row.index_select(0, lane), scratch)
 
     def capture(self, pool: object | None = None) -> object | None:
         """CUDA: capture every variant as a graph (returns the memory pool). CPU: no-op."""
@@ -293,7 +311,6 @@ class PreparedProgram:
         for row in (views.state_row, views.count_row, views.reset_row):
             row.fill_(scratch)
         views.prefill_row.fill_(-1)
-        views.prompt_lane.fill_(-1)
         self._ints.copy_(host)
 
     # -- one frame ---------------------------------------------------------------
@@ -303,10 +320,11 @@ class PreparedProgram:
         """Pack ``checked`` into the host int64 array ``a`` (the arena layout).
 
         Returns (entries used, page-table width the frame needs).  Column
-        operations only; a prompt lane's tokens are one slice copy.  ``memo``:
-        the buffer's memo (:attr:`HostStaging.memo`); when the buffer was
-        last packed by this program with the same lanes and the frame is
-        steady, only the start positions and steps are rewritten.
+        operations only; the prompt lanes' tokens are one slice copy (they lie
+        in lane order, as the lanes pack them).  ``memo``: the buffer's memo
+        (:attr:`HostStaging.memo`); when the buffer was last packed by this
+        program with the same lanes and the frame is steady, only the start
+        positions and steps are rewritten.
         """
         shape, scratch = self.shape, self.slots.scratch
         lanes, r = shape.lanes, checked.lanes
@@ -314,30 +332,10 @@ class PreparedProgram:
         if checked.steady and memo is not None and memo[0] == key:
             a[2 * lanes : 2 * lanes + r] = checked.position
             a[3 * lanes : 3 * lanes + r] = checked.step
-            used = len(LANE_FIELDS) * lanes + 3 + r
+            used = len(LANE_FIELDS) * lanes + len(SCALARS) + r
             return used, max(1, -(-int(checked.context.max()) // self.page_size))
-        if r > lanes:
-            raise ProgramError(f"{r} lanes for {lanes} rows")
-        q = checked.query_len
-        prompt_row = checked.frame.prompt_row
-        if shape.mixed:
-            limit = np.full(r, shape.row_query_len, np.int64)
-            if prompt_row >= 0:
-                limit[prompt_row] = shape.max_query_len
-        else:
-            limit = shape.max_query_len
-        total = int(q.sum())
-        if r and (q > limit).any():
-            i = int(np.argmax(q > limit))
-            raise ProgramError(f"lane {i}: {int(q[i])} tokens exceed {self.desc.describe()}")
-        if total > shape.tokens and not self.desc.device_allocated:  # ceilings may sum above P
-            raise ProgramError(f"{total} tokens do not fit {self.desc.describe()}")
-        prefill = np.nonzero(checked.prefill)[0]
-        if len(prefill) > 1:
-            raise ProgramError(f"prompt lanes {prefill.tolist()}: a program takes at most one")
-        if len(prefill) and not self.desc.prompt_capacity:
-            raise ProgramError(f"a prompt lane for {self.desc.describe()}")
-        slot = checked.slot
+        prompt = self._check_fits(checked)
+        q, slot, prefill = checked.query_len, checked.slot, checked.prefill
         o = 0
         for values, pad in (
             (slot, scratch),  # state_row
@@ -345,29 +343,84 @@ class PreparedProgram:
             (checked.position, 0),  # start_pos
             (checked.step, 0),  # step
             (np.where(checked.commits > 0, slot, scratch), scratch),  # count_row
-            (~checked.prefill, 0),  # from_pending
+            (~prefill, 0),  # from_pending
+            (scratch, scratch),  # reset_row (the prompt lanes' below)
         ):
             a[o : o + r] = values
             a[o + r : o + lanes] = pad
             o += lanes
-        prompt_lane = int(prefill[0]) if len(prefill) else -1
-        # A new generation's penalty row is reset by the program, unless it is
-        # restored: the rank wrote that row before the launch (DeviceRows.restore).
-        starts = prompt_lane >= 0 and bool(checked.starts[prompt_lane])
-        starts = starts and prompt_lane not in checked.restores
-        a[o : o + 3] = (prompt_row, int(slot[prompt_lane]) if starts else scratch, prompt_lane)
-        o += 3
-        if prompt_lane >= 0:
-            offset = int(q[:prompt_lane].sum())
-            n = int(q[prompt_lane])
-            a[o + offset : o + offset + n] = checked.prompt_tokens[:n]
+        if prompt:
+            self._pack_resets(checked, prompt, a[o - lanes : o])
+        a[o] = checked.frame.prompt_row  # prefill_row
+        o += len(SCALARS)
+        total = int(q.sum())
+        if len(prompt) == r:  # a prefill frame: its chunks in lane order are its tokens
+            a[o : o + total] = checked.prompt_tokens
+        elif self.desc.prompt_capacity:  # a mixed frame: at most one prompt lane
+            # Zeros in the decode rows (their ids come from the pending tokens):
+            # no stale entry of the shared buffer reaches the device's token ids.
+            a[o : o + total] = 0
+            if prompt:
+                offset = int(q[: prompt[0]].sum())
+                a[o + offset : o + offset + int(q[prompt[0]])] = checked.prompt_tokens
         used = o + total if self.desc.prompt_capacity else o  # a round feeds no prompt
         if memo is not None:
-            memo[0] = key if checked.steady or not checked.prefill.any() else None
+            memo[0] = key if checked.steady or not prompt else None
         longest = int(checked.context.max(initial=1))
         if self.speculative is not None:  # the draft extent: D positions past the pending one
             longest = min(longest + self.desc.proposal_depth, self.max_pages * self.page_size)
         return used, max(1, -(-longest // self.page_size))
+
+    @staticmethod
+    def _pack_resets(checked: CheckedFrame, prompt: list[int], reset_row: np.ndarray) -> None:
+        """Each prompt lane that starts a new generation resets its slot's penalty
+        row, unless the generation is restored: the rank wrote that row before
+        the launch (DeviceRows.restore).  ``reset_row``: the field, scratch."""
+        if len(prompt) == 1:  # a single prefill, a mixed prompt row: scalars
+            i = prompt[0]
+            if checked.starts[i] and i not in checked.restores:
+                reset_row[i] = checked.slot[i]
+            return
+        fresh = checked.prefill & checked.starts  # (R,)
+        if checked.restores:
+            fresh[list(checked.restores)] = False
+        reset_row[: checked.lanes] = np.where(fresh, checked.slot, reset_row[: checked.lanes])
+
+    def _check_fits(self, checked: CheckedFrame) -> list[int]:
+        """The prompt lanes of ``checked``; ProgramError when it does not fit this
+        program: more lanes than its rows, a lane over its query bound, more
+        tokens than it packs, or a lane in a role the program has no row for (a
+        prefill program's lanes are all prompt lanes; a mixed one takes at most
+        one; decode and speculative programs none)."""
+        shape, desc = self.shape, self.desc
+        r, q, prefill = checked.lanes, checked.query_len, checked.prefill
+        if r > shape.lanes:
+            raise ProgramError(f"{r} lanes for {shape.lanes} rows of {desc.describe()}")
+        if shape.mixed:
+            limit = np.full(r, shape.row_query_len, np.int64)
+            if checked.frame.prompt_row >= 0:
+                limit[checked.frame.prompt_row] = shape.max_query_len
+        else:
+            limit = shape.max_query_len
+        over = q > limit
+        if over.any():
+            i = int(np.argmax(over))
+            raise ProgramError(f"lane {i}: {int(q[i])} tokens exceed {desc.describe()}")
+        total = int(q.sum())
+        if total > shape.tokens and not desc.device_allocated:  # ceilings may sum above P
+            raise ProgramError(f"{total} tokens do not fit {desc.describe()}")
+        prompt = np.flatnonzero(prefill).tolist()
+        if desc.kind is GraphKind.PREFILL:
+            if len(prompt) < r:
+                i = int(np.argmin(prefill))
+                raise ProgramError(
+                    f"lane {i}: a decode lane for {desc.describe()} (prompt lanes only)"
+                )
+        elif len(prompt) > 1:
+            raise ProgramError(f"prompt lanes {prompt}: a program takes at most one")
+        elif prompt and not desc.prompt_capacity:
+            raise ProgramError(f"a prompt lane for {desc.describe()}")
+        return prompt
 
     def launch(
         self,

@@ -1,12 +1,14 @@
 """A prepared program's fixed extents (:class:`ProgramShape`) and its sampling variants.
 
 A program's shape (:class:`ProgramShape`): decode batch B has B tokens, B lanes,
-one token per lane; prefill capacity C has C tokens and one lane; a mixed
-program (B, W, C) has B lanes and C + (B - 1) * W tokens: at most one prompt
-row of up to C tokens (``prefill_row``, an index into the dense lane list, -1
-for none) and decode rows of up to W tokens each (W = 1 today).  Lane ``i``'s
-tokens are packed at the prefix sum of the query lengths before it.  Padded
-tokens and lanes write no KV (slot -1) and commit into the scratch row.
+one token per lane; prefill (B, C) has C tokens and B lanes, every one a
+prompt row of up to C tokens, their query lengths summing to at most C (B = 1:
+a single prefill, B > 1: a *packed* prefill); a mixed program (B, W, C) has B
+lanes and C + (B - 1) * W tokens: at most one prompt row of up to C tokens
+(``prefill_row``, an index into the dense lane list, -1 for none) and decode
+rows of up to W tokens each (W = 1 today).  Lane ``i``'s tokens are packed at
+the prefix sum of the query lengths before it.  Padded tokens and lanes write
+no KV (slot -1) and commit into the scratch row.
 
 Sampling comes in three captured *variants* of the same shape, chosen per
 frame from its lanes' settings (:data:`VARIANTS`): ``argmax`` (every lane
@@ -43,7 +45,8 @@ class ProgramShape:
     row's (W).  Mixed token capacity is the spec's maximum packed extent
     ``C + (B - 1) * W``: whichever lane is the prompt row, every packing of
     one prompt row and B - 1 rows of at most W tokens fits, and a decode-only
-    population (C >= W) too.
+    population (C >= W) too.  A packed prefill's B prompt rows share its C
+    tokens: each row may take up to C, their sum at most C.
     """
 
     tokens: int  # N: packed token rows
@@ -59,8 +62,8 @@ class ProgramShape:
     def of(cls, desc: GraphDescriptor) -> ProgramShape:
         if desc.kind is GraphKind.DECODE:
             return cls(desc.batch_capacity, desc.batch_capacity, 1)
-        if desc.kind is GraphKind.PREFILL:
-            return cls(desc.prompt_capacity, 1, desc.prompt_capacity)
+        if desc.kind is GraphKind.PREFILL:  # B prompt rows sharing C tokens
+            return cls(desc.prompt_capacity, desc.batch_capacity, desc.prompt_capacity)
         if desc.kind is GraphKind.MIXED:
             b, w, c = desc.batch_capacity, desc.token_capacity, desc.prompt_capacity
             return cls(c + (b - 1) * w, b, c, w)

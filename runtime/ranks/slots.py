@@ -102,7 +102,7 @@ class SlotTable:
         steady = self._steady(frame)
         if steady is not None:
             return steady
-        if len(frame.slot) == 1:  # every prefill frame: scalars beat column calls
+        if len(frame.slot) == 1:  # a single prefill frame: scalars beat column calls
             return self._check_one(frame, vocab)
         slot = column(frame.slot)  # distinct, inside [0, MAX_SLOTS) by schema
         generation = column(frame.generation)

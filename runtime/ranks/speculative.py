@@ -227,9 +227,9 @@ class SpeculativeStages:
                 ).clamp(max=h - 1)
                 arena.history.view(-1).index_copy_(0, at.reshape(-1), chunk.reshape(-1))
             if not greedy_only:  # a new generation's penalty row, its prompt marked
-                penalty.reset(x.reset_row)
+                penalty.reset(program._reset_rows())
                 penalty.mark_prompt(
-                    program._prompt_rows(ends - lengths, penalty.scratch), x.input_ids
+                    program._prompt_rows(*program._token_lanes(), penalty.scratch), x.input_ids
                 )
         counts, prompt_mask = penalty.gather(rows)  # (L, V) each
         # Page capacity: positions a lane may write (its table's pages).

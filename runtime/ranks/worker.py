@@ -37,13 +37,13 @@ import time
 import zlib
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 import psutil
 import torch
 
-from runtime.catalog import GraphDescriptor
+from runtime.catalog import GraphDescriptor, validate_catalog
 from runtime.identity import ModelIdentity, code_version, loaded_identity
 from runtime.ranks.arena import HostStaging, SlotArena
 from runtime.ranks.capacity import CapacityConfig, build_catalog, forward_programs
@@ -105,7 +105,12 @@ class RankWorker:
         identity: ModelIdentity | None = None,
         draft_identity: ModelIdentity | None = None,
         kv_page_bytes: int = 0,
+        catalog: Sequence[GraphDescriptor] | None = None,
     ) -> None:
+        """``catalog``: the programs to prepare and report instead of
+        ``build_catalog(capacity)`` (shapes the capacity settings do not build,
+        e.g. packed prefill programs, for tests and scripts); the capacity
+        still gives the speculative settings."""
         if frame_timeout_multiple <= 0 or frame_timeout_margin_s <= 0:
             raise ValueError("frame_timeout_multiple and frame_timeout_margin_s must be > 0")
         self.model = model
@@ -128,7 +133,11 @@ class RankWorker:
         self.vocab = config.vocab_size
         self.is_eos = np.zeros(config.vocab_size, bool)  # token -> EOS, one lookup per frame
         self.is_eos[list(config.eos_token_ids)] = True
-        self.catalog: list[GraphDescriptor] = build_catalog(capacity, self.max_context)
+        self.catalog: list[GraphDescriptor] = (
+            build_catalog(capacity, self.max_context)
+            if catalog is None
+            else list(validate_catalog(list(catalog)))
+        )
         model.allocate_kv_cache(num_pages, page_size)
         self.device = model.model.embed_tokens.weight.device
         speculative = bool(capacity.speculative_widths)

@@ -92,7 +92,7 @@ class FrameRules:
                 check_range("phase", phase, PHASE_DECODE, PHASE_PREFILL)
             else:
                 _PREFILL_RANGES.check(_prefill_columns(self))
-            if phase.count(PHASE_PREFILL) == 1:  # a mixed frame's prompt row, a prefill frame
+            if phase.count(PHASE_PREFILL) == 1:  # a mixed frame's prompt row, a single prefill
                 prefill = (phase.index(PHASE_PREFILL),)
             else:
                 prefill = tuple(i for i, p in enumerate(phase) if p)

@@ -21,12 +21,15 @@ from runtime.ranks.model.attention import (
 )
 
 
-def _inputs(seed, heads, kv_heads, head_dim, lanes, *, page_size=4, dtype=torch.float32, pad=2):
+def _inputs(
+    seed, heads, kv_heads, head_dim, lanes, *, page_size=4, dtype=torch.float32, pad=2, gap=1
+):
     """Random packed q, shuffled pages and -1-padded tables for lanes [(query_len, context)].
 
-    Active lanes' tokens are packed in order with one padding row after each, and
-    ``pad`` padding rows at the end; inactive lanes (query_len 0) start where the
-    next lane would. Returns q, k, v, tables, query_start, query_lens, context_lens.
+    Active lanes' tokens are packed in order with ``gap`` padding rows after each
+    (0: back to back, as the rank packs them), and ``pad`` padding rows at the
+    end; inactive lanes (query_len 0) start where the next lane would. Returns
+    q, k, v, tables, query_start, query_lens, context_lens.
     """
     gen = torch.Generator().manual_seed(seed)
     used = [-(-ctx // page_size) for _, ctx in lanes]
@@ -35,7 +38,7 @@ def _inputs(seed, heads, kv_heads, head_dim, lanes, *, page_size=4, dtype=torch.
     starts, start = [], 0
     for q_len, _ in lanes:
         starts.append(start)
-        start += q_len + (1 if q_len else 0)
+        start += q_len + (gap if q_len else 0)
     num_tokens = start + pad
     q = torch.randn(num_tokens, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(num_pages, page_size, kv_heads, head_dim, generator=gen).to(dtype)
@@ -132,6 +135,35 @@ def test_mixed_step_one_prompt_row_and_decode_rows():
     positions = _positions(qs, ql, ctx, num_tokens)
     expected = mixed_paged_attention(q, k, v, positions, metadata, 0.25)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+# A packed prefill program's rows (issue 26): prompt rows back to back at the
+# prefix sums of their query lengths, over cached prefixes that end inside a
+# page, one-token rows, the token capacity C = 64 as every row's bound, the
+# unused rows of B = 8 inactive and the unused token rows at the end.
+PACKED = [(17, 17), (9, 30), (1, 1), (20, 45), (1, 12), (0, 0), (0, 0), (0, 0)]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "block_q"), [(4, 2, None), (8, 2, 4), (4, 4, 16)])
+def test_packed_prefill_rows_sharing_the_token_capacity(heads, kv_heads, block_q):
+    capacity = 64
+    used = sum(n for n, _ in PACKED)
+    q, k, v, tables, qs, ql, ctx = _inputs(
+        14, heads, kv_heads, 16, PACKED, page_size=8, pad=capacity - used, gap=0
+    )
+    assert q.shape[0] == capacity and qs.tolist()[:6] == [0, 17, 26, 27, 47, 48]
+    out = paged_prefill_attention(q, k, v, tables, qs, ql, ctx, 0.25, capacity, block_q=block_q)
+    ref = paged_prefill_attention_reference(q, k, v, tables, qs, ql, ctx, 0.25, capacity)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.all(out[used:] == 0) and bool(out[:used].abs().sum(-1).gt(0).all())
+    # Each row is its own attention: the same row alone gives the same rows.
+    for lane, (n, _) in enumerate(PACKED[:5]):
+        start = qs[lane].item()
+        alone = paged_prefill_attention(
+            q[start : start + n].contiguous(), k, v, tables[lane : lane + 1], qs[:1] * 0,
+            ql[lane : lane + 1], ctx[lane : lane + 1], 0.25, capacity, block_q=block_q,
+        )  # fmt: skip
+        torch.testing.assert_close(out[start : start + n], alone, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -144,15 +144,37 @@ def test_largest_shapes_are_the_most_tokens_and_the_most_lanes():
     assert memory.largest_shapes(mixed, 4096) == [ProgramShape(512 + 7, 8, 512, 1)]
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_the_profile_forward_runs_at_the_largest_shapes(mixed):
+@pytest.mark.parametrize(("mixed", "packed"), [(False, False), (True, False), (False, True)])
+def test_the_profile_forward_runs_at_the_largest_shapes(mixed, packed):
     torch.manual_seed(0)
     model = LlamaForCausalLM(config(max_positions=256))
     for parameter in model.parameters():  # constructed, not loaded: give it values
         parameter.data.normal_(0.0, 0.05)
     model.allocate_kv_cache(1, 16)  # one page: the forward writes nothing
-    capacity = CapacityConfig(max_concurrency=3, max_prefill_tokens=128, mixed_prefill=mixed)
-    for shape in memory.largest_shapes(capacity, 256):
+    capacity = CapacityConfig(
+        max_concurrency=3, max_prefill_tokens=128, mixed_prefill=mixed, packed_prefill=packed
+    )
+    shapes = memory.largest_shapes(capacity, 256)
+    if packed:  # the packed prefill of 2 rows over 128 tokens has the most tokens
+        assert shapes[0] == ProgramShape(128, 2, 128)
+    for shape in shapes:
+        top = memory.dummy_forward(model, shape, 256, 16)
+        assert top.shape == (shape.lanes,) and torch.isfinite(top).all()
+
+
+def test_the_profile_forward_packs_every_shape_with_every_lane_active():
+    """A packed prefill's B rows share C tokens: the longest first, every one
+    active; the other kinds as before (a mixed prompt row first, full lanes)."""
+    assert memory.packed_lengths(128, [128] * 4) == [125, 1, 1, 1]
+    assert memory.packed_lengths(64, [64] * 64) == [1] * 64
+    assert memory.packed_lengths(64 + 3, [64, 1, 1, 1]) == [64, 1, 1, 1]  # mixed (4, 1, 64)
+    assert memory.packed_lengths(8, [4, 4]) == [4, 4]  # a rectangular round
+    assert memory.packed_lengths(4, [1] * 4) == [1] * 4  # decode
+    model = LlamaForCausalLM(config(max_positions=256))
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.05)
+    model.allocate_kv_cache(1, 16)
+    for shape in (ProgramShape(128, 4, 128), ProgramShape(64, 64, 64)):  # packed prefills
         top = memory.dummy_forward(model, shape, 256, 16)
         assert top.shape == (shape.lanes,) and torch.isfinite(top).all()
 

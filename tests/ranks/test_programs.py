@@ -390,18 +390,20 @@ def test_one_query_length_upload_and_no_uploaded_offsets(checkpoint):
     program = w.programs[mixed(2, 128).key]
     n, lanes, scratch = program.shape.tokens, program.shape.lanes, w.arena.scratch
     assert (n, lanes) == (129, 2)
-    # Per token: its id; per lane: 6 fields (slot row, query length, start
-    # position, step, commit row, from pending); prefill_row, reset_row,
-    # prompt_lane.  No page table: the slots' rows live in the arena.
-    assert program._ints.numel() == int_size(n, lanes) == n + 6 * lanes + 3
+    # Per token: its id; per lane: 7 fields (slot row, query length, start
+    # position, step, commit row, from pending, penalty row to reset);
+    # prefill_row.  No page table: the slots' rows live in the arena.
+    assert program._ints.numel() == int_size(n, lanes) == n + 7 * lanes + 1
     # A frame packs the lanes and the tokens it feeds, nothing per page.
     Driver(w).run(prefill_program(64), [("prefill", 0, 0, len(PROMPTS[0]))])
     checked = w.slots.check(Frame.from_lanes(9, mixed(2, 128), [decoder(0, 5)]), w.vocab)
     host = np.full(program.int_size, -7, np.int64)
-    assert program.pack(checked, host) == (6 * lanes + 3 + 1, 1)
+    assert program.pack(checked, host) == (7 * lanes + 1 + 1, 1)
     packed = FrameInputs.over(torch.from_numpy(host), n, lanes)
     assert packed.query_lens.tolist() == [1, 0] and packed.state_row.tolist() == [0, scratch]
     assert packed.prefill_row.tolist() == [-1] and packed.from_pending.tolist() == [1, 0]
+    assert packed.reset_row.tolist() == [scratch, scratch]  # a decoder resets nothing
+    assert packed.input_ids[:1].tolist() == [0]  # its id comes from its pending token
     # What capture binds: all padding, the whole page-table width, nothing written.
     forwards = record_forwards(w)
     before = snapshot(w)

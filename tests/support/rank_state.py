@@ -1,9 +1,10 @@
 """A rank's whole state, host and device, so tests can say a frame changed nothing.
 
 The host side is the slot table's columns and settings; the device side is
-every slot's arena rows (page table, pending token, sampling settings, logit
-bias), its penalty state and the KV cache.  Scratch rows (padding writes
-there) are left out.
+every slot's arena rows (page table, pending token, its position and step,
+sampling settings, logit bias, and with speculation the token history), its
+penalty state and the KV caches (the target's, a draft's).  Scratch rows
+(padding writes there) are left out.
 """
 
 from __future__ import annotations
@@ -38,11 +39,18 @@ def snapshot(worker: RankWorker) -> dict[str, object]:
     kv = worker.model.kv_cache
     state: dict[str, object] = {name: getattr(slots, name).copy() for name in SLOT_COLUMNS}
     state["settings"] = list(slots.settings)
-    for name in ("page_tables", "pending", "floats", "ints", "bias_ids", "bias_values"):
+    rows = ("page_tables", "pending", "next_pos", "steps", "floats", "ints", "bias_ids",
+            "bias_values")  # fmt: skip
+    for name in rows:
         state[f"arena.{name}"] = getattr(arena, name)[:n].clone()
+    if arena.history is not None:
+        state["arena.history"] = arena.history[:n].clone()
     state["penalties.counts"] = penalties.counts[:n].clone()
     state["penalties.prompt_mask"] = penalties.prompt_mask[:n].clone()
     state["kv"] = kv._storage[:, :, : kv.num_slots].clone()
+    if worker.draft_model is not None:
+        draft = worker.draft_model.kv_cache
+        state["draft_kv"] = draft._storage[:, :, : draft.num_slots].clone()
     state["frames"] = worker.frames
     return state
 
