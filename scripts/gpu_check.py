@@ -46,6 +46,11 @@ Checks, each printed as PASS/FAIL with its figures, on the embedded model:
    prefix, in a pool too small for them at once give the tokens of a large
    pool (float32, greedy), with preemptions, restore and snapshot rows (the
    page copies and restored rows run before graph replay), every page back.
+12. packed prefill programs (``scripts/gpu_packed.py``): up to B prompt rows
+   sharing C tokens, captured per (B, C): graph replay gives the eager tokens
+   (greedy, seeded, penalties) and log probabilities, the greedy tokens and
+   penalty state of the same rows run as single prefills, and their replay
+   times.
 
 ``--device cpu`` runs the same script without capture or NCCL (a dry run of
 the script itself).  The last line is one JSON object with every figure; the
@@ -66,6 +71,7 @@ from typing import ClassVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import gpu_packed
 import gpu_realistic
 import gpu_speculative
 import torch
@@ -462,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"max diff {diff}")  # fmt: skip
 
     ok &= check_penalties(eager, graphs, prompts)
+    ok &= gpu_packed.run(check, RESULTS, args.device)
 
     if cuda:
         import torch.distributed as dist
