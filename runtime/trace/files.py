@@ -1,10 +1,10 @@
 """Reading a trace back: ``FILE`` and its rotated predecessors, oldest first.
 
 ``read_trace(FILE)`` reads ``FILE.N`` .. ``FILE.1`` (those that exist), then
-``FILE``, and returns the frame lines, the request lines and what the start and
-end lines say.  A
-line cut short (a trace read while it is written, or a killed process) is
-skipped and counted, not an error.
+``FILE``, and returns the frame lines, the request lines, the finish lines, the
+scheduler line (format 2) and what the start and end lines say.  A line cut
+short (a trace read while it is written, or a killed process) is skipped and
+counted, not an error.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ class TraceFileError(ValueError):
 class Trace:
     frames: list[dict] = field(default_factory=list)
     requests: list[dict] = field(default_factory=list)  # request lines, as written
+    finishes: list[dict] = field(default_factory=list)  # finish lines (format 2)
+    scheduler: dict | None = None  # the scheduler line, or a later start line's copy
     start: dict = field(default_factory=dict)  # the newest file's start line
     end: dict | None = None  # the end line, when the writer closed the file
     files: list[str] = field(default_factory=list)
@@ -85,8 +87,14 @@ def _take(trace: Trace, text: str) -> None:
         trace.frames.append(line)
     elif event == "request" and "request" in line and "fence" in line:
         trace.requests.append(line)
+    elif event == "finish" and "request" in line:
+        trace.finishes.append(line)
+    elif event == "scheduler":
+        trace.scheduler = line
     elif event == "start":
         trace.start = line
+        if trace.scheduler is None and isinstance(line.get("scheduler"), dict):
+            trace.scheduler = line["scheduler"]
     elif event == "end":
         trace.end = line
     else:

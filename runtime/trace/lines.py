@@ -31,10 +31,28 @@ request to the scheduler: ``request`` (the scheduler's id, as in frame lines'
 clock, ``prompt_tokens``, ``max_tokens``, and ``fence``: the first fence that
 could carry it (frames before it were planned without it).  So a trace says
 how long a request waited for its first frame, and which frames ran meanwhile.
+Since format 2 it also holds the request as the scheduler was given it:
+``message_endpoints`` and ``boundaries`` (prompt positions), ``ignore_eos``,
+``group``, and ``prompt_pages``/``prompt_tail``: the prompt's content as
+digests, not tokens (:func:`runtime.trace.outcomes.prompt_digests`), so a
+replay can tell which prompts share a cached prefix.
+
+A finish line (``"event": "finish"``, format 2) says how a request ended:
+``output_tokens`` it produced, ``finish_reason`` ("stop", "length",
+"cancelled", or "unfinished" when the trace closed first), ``cancelled``,
+``at_ns`` (coordinator clock) and ``fence`` (the frame that finished it; for a
+cancel, the next fence).  See :mod:`runtime.trace.outcomes`.
+
+A scheduler line (``"event": "scheduler"``, format 2), before the first
+request line: ``scheduler`` (its class), ``config`` (the ``SchedulerConfig``
+fields), ``policy`` (the ``PolicyConfig`` fields, null without one) and
+``preset`` (the preset they equal, if any).  Later files' start lines carry
+the same under ``"scheduler"``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -149,13 +167,43 @@ def request_line(
     admitted_ns: int,
     prompt_tokens: int,
     max_tokens: int,
+    **given: Any,
 ) -> dict:
-    """The trace line of a request admitted before frame ``fence`` was planned."""
-    return {
+    """The trace line of a request admitted before frame ``fence`` was planned;
+    ``given``: the format-2 fields (see the module docstring)."""
+    line = {
         "event": "request", "fence": fence, "request": request,
         "submitted_ns": submitted_ns, "admitted_ns": admitted_ns,
         "prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
     }  # fmt: skip
+    line.update(given)
+    return line
+
+
+def finish_line(
+    fence: int, request: int, output_tokens: int, reason: str, cancelled: bool, at_ns: int
+) -> dict:
+    """How request ``request`` ended (see the module docstring)."""
+    return {
+        "event": "finish", "fence": fence, "request": request, "output_tokens": output_tokens,
+        "finish_reason": reason, "cancelled": cancelled, "at_ns": at_ns,
+    }  # fmt: skip
+
+
+def scheduler_fields(scheduler: Any, presets: dict[str, Any]) -> dict:
+    """What a trace says of the scheduler: its class, configuration and policy.
+
+    ``presets``: the named policies, to name the one ``scheduler.policy`` equals.
+    """
+    config = getattr(scheduler, "config", None)
+    policy = getattr(scheduler, "policy", None)
+    fields = {
+        "scheduler": type(scheduler).__name__,
+        "config": dataclasses.asdict(config) if dataclasses.is_dataclass(config) else None,
+        "policy": dataclasses.asdict(policy) if dataclasses.is_dataclass(policy) else None,
+        "preset": next((name for name, p in presets.items() if p == policy), None),
+    }
+    return fields
 
 
 def start_fields(model: str, world_size: int, programs: Sequence[str], pid: int) -> dict:

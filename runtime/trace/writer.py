@@ -11,7 +11,15 @@ GIL after every line, so the engine thread never waits on a whole batch
 
 Files: every file starts with a ``{"event": "start", ...}`` line and the last
 ends with ``{"event": "end", ...}`` (frame lines written, dropped); between
-them, frame lines and request lines (:mod:`runtime.trace.lines`).  When writing a
+them, frame lines and the requests' lines (:mod:`runtime.trace.lines`).  A
+render may give several lines for one item, and may add fields to the start
+line of every later file (:meth:`TraceWriter.add_header`).
+
+Format versions (``"v"`` of the start and end lines): 1 wrote frame lines and
+request lines with ids, times, prompt and max tokens; 2 adds what a what-if
+replay needs: request lines with message endpoints, boundaries and prompt
+page digests, a ``finish`` line per request, and a ``scheduler`` line (its
+configuration and policy), also copied into later files' start lines.  When writing a
 line would take the file past ``max_bytes`` it is rotated: ``FILE.k`` becomes
 ``FILE.k+1`` (the oldest, ``FILE.keep``, is overwritten), ``FILE`` becomes
 ``FILE.1`` and a new ``FILE`` starts.  Traces hold token ids: files are created
@@ -35,7 +43,7 @@ from runtime.private_files import make_private_dirs, open_private
 
 log = logging.getLogger("runtime.trace")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_MAX_BYTES = 256 << 20
 DEFAULT_KEEP = 3
 DEFAULT_QUEUE_LIMIT = 65536
@@ -80,7 +88,8 @@ class TraceWriter:
     """One trace file (or none) and its writer thread; see the module's docstring.
 
     ``render(item)`` runs on the writer thread, in offer order: a line's JSON
-    object (it must hold ``"fence"``), or None to write nothing for that item.
+    object (it must hold ``"fence"``), a list of them, or None to write nothing
+    for that item.
     ``header``: fields of every file's start line.  ``file_only``: the ``"event"``
     values of lines written to the file but kept out of the ring and the
     ``frames`` count (request lines).
@@ -89,7 +98,7 @@ class TraceWriter:
     def __init__(
         self,
         options: TraceOptions,
-        render: Callable[[Any], dict | None],
+        render: Callable[[Any], dict | list[dict] | None],
         header: dict | None = None,
         poll_s: float = POLL_S,
         file_only: tuple[str, ...] = (),
@@ -127,6 +136,11 @@ class TraceWriter:
             return False
         self._queue.append(item)
         return True
+
+    def add_header(self, fields: dict) -> None:
+        """Add ``fields`` to the start line of every file opened from now on (the
+        writer thread: call it from ``render``)."""
+        self._header.update(fields)
 
     def lines_since(self, fence: int, limit: int | None = None) -> list[str]:
         """The kept lines of frames after ``fence``, oldest first (at most the last ``limit``)."""
@@ -201,15 +215,8 @@ class TraceWriter:
                 continue
             if line is None:
                 continue
-            line["dropped"] = self.dropped
-            text = dumps(line)
-            self.written += 1
-            if line.get("event") not in self._file_only:  # the ring: frames, for /debug/trace
-                self.frames += 1
-                with self._ring_lock:
-                    self._ring.append((line["fence"], text))
-            if self._fd is not None:
-                self._pending.append(text + "\n")
+            for one in line if isinstance(line, list) else (line,):
+                self._take(one)
             time.sleep(0)  # let a waiting engine thread take the GIL between lines
         if self._fd is not None:
             try:
@@ -221,6 +228,17 @@ class TraceWriter:
                 if self._fd is not None:
                     os.close(self._fd)
                     self._fd = None
+
+    def _take(self, line: dict) -> None:
+        line["dropped"] = self.dropped
+        text = dumps(line)
+        self.written += 1
+        if line.get("event") not in self._file_only:  # the ring: frames, for /debug/trace
+            self.frames += 1
+            with self._ring_lock:
+                self._ring.append((line["fence"], text))
+        if self._fd is not None:
+            self._pending.append(text + "\n")
 
     def _write_pending(self) -> None:
         chunk: list[str] = []

@@ -12,6 +12,13 @@ each); ``--proposer copy`` makes the programs cost no draft passes;
     python -m scripts.scheduling_sim --requests 48 --output-len 256 \
         --speculative-widths 2,4,8 --acceptance mixed
     python -m scripts.scheduling_sim --scheduler table --speculative-widths 2,4
+
+What-if replay (docs/replay.md): ``--from-trace FILE`` replays a recorded
+deployment's traffic (a ``flare run --trace`` file) on its own measured costs
+and host under ``--scheduler`` (default flare) and ``--policy`` (default: the
+recorded one); ``--host-model`` timeline (default), mean or none.  The
+workload, profile and catalog options do not apply to it.  It prints the
+recorded and replayed figures side by side, then the JSON object.
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import argparse
 import json
 import sys
 
+from runtime.coordinator.config import PRESETS
+from runtime.trace.files import TraceFileError
 from scripts.scheduling_sim.catalogs import PROFILES, PROPOSERS
 from scripts.scheduling_sim.metrics import DEFAULT_TPOT_SLO_MS, DEFAULT_TTFT_SLO_MS
+from scripts.scheduling_sim.replay import HOST_MODELS, CostError, RecordingError, render, replay
 from scripts.scheduling_sim.runner import (
     PREFILL_BUCKETS,
     SCHEDULERS,
@@ -58,6 +68,17 @@ def _ints(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _replay_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from-trace", metavar="FILE", help="replay a recorded deployment's trace")
+    p.add_argument(
+        "--host-model",
+        choices=list(HOST_MODELS),
+        default="timeline",
+        help="--from-trace: the host around the device (timeline: as recorded, moment by "
+        "moment; mean: its averages; none: the simulator's)",
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scripts.scheduling_sim", description=__doc__)
     p.add_argument("--requests", type=int, default=16)
@@ -87,7 +108,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--goodput-ttft-ms", type=float, default=DEFAULT_TTFT_SLO_MS)
     p.add_argument("--goodput-tpot-ms", type=float, default=DEFAULT_TPOT_SLO_MS)
-    p.add_argument("--scheduler-policy", choices=["balanced", "throughput"], default="balanced")
+    p.add_argument(
+        "--scheduler-policy",
+        "--policy",
+        dest="scheduler_policy",
+        choices=sorted(PRESETS),
+        default=None,
+        help="the policy preset (default: balanced; with --from-trace, the recorded policy)",
+    )
+    _replay_arguments(p)
     p.add_argument(
         "--arrival-rate",
         type=float,
@@ -163,7 +192,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return RunConfig(
         scheduler=args.scheduler,
         profile=args.profile,
-        policy=args.scheduler_policy,
+        policy=args.scheduler_policy or "balanced",
         mixed_prefill=args.mixed_prefill,
         max_slots=args.max_slots,
         prefill_buckets=args.prefill_buckets,
@@ -208,8 +237,26 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def replay_main(args: argparse.Namespace) -> int:
+    """``--from-trace``: the replay's table, then its JSON object (2: the trace cannot
+    be replayed, the reason on stderr)."""
+    try:
+        report = replay(
+            args.from_trace, args.scheduler, args.scheduler_policy, args.host_model,
+            seed=args.seed, ttft_slo_ms=args.goodput_ttft_ms, tpot_slo_ms=args.goodput_tpot_ms,
+        )  # fmt: skip
+    except (RecordingError, TraceFileError, CostError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(render(report))
+    print(json.dumps(report, sort_keys=True))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_trace:
+        return replay_main(args)
     report = run(args)
     width = max(len(k) for k in report)
     for key, value in report.items():

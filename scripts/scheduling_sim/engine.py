@@ -262,24 +262,36 @@ class Simulation:
             plan = self.scheduler.plan()
             if plan is None:
                 return
-            fence = self.next_fence
-            self.next_fence += 1
-            self.scheduler.commit(plan, fence)
-            cost = self.duration_ns(plan.graph)
-            if self.jitter:
-                cost = int(cost * (1.0 + self.rng.uniform(-self.jitter, self.jitter)))
-            start = max(self.now_ns, self.device_free_ns)
-            end = start + cost
-            self.device_free_ns = end
-            self.busy_ns += cost
-            self.inflight.append(
-                InFlight(fence, plan, self.now_ns, end, cost, queued=bool(self.inflight))
-            )
-            name = plan.graph.describe()
-            self.frames_by_graph[name] = self.frames_by_graph.get(name, 0) + 1
-            if plan.graph.kind in (GraphKind.DECODE, GraphKind.SPECULATIVE):
-                width = plan.graph.token_capacity
-                self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
+            self._launch(plan)
+
+    def _launch(self, plan) -> None:
+        """Commit ``plan`` under the next fence and put it on the device."""
+        fence = self.next_fence
+        self.next_fence += 1
+        self.scheduler.commit(plan, fence)
+        self.inflight.append(self._run_on_device(fence, plan))
+        name = plan.graph.describe()
+        self.frames_by_graph[name] = self.frames_by_graph.get(name, 0) + 1
+        if plan.graph.kind in (GraphKind.DECODE, GraphKind.SPECULATIVE):
+            width = plan.graph.token_capacity
+            self.rounds_by_width[width] = self.rounds_by_width.get(width, 0) + 1
+
+    def _run_on_device(self, fence: int, plan) -> InFlight:
+        """Frame ``fence`` on the device: its cost (jittered if asked), after the
+        frames before it; its completion is seen ``host_delay_ns`` after its
+        ``end_ns`` (a replay's host model overrides this: scheduling_sim.replay)."""
+        cost = self.duration_ns(plan.graph)
+        if self.jitter:
+            cost = int(cost * (1.0 + self.rng.uniform(-self.jitter, self.jitter)))
+        start = max(self.now_ns, self.device_free_ns)
+        end = start + cost
+        self.device_free_ns = end
+        self.busy_ns += cost
+        return InFlight(fence, plan, self.now_ns, end, cost, queued=bool(self.inflight))
+
+    def _timer_ns(self) -> int | None:
+        """Another time a step must happen at (a subclass's own events); none here."""
+        return None
 
     def step(self) -> bool:
         """Dispatch what the scheduler wants, then advance to the next event."""
@@ -287,7 +299,7 @@ class Simulation:
         self._dispatch()
         next_completion = self.inflight[0].end_ns + self.host_delay_ns if self.inflight else None
         next_arrival = self.pending[0].at_ns if self.pending else None
-        times = [t for t in (next_completion, next_arrival) if t is not None]
+        times = [t for t in (next_completion, next_arrival, self._timer_ns()) if t is not None]
         if not times:
             return False
         t = min(times)

@@ -37,7 +37,8 @@ FRAME_FIELDS = RECORD_FIELDS | {
 }  # fmt: skip
 REQUEST_FIELDS = {
     "event", "fence", "request", "submitted_ns", "admitted_ns", "prompt_tokens", "max_tokens",
-    "dropped",
+    "dropped", "message_endpoints", "boundaries", "ignore_eos", "group", "prompt_pages",
+    "prompt_tail",
 }  # fmt: skip
 LANE_FIELDS = {
     "request", "slot", "generation", "phase", "prompt_start", "prompt_tokens", "output_start",
@@ -135,6 +136,14 @@ def test_every_line_carries_every_field(trace_path):
         first = next(f for f in frames if request in f["requests"])
         assert first["fence"] >= line["fence"]
         assert first["committed_at_ns"] >= line["admitted_ns"]
+        assert line["ignore_eos"] and len(line["prompt_pages"]) == 0 and line["prompt_tail"]
+    # Format 2: how each request ended, and the scheduler it ran under.
+    ends = {f["request"]: f for f in trace.finishes}
+    assert set(ends) == set(requests)
+    assert {(f["output_tokens"], f["finish_reason"], f["cancelled"]) for f in ends.values()} == {
+        (12, "length", False)
+    }
+    assert trace.scheduler is not None and trace.scheduler["preset"] == "balanced"
 
 
 def test_summary_names_per_rank_figures(trace_path):

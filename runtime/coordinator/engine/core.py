@@ -364,8 +364,7 @@ class Engine(CompletionHandling):
             stream._push((), ERROR)
             return
         if self.trace is not None:
-            self.trace.admitted(handle.id, stream.submitted_ns, now, len(prompt),
-                                stream.max_tokens, self._next_fence)  # fmt: skip
+            self.trace.admitted(handle.id, stream, spec, now, self._next_fence, scheduler)
         live = Live(stream, handle)
         self._by_handle[handle.id] = live
         self._by_request[stream.request_id] = live
@@ -378,6 +377,8 @@ class Engine(CompletionHandling):
         assert scheduler is not None
         if scheduler.cancel(live.handle):
             self.stats.add(requests_cancelled=1)
+        if self.trace is not None:
+            self.trace.cancelled(live.handle.id, time.monotonic_ns(), self._next_fence)
         stream._push((), CANCELLED)
         self._retire_if_gone(live)
 
