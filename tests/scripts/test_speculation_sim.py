@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import scripts.bench_speculation_sim as spec_bench
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan, SelectionReason
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming, GeneratedToken
 from runtime.coordinator.requests import RequestHandle, RequestSpec
+from runtime.ranks.capacity import speculative_shapes
 from scripts.bench_schedulers import configs as bench_configs
 from scripts.scheduling_sim.__main__ import main as sim_main
 from scripts.scheduling_sim.baselines import (
@@ -22,7 +26,7 @@ from scripts.scheduling_sim.baselines import (
     make_baseline,
 )
 from scripts.scheduling_sim.catalogs import PROFILES, build_catalog, profile_for
-from scripts.scheduling_sim.engine import Simulation
+from scripts.scheduling_sim.engine import RequestStats, Simulation
 from scripts.scheduling_sim.metrics import summarize
 from scripts.scheduling_sim.runner import RunConfig, simulate
 from scripts.scheduling_sim.workload import (
@@ -311,6 +315,164 @@ def test_bench_schedulers_speculation_configs():
     assert "table" not in bench_configs(RunConfig(), "llama1b-h100")
 
 
+def test_bench_catalog_is_what_flare_run_captures():
+    assert spec_bench.WIDTHS == (2, 3, 4, 8)
+    assert spec_bench.FIXED == (1, 2, 3, 4, 8)
+    cfg = RunConfig(speculative_widths=spec_bench.WIDTHS, max_slots=64)
+    catalog = spec_bench.flare_run_catalog(cfg)
+    speculative = [d for d in catalog if d.kind is GraphKind.SPECULATIVE]
+    batches = (1, 2, 4, 8, 16, 32, 64)
+    assert speculative == speculative_shapes(batches, (2, 3, 4, 8), 0, True)
+    prefix_limit = {(d.batch_capacity, d.token_capacity, d.proposal_depth, d.target_capacity)
+                    for d in speculative if d.device_allocated}  # fmt: skip
+    assert prefix_limit == {(b, 8, 7, b * 4) for b in batches if b >= 2}
+    rectangular = {(d.batch_capacity, d.token_capacity) for d in speculative
+                   if not d.device_allocated}  # fmt: skip
+    assert rectangular == {(b, w) for b in batches for w in (2, 3, 4, 8)}
+    assert all(d.target_capacity == d.batch_capacity * d.token_capacity
+               for d in speculative if not d.device_allocated)  # fmt: skip
+    # the rest is the simulator's catalog without speculative shapes
+    plain = replace(cfg, speculative_widths=()).catalog()
+    assert [d for d in catalog if d.kind is not GraphKind.SPECULATIVE] == plain
+
+
+def test_open_loop_arrivals_are_poisson_at_the_rate():
+    rate = 40.0
+    arrivals = spec_bench.poisson_population(4000, 64, 16, rate, seed=3)
+    times = [a.at_ns / 1e9 for a in arrivals]
+    gaps = [b - a for a, b in zip([0.0, *times], times)]
+    mean = sum(gaps) / len(gaps)
+    sd = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5
+    assert mean == pytest.approx(1 / rate, rel=0.05)  # exponential: mean 1/rate ...
+    assert sd / mean == pytest.approx(1.0, abs=0.06)  # ... and coefficient of variation 1
+    assert times == sorted(times) and times[0] > 0
+    assert sum(g < mean for g in gaps) / len(gaps) == pytest.approx(1 - 1 / 2.718281828, abs=0.03)
+    counts = {name: sum(a.acceptance == name for a in arrivals) for name in ACCEPTANCE}
+    assert max(counts.values()) - min(counts.values()) <= 1
+    assert all(a.spec == RequestSpec(64, 16) for a in arrivals)
+    assert arrivals == spec_bench.poisson_population(4000, 64, 16, rate, seed=3)
+    assert arrivals != spec_bench.poisson_population(4000, 64, 16, rate, seed=4)
+    with pytest.raises(ValueError, match="rate"):
+        spec_bench.poisson_population(4, 64, 16, 0.0, seed=0)
+
+
+def test_every_configuration_sees_the_same_arrivals(monkeypatch):
+    seen: dict[tuple[str, str], list[Arrival]] = {}
+
+    def fake_simulate(cfg, arrivals):
+        seen[(cfg.scheduler, str(cfg.fixed_speculative_width))] = arrivals
+        return {"seed": cfg.seed}, None
+
+    monkeypatch.setattr(spec_bench, "simulate", fake_simulate)
+    base = RunConfig(speculative_widths=spec_bench.WIDTHS)
+    for workload, rate in (("closed", 0.0), ("open50", 30.0)):
+        seen.clear()
+        for name in spec_bench.CONFIGS:
+            spec_bench._run((workload, name, base, (12, 64, 32, rate), 2))
+        assert len(seen) == len(spec_bench.CONFIGS)
+        first = next(iter(seen.values()))
+        assert all(arrivals == first for arrivals in seen.values())
+        if workload == "closed":
+            assert {a.at_ns for a in first} == {0}
+        else:
+            assert first == spec_bench.poisson_population(12, 64, 32, rate, 2)
+
+
+def test_prefix_limit_rounds_complete_with_their_confidence():
+    arrivals = spec_bench.population(8, 64, 48, 0.0, seed=0)
+    cfg = RunConfig(speculative_widths=spec_bench.WIDTHS, max_slots=8)
+    report, sim = spec_bench.simulate(cfg, arrivals)
+    assert report["finished"] == 8
+    assert all(s.output_tokens == 48 for s in sim.requests.values())
+    # the cold catalog discovers the prefix-limit programs (B = 2, 4, 8): they
+    # completed through complete_packed_round with a confidence sidecar
+    assert report["prefix_limit_rounds"] >= 3
+    assert report["reasons"]["discovery"][0] > 0 and report["top_gap_causes"]
+    assert report["last_finisher"][0] in ACCEPTANCE
+    # a calibrated draft: high lanes get the rows first
+    sim2 = spec_bench.PrefixLimitSimulation(None, PROFILE.duration_ns, [])
+    sim2.requests = {i: RequestStats(RequestHandle(i), 0, 64, 100, acceptance=name)
+                     for i, name in enumerate(("low", "high", "drifting"))}  # fmt: skip
+    lanes = tuple(LaneWork(RequestHandle(i), i, 1, LanePhase.DECODE, 0, 0, 0, 8, 1.0, 1.0, 0.0)
+                  for i in range(3))  # fmt: skip
+    graph = GraphDescriptor(GraphKind.SPECULATIVE, 4, 8, 7, 16, device_allocated=True)
+    plan = ScheduledPlan(1, graph, lanes, 0, SelectionReason.ORDINARY, True, 0, 0,
+                         0.0, 0.0, 0.0, 0)  # fmt: skip
+    (conditional, joint), rows = sim2.prefix_limit_round(plan)
+    assert len(conditional) == len(joint) == 4 and all(len(r) == 7 for r in joint)
+    assert conditional[0] == [0.1] * 7 and joint[1][1] == pytest.approx(0.81)
+    assert joint[3] == [0.0] * 7  # the padding lane
+    assert sum(rows) == 16 and rows[1] == 8 and rows[0] < rows[2]
+
+
+def test_gap_causes_orders_probe_discovery_prefill_left_out():
+    def stats(publications):
+        s = RequestStats(RequestHandle(0), 0, 64, 200)
+        s.publications_ns = publications
+        return s
+
+    # request 0: 99 gaps of 1 and one of 10, request 1: 98 gaps of 1; the top
+    # 1 % of the 197 gaps is the one of 10
+    sim = SimpleNamespace(requests={0: stats([*range(100), 109]), 1: stats(list(range(99)))})
+    for log, cause in (
+        ([(105, "ordinary", False, frozenset({1})), (109, "acceptance-learning", False,
+                                                     frozenset({0}))], "probe"),
+        ([(105, "discovery", False, frozenset({1})), (109, "ordinary", False,
+                                                      frozenset({0}))], "discovery"),
+        ([(105, "ordinary", True, frozenset({1})), (109, "ordinary", False,
+                                                    frozenset({0}))], "prefill"),
+        ([(105, "ordinary", False, frozenset({1})), (109, "ordinary", False,
+                                                     frozenset({0}))], "left_out"),
+        ([(109, "ordinary", False, frozenset({0, 1}))], "round"),
+    ):  # fmt: skip
+        sim.frame_log = log
+        assert spec_bench.gap_causes(sim) == {cause: 1}
+
+
+def test_open_loop_goals():
+    def row(tps, gap):
+        return {"output_tokens_per_s": tps, "gap_ms_p99": gap}
+
+    configs = {"adaptive": row(1060, 3.0), "fixed-1": row(900, 2.0), "fixed-2": row(1000, 3.0),
+               "global-adaptive": row(1050, 4.0)}  # fmt: skip
+    head = spec_bench.open_headline("open50", configs)
+    assert head["open50_best_fixed"] == "fixed-2"
+    assert head["open50_best_fixed_tokens_per_s"] == 1000
+    assert head["open50_global_adaptive_tokens_per_s"] == 1050
+    assert head["open50_goal_met"] is True
+    configs["adaptive"] = row(1040, 3.0)  # 1.04x best fixed
+    assert spec_bench.open_headline("open50", configs)["open50_goals"] == {
+        "vs_best_fixed": False, "vs_global_adaptive": False, "gap": True}  # fmt: skip
+
+
+OPEN_KEYS = [f"open{n}_{key}" for n in (50, 90) for key in (
+    "adaptive_tokens_per_s", "best_fixed_tokens_per_s", "global_adaptive_tokens_per_s",
+    "adaptive_gap_ms_p99", "best_fixed_gap_ms_p99", "goal_met")]  # fmt: skip
+CLOSED_KEYS = ["adaptive_tokens_per_s", "best_fixed_tokens_per_s", "adaptive_gap_ms_p99",
+               "best_fixed_gap_ms_p99", "goal_met", "best_fixed", "configs"]  # fmt: skip
+
+
+def test_bench_speculation_json_has_every_figure(capsys):
+    argv = ["--requests", "4", "--open-requests", "6", "--output-len", "8", "--seeds", "1",
+            "--jobs", "1"]  # fmt: skip
+    assert spec_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out.strip().splitlines()[-1])
+    for key in (*CLOSED_KEYS, *OPEN_KEYS, "capacity_req_per_s", "open50", "open90"):
+        assert key in data, key
+    assert set(data["configs"]) == set(spec_bench.CONFIGS) == set(data["open90"]["configs"])
+    cap = data["capacity_req_per_s"]
+    assert cap == pytest.approx(data["configs"]["adaptive"]["output_tokens_per_s"] / 8, rel=1e-3)
+    rates = data["settings"]["open_rates_per_s"]
+    assert rates["open50"] == pytest.approx(0.5 * cap, rel=1e-3)
+    assert rates["open90"] == pytest.approx(0.9 * cap, rel=1e-3)
+    assert data["open50"]["rate_per_s"] == data["settings"]["open_rates_per_s"]["open50"]
+    for workload in ("configs", "open50", "open90"):
+        rows = data[workload] if workload == "configs" else data[workload]["configs"]
+        assert all(row["finished_all"] for row in rows.values())
+    assert "open50: 6 requests, Poisson at" in out and "top-1% gaps by cause" in out
+
+
 @pytest.mark.process
 def test_bench_speculation_quick_ends_with_the_json_figures():
     out = subprocess.run(
@@ -319,15 +481,18 @@ def test_bench_speculation_quick_ends_with_the_json_figures():
     )  # fmt: skip
     lines = out.stdout.strip().splitlines()
     data = json.loads(lines[-1])
-    for key in ("adaptive_tokens_per_s", "best_fixed_tokens_per_s", "adaptive_gap_ms_p99",
-                "best_fixed_gap_ms_p99", "goal_met"):  # fmt: skip
+    for key in (*CLOSED_KEYS, *OPEN_KEYS):
         assert key in data
-    assert isinstance(data["goal_met"], bool)
-    expected = {"adaptive", *(f"fixed-{w}" for w in range(1, 9)), "table", "global-adaptive"}
+    assert isinstance(data["goal_met"], bool) and isinstance(data["open90_goal_met"], bool)
+    expected = {"adaptive", *(f"fixed-{w}" for w in (1, 2, 3, 4, 8)), "table", "global-adaptive"}
     assert set(data["configs"]) == expected
-    for row in data["configs"].values():
-        assert row["finished_all"] and row["output_tokens_per_s"] > 0
+    for rows in (data["configs"], data["open50"]["configs"], data["open90"]["configs"]):
+        for row in rows.values():
+            assert row["finished_all"] and row["output_tokens_per_s"] > 0
+        assert max(rows[f"fixed-{w}"]["output_tokens_per_s"] for w in (1, 2, 3, 4, 8)) in (
+            data["best_fixed_tokens_per_s"], data["open50_best_fixed_tokens_per_s"],
+            data["open90_best_fixed_tokens_per_s"])  # fmt: skip
     assert data["best_fixed_tokens_per_s"] == max(
-        data["configs"][f"fixed-{w}"]["output_tokens_per_s"] for w in range(1, 9)
+        data["configs"][f"fixed-{w}"]["output_tokens_per_s"] for w in (1, 2, 3, 4, 8)
     )
     assert "configuration" in out.stdout and "global-adaptive" in out.stdout
