@@ -116,6 +116,11 @@ def _add_execution_flags(p: argparse.ArgumentParser) -> None:
         help="also prepare mixed prefill/decode programs (capacity.mixed_shapes)",
     )
     p.add_argument(
+        "--packed-prefill",
+        action="store_true",
+        help="also prepare packed prefill programs (capacity.packed_prefill_shapes)",
+    )
+    p.add_argument(
         "--draft-model",
         default=None,
         help="a draft model directory for learned proposals ('default': the embedded draft)",
@@ -217,6 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             min_prefill_tokens=args.min_prefill_tokens,
             max_prefill_tokens=args.max_prefill_tokens,
             mixed_prefill=args.mixed_prefill,
+            packed_prefill=args.packed_prefill,
             speculative_widths=widths,
             speculative_token_capacity=args.speculative_token_capacity,
             device_allocation=args.device_allocation,

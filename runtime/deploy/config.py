@@ -60,6 +60,7 @@ class DeploymentConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     cuda_graphs: bool = True
     mixed_prefill: bool = False  # also capture mixed prefill/decode programs
+    packed_prefill: bool = True  # capture packed prefill programs (capacity.packed_prefill_shapes)
     startup_timeout_s: float = 600.0
     # A rank reports a hung frame after multiple x its expected duration + margin.
     frame_timeout_multiple: float = 20.0
@@ -112,6 +113,7 @@ class DeploymentConfig:
             )
         for name in (
             "mixed_prefill",
+            "packed_prefill",
             "enable_prefix_caching",
             "debug_page_accounting",
             "verify_weights",
@@ -216,6 +218,8 @@ class DeploymentConfig:
             args.append("--no-cuda-graphs")
         if self.mixed_prefill:
             args.append("--mixed-prefill")
+        if self.packed_prefill:
+            args.append("--packed-prefill")
         if self.check_ranks:
             args.append("--check-ranks")
         if self.verify_weights:

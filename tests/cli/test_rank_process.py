@@ -25,3 +25,19 @@ def test_rank_entry_point_takes_every_dtype_flare_run_passes():
     assert parse_args(base).dtype == "auto"
     for dtype in DTYPES:
         assert parse_args([*base, "--dtype", dtype]).dtype == dtype
+
+
+def test_the_rank_prepares_packed_prefill_programs_only_when_asked():
+    from runtime.catalog import GraphKind
+    from runtime.cli.rank_process import parse_args
+    from runtime.ranks.capacity import build_catalog
+
+    base = ["--frames-endpoint", "ipc:///x/f", "--completions-endpoint", "ipc:///x/c"]
+    assert not parse_args(base).capacity.packed_prefill
+    capacity = parse_args([*base, "--packed-prefill", "--max-concurrency", "8"]).capacity
+    packed = [
+        (d.batch_capacity, d.prompt_capacity)
+        for d in build_catalog(capacity)
+        if d.kind is GraphKind.PREFILL and d.batch_capacity > 1
+    ]
+    assert packed and all(c >= 64 * b for b, c in packed)

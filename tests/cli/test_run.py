@@ -470,3 +470,10 @@ def test_every_api_key_is_kept_off_the_coordinator_command_line():
 
     argv = ["--api-key", "k1", "--api-key=k2,k3", "--port", "1", "--api-key", "k4"]
     assert _without_secrets(argv) == ("--port", "1")
+
+
+def test_packed_prefill_is_on_by_default_and_the_flag_turns_it_off():
+    _, config = configure([])
+    assert config.packed_prefill and "--packed-prefill" in config.rank_args()
+    _, config = configure(["--no-packed-prefill"])
+    assert not config.packed_prefill and "--packed-prefill" not in config.rank_args()

@@ -47,6 +47,12 @@ def add_scheduling_flags(run: argparse.ArgumentParser) -> None:
         "beside decode rows in one forward)",
     )
     scheduling.add_argument(
+        "--no-packed-prefill",
+        action="store_true",
+        help="capture no packed prefill programs (by default several waiting "
+        "prompts share one prefill frame, up to one row per 64 prompt tokens)",
+    )
+    scheduling.add_argument(
         "--scheduler-policy",
         choices=sorted(PRESETS),
         default=None,
