@@ -106,7 +106,8 @@ def deployment_config(tp: int, args: argparse.Namespace) -> DeploymentConfig:
     return DeploymentConfig(
         tensor_parallel_size=tp,
         max_concurrency=max(args.concurrency),
-        max_prefill_tokens=max(64, -(-args.prompt_tokens // 64) * 64),
+        max_prefill_tokens=args.max_prefill_tokens or max(64, -(-args.prompt_tokens // 64) * 64),
+        packed_prefill=not args.no_packed_prefill,
         num_pages=max(256, max(args.concurrency) * 16),
         device=args.device,
         poll_spin_us=args.poll_spin_us,
@@ -399,6 +400,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--max-prefill-tokens", type=int, default=0,
+        help="the largest prompt capacity (0: the prompt length rounded up to 64); packed "
+        "prefill programs of B rows need C >= 64 B",
+    )  # fmt: skip
+    p.add_argument("--no-packed-prefill", action="store_true", help="no packed prefill programs")
     p.add_argument("--probes", type=int, default=500, help="empty frames to time")
     p.add_argument(
         "--poll-spin-us", type=int, default=None, help="busy-poll budget (default: automatic)"
