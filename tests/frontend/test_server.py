@@ -26,11 +26,12 @@ pytestmark = pytest.mark.process
 # rounds of the embedded draft (bursts of up to 4 tokens: stops, logprobs and
 # lengths inside a burst).
 MODES = {
-    "ordinary": ((), 16),  # 10 forward programs and 6 state programs (snapshot, restore)
+    # 21 forward programs (11 of them packed prefills) and 6 state programs
+    "ordinary": ((), 27),
     "speculative": (
         ("--draft-model", "default", "--num-speculative-tokens", "3",
          "--speculative-selection", "fixed"),
-        19,
+        30,
     ),
 }  # fmt: skip
 
