@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,6 +41,7 @@ from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import tensor_to_torch
 from tests.support.checkpoints import greedy, write_tiny
 from tests.support.rank_state import changed, record_forwards, slot_row, snapshot
+from tests.support.tp_runs import tp1_and_tp2
 
 PAGE = 16
 PAGES_PER_SLOT = 8  # 128 tokens per request
@@ -202,27 +202,10 @@ def scenario(path: str, group: TPGroup, rank: int, world: int) -> dict:
     return out
 
 
-def _tp2_worker(rank: int, store: str, path: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        result = scenario(path, TPGroup.from_process_group(), rank, 2)
-        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def runs(checkpoint, tmp_path_factory):
     path, _ = checkpoint
-    tp1 = scenario(str(path), TPGroup.single(), 0, 1)
-    work: Path = tmp_path_factory.mktemp("mixed-tp2")
-    torch.multiprocessing.spawn(
-        _tp2_worker, args=(str(work / "store"), str(path), str(work)), nprocs=2, join=True
-    )
-    return {1: tp1, 2: torch.load(work / "rank0.pt"), "rank1": torch.load(work / "rank1.pt")}
+    return tp1_and_tp2(scenario, str(path), tmp_path_factory.mktemp("mixed-tp2"))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
