@@ -62,6 +62,11 @@ class RequestStats:
     drafts_offered: int = 0  # draft tokens offered (q - 1 per round)
     drafts_accepted: int = 0  # of those, accepted
     spec_tokens: int = 0  # tokens committed by speculative rounds
+    # Prefix caching: whether the request names its prompt's token ids (only then
+    # can it reuse cached pages), and the prompt tokens the scheduler attached from
+    # its prefix cache (GeneratedToken.cached_tokens; not prompt work).
+    cacheable: bool = False
+    cached_tokens: int = 0
 
     @property
     def ttft_ns(self) -> int | None:
@@ -205,6 +210,9 @@ class Simulation:
         self.rounds_by_width: dict[int, int] = {}
         self.trace: list[dict] = []
         self.busy_ns = 0
+        # Prompt tokens the frames consumed (prefill rows' prompt_tokens): prompt
+        # work, so a cached prefix is not in it.
+        self.prompt_tokens_computed = 0
         self.seed = seed
         self._admitted = 0
         # Per request (by handle id): the acceptance uniforms of its output
@@ -239,6 +247,7 @@ class Simulation:
                 arrival.spec.max_output_tokens,
                 tenant=arrival.tenant,
                 acceptance=acceptance,
+                cacheable=bool(arrival.spec.prompt_tokens),
             )
             stream = random.Random(f"accept:{self.seed}:{self._admitted}")
             self._accept_streams[handle.id] = (stream, [])
@@ -270,6 +279,7 @@ class Simulation:
         self.next_fence += 1
         self.scheduler.commit(plan, fence)
         self.inflight.append(self._run_on_device(fence, plan))
+        self.prompt_tokens_computed += sum(lane.prompt_tokens for lane in plan.lanes)
         name = plan.graph.describe()
         self.frames_by_graph[name] = self.frames_by_graph.get(name, 0) + 1
         if plan.graph.kind in (GraphKind.DECODE, GraphKind.SPECULATIVE):
@@ -375,6 +385,7 @@ class Simulation:
         for g in generated:
             stats = self.requests[g.handle.id]
             stats.output_tokens += len(g.tokens)
+            stats.cached_tokens = g.cached_tokens
             stats.publications_ns.append(self.now_ns)
             self.scheduler.published_output(g.handle, g.fence, self.now_ns)
             if g.finished:

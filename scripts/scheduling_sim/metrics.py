@@ -13,6 +13,12 @@
   residence time, does not mix request size into fairness.
 * With several tenants: each tenant's mean slowdown, Jain's index over those
   means, and each tenant's TTFT p99.
+* Prefix caching (only when some request names its prompt token ids, so no
+  other workload's summary changes): ``prompt_tokens`` (all requests' prompt
+  lengths), ``prompt_tokens_cached`` (what the schedulers attached from their
+  prefix caches, ``GeneratedToken.cached_tokens``), ``prompt_tokens_computed``
+  (prompt tokens the frames consumed, recomputation included) and
+  ``cache_hit_rate`` = cached / prompt tokens.
 * Speculation (:func:`speculation_summary`; when a speculative round ran, or
   when asked): request-rounds, the share of offered drafts accepted, mean
   tokens per request-round, decode frames per width, and per acceptance profile.
@@ -177,6 +183,14 @@ def summarize(
         else:
             report["tenant_slowdown_mean"] = None
             report["fairness_jain_tenants"] = None
+    if any(getattr(s, "cacheable", False) for s in stats):
+        cached = sum(s.cached_tokens for s in stats)
+        report.update(
+            prompt_tokens=prompt,
+            prompt_tokens_cached=cached,
+            prompt_tokens_computed=getattr(sim, "prompt_tokens_computed", None),
+            cache_hit_rate=round(cached / prompt, 4) if prompt else 0.0,
+        )
     if speculation is None:
         speculation = any(getattr(s, "spec_rounds", 0) for s in stats)
     if speculation:

@@ -489,3 +489,127 @@ def test_every_baseline_finishes_a_random_workload(name, kwargs):
             lanes = {lane.handle.id for lane in plan.lanes if lane.phase is LanePhase.DECODE}
             assert lanes == decoders
     assert rec.inner.synthesized_frames <= rec.inner.frames
+
+
+# --------------------------------------------------------------------- prefix cache
+
+CACHED = [(n, {}) for n in BASELINE_NAMES] + [
+    ("sglang", {"enable_mixed_chunk": True}),
+    ("fixed-width", {"speculative_width": 2}),
+    ("table", {}),
+    ("global-adaptive", {}),
+]
+CACHED_IDS = [*BASELINE_NAMES, "sglang-mixed", "fixed-width", "table", "global-adaptive"]
+SYSTEM = tuple(range(1, 65))  # four pages of 16
+
+
+def shared(user: int, base: int, system: tuple[int, ...] = SYSTEM, salt: str = "") -> RequestSpec:
+    """``system`` then ``user`` ids from ``base`` (distinct bases: distinct messages)."""
+    tokens = system + tuple(range(base, base + user))
+    return RequestSpec(
+        len(tokens), 4, message_endpoints=(len(system),), prompt_tokens=tokens, cache_salt=salt
+    )
+
+
+def first_prefills(d: Driver, ids: list[int], steps: int = 200) -> dict:
+    """Step until none of ``ids`` is prefilling; each one's first prefill lane
+    and the prompt tokens its lanes computed."""
+    lanes: dict = {}
+    computed = dict.fromkeys(ids, 0)
+    for _ in range(steps):
+        if not any(d.s.requests[i].prefilling for i in ids):
+            return {i: (lanes[i], computed[i]) for i in ids}
+        d.step()
+        for lane in d.plans[-1].lanes:
+            i = lane.handle.id
+            if i in computed and lane.phase is LanePhase.PREFILL:
+                lanes.setdefault(i, lane)
+                computed[i] += lane.prompt_tokens
+    raise AssertionError("prefills did not finish")
+
+
+@pytest.mark.parametrize(("name", "kwargs"), CACHED, ids=CACHED_IDS)
+def test_every_baseline_reuses_a_published_prefix_and_only_that(name, kwargs):
+    s = make_baseline(name, CATALOG, max_slots=8, **kwargs)
+    d = Driver(s)
+    a = s.admit(shared(40, 1000)).id  # 104 tokens: pages 0-3 system, 4-5 its own
+    ((lane_a, computed_a),) = first_prefills(d, [a]).values()
+    assert lane_a.prompt_start == 0 and computed_a == 104 and s.requests[a].cached == 0
+    b = s.admit(shared(30, 2000)).id  # the same system prompt, its own message
+    other = s.admit(shared(30, 3000, system=tuple(range(5000, 5064)))).id
+    salted = s.admit(shared(30, 4000, salt="tenant-b")).id
+    plain = s.admit(RequestSpec(94, 4)).id  # no prompt tokens
+    whole = s.admit(shared(0, 0)).id  # exactly the system prompt: 64 tokens, all cached
+    got = first_prefills(d, [b, other, salted, plain, whole])
+    # The sibling attaches the system prompt's four pages and computes only its message.
+    assert got[b][0].prompt_start == 64 and got[b][1] == 30 and s.requests[b].cached == 64
+    # Different tokens, a different salt, or no tokens: no reuse, the whole prompt computed.
+    for i, n in ((other, 94), (salted, 94), (plain, 94)):
+        assert got[i][0].prompt_start == 0 and got[i][1] == n and s.requests[i].cached == 0
+    # Never the whole prompt: the last page (and so the last token) is computed.
+    assert got[whole][0].prompt_start == 48 and got[whole][1] == 16
+    # Requests finish as before, and the cached count rides on their tokens.
+    gen = []
+    for _ in range(100):
+        plan = s.plan()
+        if plan is None:
+            break
+        s.commit(plan, d.fence)
+        records = [CompletionRecord(x.slot, x.generation, (7,) * x.max_tokens) for x in plan.lanes]
+        gen += s.complete(d.fence, records, TIMING)
+        d.fence += 1
+    assert all(r.finished for r in s.requests.values())
+    cached = {g.handle.id: g.cached_tokens for g in gen}
+    assert cached[b] == 64 and cached[whole] == 48 and cached[plain] == 0
+
+
+def test_a_sibling_attaches_pages_published_while_the_first_still_prefills():
+    s = make_baseline("vllm", CATALOG, max_num_batched_tokens=512)
+    d = Driver(s)
+    system = tuple(range(1, 1025))  # 64 pages
+    a = s.admit(shared(100, 10_000, system=system)).id  # 1124 tokens: chunks 512, 512, 100
+    assert d.step() == [(a, "P", 512)]
+    b = s.admit(shared(50, 20_000, system=system)).id
+    assert d.step() == [(a, "P", 512)]  # the running prefill takes the whole budget
+    # A's first two chunks are published: b attaches all 1024 system tokens
+    # in the step that finishes a.
+    assert d.step() == [(a, "P", 100), (b, "P", 50)]
+    lane_b = d.plans[-1].lanes[1]
+    assert lane_b.prompt_start == 1024 and s.requests[b].cached == 1024
+    # Distinct full pages: the system prompt once, then a's 6 and b's 3 own ones.
+    assert s.prefix_cache is not None and s.prefix_cache.pages == 64 + 6 + 3
+
+
+@pytest.mark.parametrize("name", BASELINE_NAMES)
+def test_prefix_caching_off_computes_every_prompt(name):
+    s = make_baseline(name, CATALOG, prefix_caching=False)
+    d = Driver(s)
+    a = s.admit(shared(40, 1000)).id
+    first_prefills(d, [a])
+    b = s.admit(shared(30, 2000)).id
+    ((lane, computed),) = first_prefills(d, [b]).values()
+    assert lane.prompt_start == 0 and computed == 94 and s.requests[b].cached == 0
+    with pytest.raises(ValueError, match="prefix_caching"):
+        make_baseline(name, CATALOG, prefix_caching=1)
+
+
+@pytest.mark.parametrize("name", BASELINE_NAMES)
+def test_requests_without_prompt_tokens_run_as_without_the_cache(name):
+    wl = make_workload(
+        WorkloadConfig(requests=30, arrival_rate_per_s=80, prompt_len=(16, 3000),
+                       output_len=(1, 40), seed=2)
+    )  # fmt: skip
+    runs = []
+    for caching in (True, False):
+        sim = Simulation(
+            make_baseline(name, CATALOG, max_slots=8, prefix_caching=caching),
+            PROFILE.duration_ns,
+            wl,
+        )
+        sim.run()
+        runs.append(
+            (sim.frames_by_graph, [s.publications_ns for s in sim.requests.values()],
+             sim.prompt_tokens_computed)
+        )  # fmt: skip
+    assert runs[0] == runs[1]
+    assert runs[0][2] == sum(a.spec.prompt_len for a in wl)

@@ -22,7 +22,12 @@ step by a published rule:
 * ``global-adaptive``: one width from a moving average of accepted length.
 
 All share (:mod:`._base`): at most ``max_slots`` (default 64, like flare) requests
-are resident; the rest wait FCFS.  One frame runs at a time (``plan()`` returns
+are resident; the rest wait FCFS.  One prefix cache model serves them all
+(vLLM's automatic prefix caching, SGLang's RadixAttention): full 16-token pages
+of ``RequestSpec.prompt_tokens`` published as prefill chunks compute them, the
+longest published prefix (short of the prompt's last token) attached when a
+request is first scheduled, unbounded capacity; requests without prompt token
+ids are unaffected.  One frame runs at a time (``plan()`` returns
 ``None`` while one is in flight).  Requests finish at ``spec.max_output_tokens``
 output tokens; the final prompt chunk commits the first.  Plans carry one
 ``LaneWork`` per row: ``PREFILL`` with ``prompt_start``/``prompt_tokens`` and
@@ -68,6 +73,7 @@ from collections.abc import Mapping
 from runtime.catalog import GraphDescriptor
 from scripts.scheduling_sim.baselines._base import (
     BaselineScheduler,
+    PrefixCache,
     Request,
     ShapeLadder,
     StepRow,
@@ -97,6 +103,7 @@ def make_baseline(
     enable_mixed_chunk: bool = False,
     tenant_weights: Mapping[int, float] | None = None,
     speculative_width: int = 0,
+    prefix_caching: bool = True,
 ) -> BaselineScheduler:
     """The baseline ``name`` over ``catalog``.
 
@@ -107,8 +114,9 @@ def make_baseline(
     ``speculative_width``: the width of ``fixed-width`` (required, >= 1); the
     other baselines choose their own (0).  The speculative baselines take
     ``max_num_batched_tokens`` as their chunked prefill size (default 8192).
-    Unknown names and bad or inapplicable values raise ``ValueError`` naming the
-    argument.
+    ``prefix_caching``: the shared prefix cache model (on by default; see
+    :mod:`._base`).  Unknown names and bad or inapplicable values raise
+    ``ValueError`` naming the argument.
     """
     if name not in BASELINE_NAMES + SPECULATIVE_BASELINE_NAMES:
         names = ", ".join(BASELINE_NAMES + SPECULATIVE_BASELINE_NAMES)
@@ -128,11 +136,14 @@ def make_baseline(
         raise ValueError(f"tenant_weights apply to vtc only, not {name}")
     if max_num_batched_tokens is not None and name == "fcfs":
         raise ValueError("max_num_batched_tokens does not apply to fcfs (one prompt per frame)")
-    budget = (
+    if not isinstance(prefix_caching, bool):
+        raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
+    cache = {"prefix_caching": prefix_caching}
+    budget = cache | (
         {} if max_num_batched_tokens is None else {"max_num_batched_tokens": max_num_batched_tokens}
     )
     if name in SPECULATIVE_BASELINE_NAMES:
-        chunk = (
+        chunk = cache | (
             {}
             if max_num_batched_tokens is None
             else {"chunked_prefill_size": max_num_batched_tokens}
@@ -145,13 +156,13 @@ def make_baseline(
             return TableScheduler(catalog, max_slots=max_slots, **chunk)
         return GlobalAdaptiveScheduler(catalog, max_slots=max_slots, **chunk)
     if name == "fcfs":
-        return FcfsScheduler(catalog, max_slots=max_slots)
+        return FcfsScheduler(catalog, max_slots=max_slots, **cache)
     if name == "vllm":
         return VllmScheduler(catalog, max_slots=max_slots, **budget)
     if name == "sarathi":
         return SarathiScheduler(catalog, max_slots=max_slots, **budget)
     if name == "sglang":
-        chunk = (
+        chunk = cache | (
             {}
             if max_num_batched_tokens is None
             else {"chunked_prefill_size": max_num_batched_tokens}
@@ -169,6 +180,7 @@ __all__ = [
     "FcfsScheduler",
     "FixedWidthScheduler",
     "GlobalAdaptiveScheduler",
+    "PrefixCache",
     "Request",
     "SarathiScheduler",
     "SglangScheduler",

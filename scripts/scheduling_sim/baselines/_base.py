@@ -9,6 +9,32 @@ applies completions.  Frames run one at a time: ``plan()`` returns ``None`` whil
 one is in flight, so progress counters are exact whenever a step is decided.  A
 subclass that speculates also chooses the width of a decode-only step
 (:meth:`BaselineScheduler._decode_width`, 1 by default).
+
+Prefix caching (:class:`PrefixCache`, on by default, ``prefix_caching=False``
+turns it off) is modelled here, once, identically for every baseline: vLLM's
+automatic prefix caching, SGLang's RadixAttention and Sarathi-Serve on vLLM all
+reuse the KV of a prompt prefix another request computed.  The model:
+
+* pages of :data:`PREFIX_PAGE_SIZE` (16) tokens, keyed by content: the chain of
+  ``RequestSpec.prompt_tokens`` from the prompt's start, under
+  ``RequestSpec.cache_salt`` (different salts never share);
+* a request publishes the full pages of its prompt as its prefill chunks
+  compute them (when each chunk's frame completes), so a request sharing the
+  prefix can attach them while the first still runs; partial pages and output
+  tokens are never published;
+* a waiting request attaches the longest published full-page prefix of its
+  prompt when it is first scheduled (matched again at every step until then,
+  so its first prefill chunk starts after it), never the whole prompt: at most
+  ``(prompt_len - 1) // 16`` pages, so at least the last prompt token is
+  computed (as vLLM does); attached tokens are not prompt work (the request's
+  ``prompt_done`` starts there) and are reported as the request's
+  ``cached_tokens``;
+* capacity is unbounded: nothing is evicted.  (The simulator's flare has
+  65536 pages of 16 tokens, ``SchedulerConfig.num_pages``, far more than any
+  suite workload's distinct prefixes, so it evicts nothing either.)
+
+Requests with empty ``prompt_tokens`` neither attach nor publish anything and
+are scheduled exactly as without the cache.
 """
 
 from __future__ import annotations
@@ -28,6 +54,49 @@ from runtime.coordinator.records import (
     validate_timing,
 )
 from runtime.coordinator.requests import AdmissionError, RequestHandle, RequestSpec
+
+PREFIX_PAGE_SIZE = 16  # the baselines' prefix cache page, flare's SchedulerConfig.page_size
+
+
+class PrefixCache:
+    """Published full prompt pages per salt: a trie whose edges are the pages'
+    token tuples (a node's key is the whole chain from the prompt's start, as
+    vLLM's chained block hashes and SGLang's radix tree key theirs).  Unbounded."""
+
+    def __init__(self, page_size: int = PREFIX_PAGE_SIZE) -> None:
+        self.page_size = check_positive_int("page_size", page_size)
+        self._roots: dict[str, dict] = {}
+        self.pages = 0  # distinct published pages
+        self.version = 0  # changes whenever a page is published
+
+    def root(self, salt: str) -> dict:
+        return self._roots.setdefault(salt, {})
+
+    def extend(self, node: dict, tokens: Sequence[int], at: int, limit: int) -> tuple[dict, int]:
+        """Follow published pages of ``tokens`` from ``node`` (the page chain of
+        ``tokens[:at]``) while a whole page fits within ``limit`` tokens; the
+        node reached and its token count."""
+        size = self.page_size
+        while at + size <= limit:
+            child = node.get(tuple(tokens[at : at + size]))
+            if child is None:
+                break
+            node, at = child, at + size
+        return node, at
+
+    def publish(self, node: dict, tokens: Sequence[int], at: int, upto: int) -> tuple[dict, int]:
+        """Publish the full pages of ``tokens[at:upto]`` below ``node`` (the page
+        chain of ``tokens[:at]``); the node of the last full page and its count."""
+        size = self.page_size
+        while at + size <= upto:
+            key = tuple(tokens[at : at + size])
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+                self.pages += 1
+                self.version += 1
+            node, at = child, at + size
+        return node, at
 
 
 def _next_power_of_two(n: int) -> int:
@@ -176,11 +245,15 @@ class Request:
     """One request's progress counters; its phase follows from them."""
 
     __slots__ = (
+        "cache_node",
+        "cache_seen",
+        "cached",
         "finish_reason",
         "generation",
         "handle",
         "output",
         "prompt_done",
+        "published",
         "slot",
         "spec",
         "tenant",
@@ -190,7 +263,14 @@ class Request:
         self.handle = handle
         self.spec = spec
         self.tenant = tenant
-        self.prompt_done = 0  # committed prompt tokens
+        self.prompt_done = 0  # committed prompt tokens (attached cached ones included)
+        self.cached = 0  # prompt tokens attached from the prefix cache
+        # The prefix cache node of the prompt's first ``published`` tokens (pages
+        # attached or published), None without prompt_tokens or caching; the cache
+        # version a waiting request was last matched against.
+        self.cache_node: dict | None = None
+        self.published = 0
+        self.cache_seen = -1
         self.output = 0  # committed output tokens
         self.slot: int | None = None  # set while resident
         self.generation = 0
@@ -249,17 +329,27 @@ class BaselineScheduler:
     when it finishes.  Requests finish at ``spec.max_output_tokens`` output tokens
     (the final prompt chunk commits the first) or at a record's ``"stop"``.
     Hard boundaries, message endpoints and host stops are not modelled.
+    Prefix caching (``prefix_caching``, on by default): see the module docstring.
     """
 
     name = "baseline"
     tenant_aware = False
 
-    def __init__(self, catalog: Sequence[GraphDescriptor], *, max_slots: int = 64) -> None:
+    def __init__(
+        self,
+        catalog: Sequence[GraphDescriptor],
+        *,
+        max_slots: int = 64,
+        prefix_caching: bool = True,
+    ) -> None:
         check_positive_int("max_slots", max_slots)
         if max_slots > MAX_BATCH_CAPACITY:
             raise ValueError(f"max_slots must be <= {MAX_BATCH_CAPACITY}, got {max_slots}")
+        if not isinstance(prefix_caching, bool):
+            raise ValueError(f"prefix_caching must be a bool, got {prefix_caching!r}")
         self.shapes = ShapeLadder(catalog)
         self.max_slots = max_slots
+        self.prefix_cache = PrefixCache() if prefix_caching else None
         self.now_ns = 0
         self.requests: dict[int, Request] = {}  # every admitted request, by handle id
         self.waiting: dict[int, Request] = {}  # not yet resident, arrival order
@@ -300,6 +390,8 @@ class BaselineScheduler:
             raise AdmissionError(f"spec must be a RequestSpec, got {type(spec).__name__}")
         handle = RequestHandle(len(self.requests))
         r = Request(handle, spec, tenant)
+        if self.prefix_cache is not None and spec.prompt_tokens:
+            r.cache_node = self.prefix_cache.root(spec.cache_salt)
         self.requests[handle.id] = r
         self.waiting[handle.id] = r
         return handle
@@ -317,9 +409,36 @@ class BaselineScheduler:
     def in_flight(self) -> bool:
         return self._inflight is not None
 
+    def _attach_cached(self) -> None:
+        """Every waiting request with prompt tokens attaches the longest published
+        full-page prefix of its prompt, short of its last token (the module
+        docstring); the step then schedules it from there."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        version = cache.version
+        for r in self.waiting.values():
+            if r.cache_node is None or r.cache_seen == version:
+                continue
+            r.cache_seen = version
+            tokens = r.spec.prompt_tokens
+            node, at = cache.extend(r.cache_node, tokens, r.published, r.spec.prompt_len - 1)
+            r.cache_node, r.published = node, at
+            r.prompt_done = r.cached = at
+
+    def _publish(self, r: Request) -> None:
+        """Publish the full pages of ``r``'s prompt computed so far."""
+        cache = self.prefix_cache
+        if cache is None or r.cache_node is None or r.prompt_done < r.published + cache.page_size:
+            return
+        r.cache_node, r.published = cache.publish(
+            r.cache_node, r.spec.prompt_tokens, r.published, r.prompt_done
+        )
+
     def plan(self) -> ScheduledPlan | None:
         if self._inflight is not None:
             return None
+        self._attach_cached()
         rows = tuple(self._step())
         if not rows:
             return None
@@ -432,6 +551,8 @@ class BaselineScheduler:
         for lane, row, record in zip(head.plan.lanes, head.rows, records):
             r = row.request
             r.prompt_done += lane.prompt_tokens
+            if lane.prompt_tokens:
+                self._publish(r)
             tokens = tuple(record.tokens)
             if not tokens:
                 continue
@@ -444,7 +565,11 @@ class BaselineScheduler:
             if r.finished:
                 done = True
                 self._release(r)
-            out.append(GeneratedToken(r.handle, fence, tokens, first, r.finished, r.finish_reason))
+            out.append(
+                GeneratedToken(
+                    r.handle, fence, tokens, first, r.finished, r.finish_reason, r.cached
+                )
+            )
         if done:
             self.running = [r for r in self.running if not r.finished]
         self._inflight = None

@@ -20,8 +20,14 @@ from scripts.scheduling_sim.baselines._base import BaselineScheduler, Request, S
 class FcfsScheduler(BaselineScheduler):
     name = "fcfs"
 
-    def __init__(self, catalog: Sequence[GraphDescriptor], *, max_slots: int = 64) -> None:
-        super().__init__(catalog, max_slots=max_slots)
+    def __init__(
+        self,
+        catalog: Sequence[GraphDescriptor],
+        *,
+        max_slots: int = 64,
+        prefix_caching: bool = True,
+    ) -> None:
+        super().__init__(catalog, max_slots=max_slots, prefix_caching=prefix_caching)
 
     def _chunk(self, r: Request) -> int:
         largest = self.shapes.largest_prefill

@@ -10,7 +10,8 @@ Every step, with a token budget of 512 (``chunk_size``):
    are running and budget is left, chunked to fill the budget.
 
 Running requests keep arrival order (Sarathi's FCFS policy sorts them by
-arrival).  KV memory (hence preemption) is not modelled.
+arrival).  The prefix cache is the shared model of :mod:`._base`; KV memory
+(hence preemption) is not modelled.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ class SarathiScheduler(BaselineScheduler):
         catalog: Sequence[GraphDescriptor],
         *,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET,
     ) -> None:
-        super().__init__(catalog, max_slots=max_slots)
+        super().__init__(catalog, max_slots=max_slots, prefix_caching=prefix_caching)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         if max_num_batched_tokens < max_slots:
             raise ValueError(
@@ -59,7 +61,7 @@ class SarathiScheduler(BaselineScheduler):
         for r in self.waiting.values():
             if resident >= self.max_slots or left <= 0:
                 break
-            n = min(r.spec.prompt_len, left)
+            n = min(r.remaining_prompt, left)  # less any cached prefix
             rows.append(StepRow(r, n))
             left -= n
             resident += 1

@@ -16,9 +16,12 @@ prefill batch:
   exhausted budget ends it too (``AddReqResult.OTHER``).
 
 Otherwise (no prefill batch) the step decodes every running request.  Without
-mixed chunk, decoders stall while a chunked prompt is continued.  The default
-policy with no prefix cache is FCFS (``lpm`` degrades to it); KV memory,
-retraction, ``max_prefill_tokens`` (16384, above the 8192 chunk) and the
+mixed chunk, decoders stall while a chunked prompt is continued.  Admission is
+FCFS: the prefix cache is the shared model of :mod:`._base` (RadixAttention's
+reuse at page granularity), but the ``lpm`` policy's reordering of the waiting
+queue by cached prefix length is not modelled (SGLang also falls back to FCFS
+beyond 128 waiting requests), so the baselines differ in their steps only; KV
+memory, retraction, ``max_prefill_tokens`` (16384, above the 8192 chunk) and the
 ``batch_is_full`` latch are not modelled (free slots are counted each step).
 """
 
@@ -44,10 +47,11 @@ class SglangScheduler(BaselineScheduler):
         catalog: Sequence[GraphDescriptor],
         *,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE,
         enable_mixed_chunk: bool = False,
     ) -> None:
-        super().__init__(catalog, max_slots=max_slots)
+        super().__init__(catalog, max_slots=max_slots, prefix_caching=prefix_caching)
         self.chunked_prefill_size = check_positive_int(
             "max_num_batched_tokens", chunked_prefill_size
         )
@@ -68,11 +72,11 @@ class SglangScheduler(BaselineScheduler):
         for r in self.waiting.values():
             if free <= 0 or left <= 0:
                 break
-            n = min(r.spec.prompt_len, left)
+            n = min(r.remaining_prompt, left)  # less any cached prefix
             rows.append(StepRow(r, n))
             left -= n
             free -= 1
-            if n < r.spec.prompt_len:
+            if n < r.remaining_prompt:
                 break  # the new chunked request ends the batch
         return rows
 

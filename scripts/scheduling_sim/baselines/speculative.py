@@ -45,9 +45,15 @@ class SpeculativeBaseline(SglangScheduler):
         catalog: Sequence[GraphDescriptor],
         *,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE,
     ) -> None:
-        super().__init__(catalog, max_slots=max_slots, chunked_prefill_size=chunked_prefill_size)
+        super().__init__(
+            catalog,
+            max_slots=max_slots,
+            chunked_prefill_size=chunked_prefill_size,
+            prefix_caching=prefix_caching,
+        )
         self.rounds_by_width: dict[int, int] = {}
         # The committed round in flight: its width and each lane's query length.
         self._round: tuple[int, tuple[int, ...]] | None = None
@@ -100,9 +106,15 @@ class FixedWidthScheduler(SpeculativeBaseline):
         *,
         width: int,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE,
     ) -> None:
-        super().__init__(catalog, max_slots=max_slots, chunked_prefill_size=chunked_prefill_size)
+        super().__init__(
+            catalog,
+            max_slots=max_slots,
+            chunked_prefill_size=chunked_prefill_size,
+            prefix_caching=prefix_caching,
+        )
         self.width = check_positive_int("speculative_width", width)
 
     def width_for(self, rows: int) -> int:
@@ -130,9 +142,15 @@ class TableScheduler(SpeculativeBaseline):
         *,
         schedule: Sequence[tuple[int, int]] = DEFAULT_TABLE,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE,
     ) -> None:
-        super().__init__(catalog, max_slots=max_slots, chunked_prefill_size=chunked_prefill_size)
+        super().__init__(
+            catalog,
+            max_slots=max_slots,
+            chunked_prefill_size=chunked_prefill_size,
+            prefix_caching=prefix_caching,
+        )
         table = []
         for bound, width in schedule:
             check_positive_int("schedule bound", bound)
@@ -181,11 +199,17 @@ class GlobalAdaptiveScheduler(SpeculativeBaseline):
         catalog: Sequence[GraphDescriptor],
         *,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         chunked_prefill_size: int = DEFAULT_CHUNKED_PREFILL_SIZE,
         weight: float = 1 / 8,
         probe_every: int = 8,
     ) -> None:
-        super().__init__(catalog, max_slots=max_slots, chunked_prefill_size=chunked_prefill_size)
+        super().__init__(
+            catalog,
+            max_slots=max_slots,
+            chunked_prefill_size=chunked_prefill_size,
+            prefix_caching=prefix_caching,
+        )
         if not 0 < weight <= 1:
             raise ValueError(f"weight must lie in (0, 1], got {weight!r}")
         self.weight = weight

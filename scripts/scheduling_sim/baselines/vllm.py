@@ -12,9 +12,10 @@ for large GPUs):
    ``min(prompt, budget)``, so the last one admitted is chunked and continues
    first among the running prefills of the next step.
 
-Chunked prefill is always on (vLLM v1); ``long_prefill_token_threshold`` is 0,
-there is no prefix cache, and KV memory (hence preemption) is not modelled: the
-slot bound is the only admission limit besides the budget.  :meth:`_pick` is the
+Chunked prefill is always on (vLLM v1); ``long_prefill_token_threshold`` is 0;
+automatic prefix caching is the shared model of :mod:`._base`; KV memory (hence
+preemption) is not modelled: the slot bound is the only admission limit besides
+the budget.  :meth:`_pick` is the
 admission order; :mod:`.vtc` replaces only that.
 """
 
@@ -41,9 +42,10 @@ class VllmScheduler(BaselineScheduler):
         catalog: Sequence[GraphDescriptor],
         *,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     ) -> None:
-        super().__init__(catalog, max_slots=max_slots)
+        super().__init__(catalog, max_slots=max_slots, prefix_caching=prefix_caching)
         self.max_num_batched_tokens = check_positive_int(
             "max_num_batched_tokens", max_num_batched_tokens
         )
@@ -74,7 +76,7 @@ class VllmScheduler(BaselineScheduler):
             r = self._pick(rows)
             if r is None:
                 break
-            n = min(r.spec.prompt_len, budget)
+            n = min(r.remaining_prompt, budget)  # less any cached prefix
             rows.append(StepRow(r, n))
             budget -= n
             resident += 1

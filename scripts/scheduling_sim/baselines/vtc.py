@@ -61,11 +61,15 @@ class VtcScheduler(VllmScheduler):
         catalog: Sequence[GraphDescriptor],
         *,
         max_slots: int = 64,
+        prefix_caching: bool = True,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         tenant_weights: Mapping[int, float] | None = None,
     ) -> None:
         super().__init__(
-            catalog, max_slots=max_slots, max_num_batched_tokens=max_num_batched_tokens
+            catalog,
+            max_slots=max_slots,
+            max_num_batched_tokens=max_num_batched_tokens,
+            prefix_caching=prefix_caching,
         )
         self.tenant_weights = _check_weights(tenant_weights)
         self.counters: dict[int, float] = {}

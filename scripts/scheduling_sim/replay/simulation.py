@@ -21,7 +21,8 @@
   recorded ``SchedulerConfig`` (slots, pages, prefix caching) over the
   recorded catalog, under the recorded policy or ``policy``; a baseline gets
   the recorded slot count over the catalog without packed prefill and state
-  programs (it runs neither).
+  programs (it runs neither), and the baselines' shared prefix cache model
+  when the recording had prefix caching on.
 * **Device and host.**  :class:`ReplaySimulation` charges each frame its
   measured cost (:mod:`.costs`) as the host model runs it (:mod:`.host`).
 """
@@ -150,7 +151,12 @@ def make_replay_scheduler(name: str, recording: Recording, policy: PolicyConfig 
     config = scheduler_config(recording)
     if name == "flare":
         return Scheduler(list(recording.catalog), config, policy or PolicyConfig())
-    return make_baseline(name, baseline_catalog(recording.catalog), max_slots=config.max_slots)
+    return make_baseline(
+        name,
+        baseline_catalog(recording.catalog),
+        max_slots=config.max_slots,
+        prefix_caching=config.enable_prefix_caching,
+    )
 
 
 class ReplaySimulation(Simulation):
