@@ -23,6 +23,18 @@ The workloads (``scripts/scheduling_sim/workload.py``), per cost profile:
 * ``issue_a``, ``issue_b``: the two commands of the mixed-programs issue
   (``--requests 100 --prompt-len 128:1024 --output-len 64:512 --arrival-rate 8``
   and ``--requests 64 --prompt-len 64:4096 --output-len 16:512 --arrival-rate 20``).
+* ``chat_shared``: chat behind shared system prompts (issue 26): 200 requests,
+  each one of 6 system prompts (512-2000 tokens, whole 16-token pages, picked
+  Zipf-like) then a chat-shaped user message and output, Poisson at a fixed 70
+  requests/s (near but below saturation on the roofline profile; the rate is
+  not a share of capacity).  The prompts name their token ids, so every
+  scheduler's prefix cache reuses the system prompts: flare's own, and the one
+  model all baselines share (``baselines/_base.py``: full pages published as
+  prefill chunks complete, the longest published prefix attached when a request
+  is first scheduled, never its last token, unbounded).  Below its table a line
+  gives each scheduler's cache hit rate (cached / prompt tokens); its JSON
+  entries add ``prompt_tokens``, ``prompt_tokens_cached``,
+  ``prompt_tokens_computed`` and ``cache_hit_rate``.
 * ``long``: long prompts (issue 26): 60 requests of 1.5k-6k-token prompts and
   64-512 output tokens, Poisson at 2 requests/s, always under the 8B roofline
   profile (``llama8b-h100``) whatever ``--profiles`` says (its rate is fixed,
@@ -73,6 +85,7 @@ from scripts.scheduling_sim.workload import (
     assign_acceptance,
     burst,
     chat,
+    chat_shared,
     long_prompt_contention,
     make_workload,
     two_tenants,
@@ -82,7 +95,10 @@ PROFILES = ("llama1b-h100", "llama1b-h100-additive")
 BASELINES = tuple(s for s in SCHEDULERS if s != "flare")
 REFERENCES = ("flare-nomixed", "flare-warm")
 CHAT_LOADS = {"chat50": 0.5, "chat80": 0.8, "chat95": 0.95}
-WORKLOADS = ("burst", *CHAT_LOADS, "contention", "tenants", "issue_a", "issue_b", "long")
+WORKLOADS = (
+    "burst", *CHAT_LOADS, "contention", "tenants", "issue_a", "issue_b", "chat_shared", "long",
+)  # fmt: skip
+FIXED_RATE = ("burst", "chat_shared", "long")  # workloads whose rate is not a share of capacity
 LONG_PROFILE = "llama8b-h100"  # the long-prompt workload's profile, whatever --profiles says
 EQUAL_TPS = 0.005  # tokens/s within 0.5% count as equal in the dominance test
 VLLM_GAP_RATIO = 0.7
@@ -121,6 +137,8 @@ def _workload(name: str, capacity_req_per_s: float, quick: bool):
         return make_workload(
             WorkloadConfig(64 // scale, 20.0, prompt_len=(64, 4096), output_len=(16, 512))
         )
+    if name == "chat_shared":  # a fixed rate (ChatSharedConfig.rate_per_s)
+        return chat_shared(n=200 // scale)
     if name == "long":
         return make_workload(
             WorkloadConfig(60 // scale, 2.0, prompt_len=(1536, 6144), output_len=(64, 512))
@@ -237,6 +255,16 @@ def print_table(title: str, results: dict[str, dict]) -> None:
             f"{s} " + ", ".join(f"t{t}={v:.2f}" for t, v in r["tenant_slowdown_mean"].items())
             for s, r in results.items() if r.get("tenant_slowdown_mean")
         ))  # fmt: skip
+
+
+def print_cache_line(results: dict[str, dict]) -> None:
+    """Each scheduler's prefix cache hit rate, for a workload whose requests name
+    their prompt tokens (nothing otherwise)."""
+    if "cache_hit_rate" not in results["flare"]:
+        return
+    print("prefix cache hit rate (cached / prompt tokens): " + ", ".join(
+        f"{s} {r['cache_hit_rate']:.2%}" for s, r in results.items() if "cache_hit_rate" in r
+    ))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,9 +397,10 @@ def run_profile(
                 results[s] = futures[(name, s)].result()
         per_profile[name] = results
         title = f"{profile} / {name}"
-        if name not in ("burst", "long"):
+        if name not in FIXED_RATE:
             title += f" (capacity {cap:.2f} req/s)"
         print_table(title, results)
+        print_cache_line(results)
         g = goals(results)
         out["goals"].setdefault(profile, {})[name] = g
         for key in (

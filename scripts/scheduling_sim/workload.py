@@ -12,12 +12,18 @@ Two ways to build one:
   :func:`chat`                      ShareGPT-like lengths, Poisson arrivals at a rate
   :func:`long_prompt_contention`    decoding streams while 2k-8k-token prompts arrive
   :func:`two_tenants`               tenant 0 floods, tenant 1 sends steadily and low
+  :func:`chat_shared`               chat requests behind a few shared system prompts
   ================================  ==================================================
 
   Each takes its parameters as one frozen dataclass (:class:`BurstConfig`,
-  :class:`ChatConfig`, :class:`LongPromptConfig`, :class:`TwoTenantsConfig`)
-  whose defaults are documented on the fields; the builders also accept the
-  fields as keyword arguments.
+  :class:`ChatConfig`, :class:`LongPromptConfig`, :class:`TwoTenantsConfig`,
+  :class:`ChatSharedConfig`) whose defaults are documented on the fields; the
+  builders also accept the fields as keyword arguments.
+
+Prefix caching: only :func:`chat_shared` names its prompts' token ids
+(``RequestSpec.prompt_tokens``, the prefix cache's content key), so only its
+requests share cached pages; every other workload's requests have none and
+neither reuse nor publish a page.
 
 Speculative acceptance: an :class:`Arrival` may name an acceptance profile
 (:data:`ACCEPTANCE`: ``high``, ``low``, ``drifting``), the probability that the
@@ -359,9 +365,109 @@ def two_tenants(
     return out
 
 
+@dataclass(frozen=True)
+class ChatSharedConfig:
+    # Poisson arrival rate: near but below saturation on llama1b-h100 (see
+    # chat_shared); the benchmark uses it under every profile.
+    rate_per_s: float = 70.0
+    requests: int = 200
+    system_prompts: int = 6  # distinct system prompts
+    # System prompt lengths in whole pages of ``page_size``: 32-125 pages is
+    # 512-2000 tokens.  Whole pages, so every prefix cache that reuses full pages
+    # reuses all of a system prompt (see chat_shared).
+    system_pages: Lengths = Uniform(32, 125)
+    zipf_s: float = 1.0  # system prompt k (0-based) is picked with weight 1 / (k + 1) ** s
+    user_len: Lengths = CHAT_PROMPT  # the user message after the system prompt
+    output_len: Lengths = CHAT_OUTPUT
+    page_size: int = 16  # the prefix caches' page (flare's SchedulerConfig.page_size)
+    seed: int = 0
+
+
+# Token ids of chat_shared: system prompt k holds SYSTEM_TOKEN_BASE + k * TOKEN_STRIDE
+# + i at position i; request j's user message USER_TOKEN_BASE + j * TOKEN_STRIDE + i.
+# The stride exceeds any system prompt or user message, so no two system prompts
+# and no two user messages share an id, and no user id is a system id.
+TOKEN_STRIDE = 1 << 16
+SYSTEM_TOKEN_BASE = 1
+USER_TOKEN_BASE = 1 << 24
+
+
+def chat_shared(
+    rate_per_s: float | None = None,
+    n: int | None = None,
+    cfg: ChatSharedConfig | None = None,
+    **overrides,
+) -> list[Arrival]:
+    """``n`` chat requests, each a shared system prompt followed by its own user
+    message, Poisson arrivals at ``rate_per_s``; the first arrives one gap after t = 0.
+
+    ``system_prompts`` (6) system prompts of ``system_pages`` whole pages
+    (512-2000 tokens); each request picks one by a Zipf-like draw (weight
+    1 / (k + 1) ** ``zipf_s``: at the defaults 41 %, 20 %, 14 %, 10 %, 8 %, 7 %),
+    then a user message of :data:`CHAT_PROMPT` length and an output of
+    :data:`CHAT_OUTPUT` length.  ``prompt_tokens`` is the system prompt's ids
+    (the same for every request that picks it, distinct between system prompts)
+    followed by ids unique to the request (see :data:`TOKEN_STRIDE`), so the
+    prefix a request can reuse is exactly its system prompt;
+    ``message_endpoints`` is ``(system prompt length,)``.
+
+    The rate, 70 requests/s: near but below saturation on the 1B roofline
+    profile (``llama1b-h100``, mixed catalog, 64 slots).  With the system prompt
+    reused a request's prompt work is its user message (mean about 300 tokens)
+    and its output averages about 285 tokens; run long (800 requests), flare
+    sustains about 80 requests/s and vllm about 76 (22.8k and 21.5k output
+    tokens/s; beyond, TTFT grows with the run: at 95/s vllm's p99 is 0.55 s),
+    so 70/s is about 0.9 of what either serves, and the 200 requests of the
+    default keep TTFT p99 under 30 ms for both.  Without reuse each request
+    would bring about 1,500 prompt tokens (system prompts average about 1,200):
+    vllm without a prefix cache at 70/s has TTFT p99 about 0.5 s, past
+    saturation, so a scheduler that failed to reuse the system prompt would show.
+
+    Draws, from one generator seeded with ``seed``: the system prompts' lengths,
+    then per request its system prompt, user length and output length, then the
+    arrival gaps.
+    """
+    if rate_per_s is not None:
+        overrides["rate_per_s"] = rate_per_s
+    if n is not None:
+        overrides["requests"] = n
+    cfg = _config(ChatSharedConfig, cfg, overrides)
+    if cfg.system_prompts < 1 or cfg.page_size < 1:
+        raise ValueError("system_prompts and page_size must be positive")
+    rng = random.Random(cfg.seed)
+    systems = []
+    for k in range(cfg.system_prompts):
+        length = sample_length(cfg.system_pages, rng) * cfg.page_size
+        if length >= TOKEN_STRIDE:
+            raise ValueError(f"a system prompt of {length} tokens exceeds {TOKEN_STRIDE}")
+        base = SYSTEM_TOKEN_BASE + k * TOKEN_STRIDE
+        systems.append(tuple(range(base, base + length)))
+    weights = [1.0 / (k + 1) ** cfg.zipf_s for k in range(cfg.system_prompts)]
+    picks = []
+    for _ in range(cfg.requests):
+        (k,) = rng.choices(range(cfg.system_prompts), weights)
+        picks.append((k, sample_length(cfg.user_len, rng), sample_length(cfg.output_len, rng)))
+    times = _poisson(rng, cfg.requests, cfg.rate_per_s)
+    out = []
+    for j, (t, (k, user, output)) in enumerate(zip(times, picks, strict=True)):
+        if user >= TOKEN_STRIDE:
+            raise ValueError(f"a user message of {user} tokens exceeds {TOKEN_STRIDE}")
+        base = USER_TOKEN_BASE + j * TOKEN_STRIDE
+        tokens = systems[k] + tuple(range(base, base + user))
+        spec = RequestSpec(
+            len(tokens),
+            output,
+            message_endpoints=(len(systems[k]),),
+            prompt_tokens=tokens,
+        )
+        out.append(Arrival(t, spec))
+    return out
+
+
 SUITE = {
     "burst": burst,
     "chat": chat,
     "long_prompt_contention": long_prompt_contention,
     "two_tenants": two_tenants,
+    "chat_shared": chat_shared,
 }

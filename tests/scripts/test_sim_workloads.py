@@ -12,13 +12,16 @@ from runtime.coordinator.requests import RequestSpec
 from scripts.scheduling_sim.workload import (
     CHAT_OUTPUT,
     CHAT_PROMPT,
+    TOKEN_STRIDE,
     Arrival,
+    ChatSharedConfig,
     LogNormal,
     TwoTenantsConfig,
     Uniform,
     WorkloadConfig,
     burst,
     chat,
+    chat_shared,
     long_prompt_contention,
     make_workload,
     two_tenants,
@@ -138,3 +141,52 @@ def test_two_tenants():
     assert two_tenants() == two_tenants(TwoTenantsConfig().capacity_req_per_s)
     with pytest.raises(TypeError):
         two_tenants(10.0, nonsense=1)
+
+
+def test_chat_shared_is_deterministic_and_shaped_as_documented():
+    arrivals = chat_shared()
+    cfg = ChatSharedConfig()
+    assert arrivals == chat_shared() and arrivals != chat_shared(seed=1)
+    assert len(arrivals) == cfg.requests == 200
+    times = [a.at_ns for a in arrivals]
+    assert times == sorted(times) and times[0] > 0
+    # Poisson at 70/s: 200 arrivals take about 2.9 s.
+    assert 2.2e9 < times[-1] < 3.6e9
+    systems: dict[tuple[int, ...], int] = {}
+    user_ids: set[int] = set()
+    for a in arrivals:
+        spec = a.spec
+        (end,) = spec.message_endpoints
+        assert len(spec.prompt_tokens) == spec.prompt_len > end
+        assert end % cfg.page_size == 0 and 512 <= end <= 2000  # whole pages
+        system, user = spec.prompt_tokens[:end], spec.prompt_tokens[end:]
+        systems[system] = systems.get(system, 0) + 1
+        assert not user_ids & set(user), "user message ids must be unique per request"
+        user_ids |= set(user)
+        assert 1 <= spec.max_output_tokens <= CHAT_OUTPUT.hi
+    # A handful of system prompts, pairwise disjoint, none sharing an id with a user.
+    assert 4 <= len(systems) <= cfg.system_prompts == 6
+    system_ids = [set(s) for s in systems]
+    assert sum(map(len, system_ids)) == len(set().union(*system_ids))
+    assert not user_ids & set().union(*system_ids)
+    # Zipf-like: the first system prompt (the smallest ids) is the most popular.
+    counts = sorted(systems.items(), key=lambda kv: kv[0][0])
+    assert counts[0][1] == max(systems.values()) and counts[0][1] > len(arrivals) / 4
+    users = [a.spec.prompt_len - a.spec.message_endpoints[0] for a in arrivals]
+    assert 150 <= statistics.median(users) <= 260 and max(users) <= CHAT_PROMPT.hi
+
+
+def test_chat_shared_takes_overrides_and_is_alone_in_naming_tokens():
+    assert len(chat_shared(50.0, 10)) == 10
+    one = chat_shared(n=20, system_prompts=1)
+    assert len({a.spec.prompt_tokens[: a.spec.message_endpoints[0]] for a in one}) == 1
+    assert chat_shared(n=5, cfg=ChatSharedConfig(seed=3)) == chat_shared(n=5, seed=3)
+    with pytest.raises(TypeError):
+        chat_shared(nonsense=1)
+    with pytest.raises(ValueError):
+        chat_shared(system_prompts=0)
+    with pytest.raises(ValueError):
+        chat_shared(system_pages=Uniform(TOKEN_STRIDE // 16, TOKEN_STRIDE // 16))
+    # The other suite workloads name no tokens: they neither reuse nor publish pages.
+    for arrivals in (burst(), chat(10.0, 20), long_prompt_contention(), two_tenants(20.0)):
+        assert all(a.spec.prompt_tokens == () for a in arrivals)
