@@ -148,7 +148,7 @@ class Driver:
         return stages
 
 
-def _skip(variant: str, width: int) -> None:
+def _skip(variant: str, width: int, *extent: int) -> None:
     """A program body that does no device work (the host-only diagnostic)."""
 
 

@@ -20,7 +20,9 @@ publication only.
 * CUDA: each variant is captured with ``torch.cuda.CUDAGraph`` (largest first,
   one memory pool) and timed with CUDA events around the replay.
 * CPU: the same body runs eagerly, synchronously, timed with
-  ``perf_counter_ns``, over page tables trimmed to the frame's longest lane.
+  ``perf_counter_ns``, over page tables trimmed to the frame's longest lane
+  and over the frame's own lanes and packed tokens (the padding of the
+  program's shape is inert, so it is not computed).
 
 A program's shape and its sampling variants: :mod:`runtime.ranks.shapes`.
 """
@@ -148,13 +150,33 @@ class PreparedProgram:
         return bool(self.graphs)
 
     # -- the program body, over the input views ---------------------------------
-    def _body(self, variant: str, width: int) -> None:
-        """Forward and sampling for ``variant``, page tables ``width`` columns wide."""
+    def _view(self, lanes: int, tokens: int) -> FrameInputs:
+        """The input arena's first ``lanes`` lanes and ``tokens`` tokens: an eager
+        frame's extent (the views of :attr:`inputs`, trimmed; the rest of the
+        arena is padding, which writes nothing but the scratch row)."""
+        if lanes == self.shape.lanes and tokens == self.shape.tokens:
+            return self.inputs
+        x = self.inputs
+        return FrameInputs(
+            *(getattr(x, name)[:lanes] for name in LANE_FIELDS),
+            x.prefill_row,
+            x.input_ids[:tokens],
+        )
+
+    def _body(self, variant: str, width: int, lanes: int = 0, extent: int = 0) -> None:
+        """Forward and sampling for ``variant``, page tables ``width`` columns wide.
+
+        ``lanes``/``extent`` (eager CPU frames): run only the frame's first lanes
+        and ``extent`` packed tokens (0: the program's whole shape, as captured).  Padding
+        lanes and tokens are inert, so the result is the padded run's without
+        computing the padding."""
         if self.speculative is not None:
             self.speculative.run(self, variant, width)
             return
-        x, shape, out, arena = self.inputs, self.shape, self.outputs, self.slots
-        lanes, page_size = shape.lanes, self.page_size
+        shape, out, arena = self.shape, self.outputs, self.slots
+        lanes, extent = lanes or shape.lanes, extent or shape.tokens
+        x = self._view(lanes, extent)
+        page_size = self.page_size
         rows = x.state_row  # (L,) each lane's slot row
         q_lens = x.query_lens  # (L,)
         # A lane continuing from its pending token starts where the slot's last
@@ -165,7 +187,7 @@ class PreparedProgram:
         ends = torch.cumsum(q_lens, 0)  # (L,)
         query_start = ends - q_lens  # (L,)
         context = torch.where(q_lens > 0, start_pos + q_lens, 0)  # (L,)
-        n = self._token_index  # (N,)
+        n = self._token_index[:extent]  # (N,)
         lane = torch.searchsorted(ends, n, right=True)  # (N,) in [0, L]; L = padding
         valid = lane < lanes
         lane = lane.clamp(max=lanes - 1)
@@ -194,14 +216,14 @@ class PreparedProgram:
             prefill_row=x.prefill_row if shape.mixed else None,
             row_query_len=shape.row_query_len,
         )
-        last = (ends - 1).clamp(0, shape.tokens - 1)  # (L,) each lane's last new token
+        last = (ends - 1).clamp(0, extent - 1)  # (L,) each lane's last new token
         logits = self.model(input_ids, positions, meta, last).float()  # (L, V)
         if self.draft is not None:  # the draft's context follows the target's
             self.draft.feed(input_ids, positions, meta)
         if variant == "argmax":
             tokens = logits.argmax(dim=-1)  # (L,)
         else:
-            tokens = self._sample(logits, input_ids, step, lane, valid)
+            tokens = self._sample(logits, input_ids, step, lane, valid, x)
             if variant == "logprobs":
                 chosen, top_values, top_ids = token_logprobs(logits, tokens, out.max_logprobs)
                 out.logprob[:lanes].copy_(chosen)
@@ -223,17 +245,19 @@ class PreparedProgram:
         step: torch.Tensor,
         lane: torch.Tensor,
         valid: torch.Tensor,
+        x: FrameInputs | None = None,
     ) -> torch.Tensor:
         """The full sampler, with the penalty state: each prompt lane's row is reset
         when it starts a generation and its tokens marked before sampling (so a
         first token sees its whole prompt), every committed token counted after.
         ``lane``/``valid`` (N,): each packed token's lane (clamped) and whether
-        it belongs to one."""
-        x, out = self.inputs, self.outputs
+        it belongs to one.  ``x``: the frame's inputs (default :attr:`inputs`)."""
+        x = self.inputs if x is None else x
+        out = self.outputs
         state = out.penalties
         if self.desc.prompt_capacity:  # only programs with prompt capacity take prompt lanes
-            state.reset(self._reset_rows())
-            state.mark_prompt(self._prompt_rows(lane, valid, state.scratch), input_ids)
+            state.reset(self._reset_rows(x))
+            state.mark_prompt(self._prompt_rows(lane, valid, state.scratch, x), input_ids)
         s = self.slots.settings(x.state_row)
         counts, prompt_mask = state.gather(x.state_row)  # (L, V) each
         adjustments = LogitAdjustments(
@@ -266,21 +290,27 @@ class PreparedProgram:
         lane = torch.searchsorted(ends, self._token_index, right=True)  # (N,) L = padding
         return lane.clamp(max=self.shape.lanes - 1), lane < self.shape.lanes
 
-    def _reset_rows(self) -> torch.Tensor:
+    def _reset_rows(self, x: FrameInputs | None = None) -> torch.Tensor:
         """The penalty rows a program with prompt capacity resets: every lane's
         ``reset_row`` in a prefill program (each lane may be a prompt row), the
         prompt row's alone in a mixed one ((1,): its other lanes never reset)."""
-        x = self.inputs
+        x = self.inputs if x is None else x
         if self.shape.mixed:
             return x.reset_row.index_select(0, x.prefill_row.clamp(min=0))  # (1,)
         return x.reset_row  # (L,)
 
-    def _prompt_rows(self, lane: torch.Tensor, valid: torch.Tensor, scratch: int) -> torch.Tensor:
+    def _prompt_rows(
+        self,
+        lane: torch.Tensor,
+        valid: torch.Tensor,
+        scratch: int,
+        x: FrameInputs | None = None,
+    ) -> torch.Tensor:
         """(N,) the penalty-state row each packed token marks as a prompt token:
         its lane's slot for the tokens of a prompt lane (one not continuing from
         its pending token), ``scratch`` for every other token.  ``lane``/``valid``:
-        :meth:`_token_lanes`."""
-        x = self.inputs
+        :meth:`_token_lanes`; ``x``: the frame's inputs (default :attr:`inputs`)."""
+        x = self.inputs if x is None else x
         prompt = valid & (x.from_pending.index_select(0, lane) == 0)  # (N,)
         return torch.where(prompt, x.state_row.index_select(0, lane), scratch)
 
@@ -438,9 +468,12 @@ class PreparedProgram:
         self._ints[:used].copy_(packed[:used], non_blocking=True)
         spec = self.speculative
         if self.device.type != "cuda":
+            # Eager: the frame's own extent, its lanes and their packed tokens
+            # (no padding computed; a speculative round keeps its shape).
+            extent = max(1, int(checked.query_len.sum()))
             RELEASE.arm()
             t0 = time.perf_counter_ns()
-            self._body(variant, width)
+            self._body(variant, width, r, min(extent, self.shape.tokens))
             launch.device_ns = time.perf_counter_ns() - t0
             launch.launch_wait_ns = min(RELEASE.take(), launch.device_ns)
             if spec is not None:

@@ -15,6 +15,7 @@ programs yet: the catalog here adds them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig, build_catalog
 from runtime.ranks.model import load_model
 from runtime.ranks.model.parallel import TPGroup
+from runtime.ranks.programs import PreparedProgram
 from runtime.ranks.proposals import ProposerConfig
 from runtime.ranks.shapes import ProgramError, ProgramShape
 from runtime.ranks.worker import RankWorker
@@ -230,28 +232,41 @@ def test_a_packed_prefill_shape_has_b_lanes_sharing_c_tokens():
     assert not ProgramShape.of(packed(4, 128)).mixed
 
 
-def test_rows_pack_at_the_prefix_sums_of_their_query_lengths(checkpoint):
+@pytest.mark.parametrize("padded", [False, True])
+def test_rows_pack_at_the_prefix_sums_of_their_query_lengths(checkpoint, padded):
     """Three rows in a B=4, C=128 program: what the program derives on the device
-    from the one query-length upload (offsets, positions, slots, logits rows)."""
+    from the one query-length upload (offsets, positions, slots, logits rows).
+    An eager (CPU) frame runs its three rows and 54 tokens; ``padded``: the whole
+    shape, as a captured program does."""
     path, _ = checkpoint
     w = make_worker(path)
+    if padded:
+        for p in w.programs.values():
+            p._body = functools.partial(_padded_body, p)
     d = Driver(w, SamplingParams())
     d.run(single(10), [("prefill", 4, 0, 10)])  # slot 4 holds a 10-token prefix
     forwards = record_forwards(w)
     d.run(packed(4, 128), [("prefill", 1, 0, 9), ("prefill", 4, 10, 50), ("prefill", 0, 0, 5)])
     (forward,) = forwards
     meta = forward["meta"]
-    assert meta.query_lens.tolist() == [9, 40, 5, 0]
-    assert meta.query_start.tolist() == [0, 9, 49, 54]
-    assert meta.context_lens.tolist() == [9, 50, 5, 0]
+    r = 4 if padded else 3
+    assert forward["input_ids"].shape == ((128,) if padded else (54,))
+    assert meta.query_lens.tolist() == [9, 40, 5, 0][:r]
+    assert meta.query_start.tolist() == [0, 9, 49, 54][:r]
+    assert meta.context_lens.tolist() == [9, 50, 5, 0][:r]
     assert meta.prefill_row is None and meta.max_query_len == 128
-    assert forward["last"].tolist() == [8, 48, 53, 53]  # each row's logits row
+    assert forward["last"].tolist() == [8, 48, 53, 53][:r]  # each row's logits row
     ids = PROMPTS[1] + PROMPTS[4][10:50] + PROMPTS[0]
     assert forward["input_ids"][:54].tolist() == ids
     assert forward["positions"][:54].tolist() == [*range(9), *range(10, 50), *range(5)]
     slot_of = [pages(s)[p // PAGE] * PAGE + p % PAGE for s, p in ((1, 0), (4, 10), (0, 0))]
     assert meta.slot_mapping[[0, 9, 49]].tolist() == slot_of
     assert (meta.slot_mapping[54:] == -1).all()  # unused token capacity writes nothing
+
+
+def _padded_body(program: PreparedProgram, variant: str, width: int, *extent: int) -> None:
+    """A program body over its whole shape, whatever the frame's extent."""
+    PreparedProgram._body(program, variant, width)
 
 
 def test_the_capacity_packed_programs_are_prepared_and_run(checkpoint):

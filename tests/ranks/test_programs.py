@@ -9,6 +9,8 @@ packed offsets are prefix sums of the one uploaded query-length field.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 import os
 
@@ -327,13 +329,21 @@ def decoder(slot: int, position: int) -> FrameLane:
     return FrameLane(slot, 1, "decode", 0, (), position, (), 1)
 
 
+def _padded_body(program: PreparedProgram, variant: str, width: int, *extent: int) -> None:
+    """A program body over its whole shape, whatever the frame's extent."""
+    PreparedProgram._body(program, variant, width)
+
+
 def test_packed_offsets_are_prefix_sums_of_query_lengths_whatever_the_slots(checkpoint):
     """Decoders at positions 10 and 4 around a 37-token prompt row: what the
     program derives on the device from the lanes' query lengths, start positions
     and slots (the forward's inputs), in lane order whatever the slots."""
     path, _ = checkpoint
-    for a, b, c in ([3, 0, 2], [1, 2, 0], [2, 3, 1]):
+    for (a, b, c), padded in itertools.product(([3, 0, 2], [1, 2, 0], [2, 3, 1]), (False, True)):
         w = make_worker(path)
+        if padded:  # the whole shape, as a captured program runs it
+            for p in w.programs.values():
+                p._body = functools.partial(_padded_body, p)
         run_lanes(w, 1, prefill_program(64), [first_chunk(a, range(60, 70))])
         run_lanes(w, 2, prefill_program(64), [first_chunk(c, (11, 12, 13, 14))])
         pending = int(w.arena.pending[a]), int(w.arena.pending[c])
@@ -342,9 +352,13 @@ def test_packed_offsets_are_prefix_sums_of_query_lengths_whatever_the_slots(chec
         run_lanes(w, 3, mixed(4, 64), lanes, prompt_row=1)
         (forward,) = forwards
         meta = forward["meta"]
-        assert meta.query_lens.tolist() == [1, 37, 1, 0]
-        assert meta.query_start.tolist() == [0, 1, 38, 39]  # lane order, not slot order
-        assert forward["last"].tolist() == [0, 37, 38, 38]  # each lane's logits row
+        # Eager (CPU) frames run their own extent: 3 lanes, 39 tokens.
+        r = 4 if padded else 3
+        n = w.programs[mixed(4, 64).key].shape.tokens if padded else 39
+        assert forward["input_ids"].shape == (n,)
+        assert meta.query_lens.tolist() == [1, 37, 1, 0][:r]
+        assert meta.query_start.tolist() == [0, 1, 38, 39][:r]  # lane order, not slot order
+        assert forward["last"].tolist() == [0, 37, 38, 38][:r]  # each lane's logits row
         # Decoders read their slot's pending token on the device.
         assert forward["input_ids"][:39].tolist() == [pending[0], *range(20, 57), pending[1]]
         assert forward["positions"][:39].tolist() == [10, *range(37), 4]
@@ -352,7 +366,7 @@ def test_packed_offsets_are_prefix_sums_of_query_lengths_whatever_the_slots(chec
         slot_of = [pages(s)[p // PAGE] * PAGE + p % PAGE for s, p in zip((a, b, c), (10, 0, 4))]
         assert meta.slot_mapping[[0, 1, 38]].tolist() == slot_of
         assert (meta.slot_mapping[39:] == -1).all()  # unused token capacity writes nothing
-        assert meta.context_lens.tolist() == [11, 37, 5, 0]
+        assert meta.context_lens.tolist() == [11, 37, 5, 0][:r]
     # The derivation is tensor ops on the arena: a new length moves every later offset.
     program = w.programs[mixed(4, 64).key]
     program.inputs.query_lens[0] = 2
