@@ -26,14 +26,17 @@ verification's pending token plus proposals per lane) or prefill (the rest).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.reference.paged_decode_attention import paged_decode_attention_reference
-from kernels.reference.paged_prefill_attention import paged_prefill_attention_reference
+from kernels.reference.paged_decode_attention import decode_plan, paged_decode_attention_reference
+from kernels.reference.paged_prefill_attention import (
+    paged_prefill_attention_reference,
+    prefill_plan,
+)
 from runtime.ranks.model.kv_cache import PagedKVCache
 
 __all__ = [
@@ -67,6 +70,9 @@ class AttentionMetadata:
     # None: an ordinary step, every lane bounded by max_query_len.
     prefill_row: Tensor | None = None
     row_query_len: int = 0  # static, mixed steps: bound on every other row's query_len (W)
+    # CPU: what the torch references read from the lengths (kernels/reference/),
+    # built by the first layer of a step and shared by the others; never copied.
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def mixed(self) -> bool:
@@ -360,25 +366,24 @@ class PagedAttention(nn.Module):
         16 (speculative verification, short chunks); else varlen prefill
         attention (prefill and mixed steps).  CPU: their torch references
         (kernels/reference/), whose work follows each lane's actual context;
-        the verify and prefill references are one.  ``positions`` are implied
-        by the lengths.
+        the verify and prefill references are one, and the plan they read from
+        the lengths is built once per step (:attr:`AttentionMetadata.plans`).
+        ``positions`` are implied by the lengths.
         """
         del positions
         kv_cache.write(self.layer_index, k, v, metadata.slot_mapping)
         k_pages = kv_cache.key(self.layer_index)
         v_pages = kv_cache.value(self.layer_index)
         kind = attention_kernel(metadata, q.shape[0])
-        if q.is_cuda:
-            from kernels.triton.paged_decode_attention import paged_decode_attention
-            from kernels.triton.paged_prefill_attention import paged_prefill_attention
-            from kernels.triton.paged_verify_attention import paged_verify_attention
+        if not q.is_cuda:
+            return self._reference(q, k_pages, v_pages, metadata, kind)
+        from kernels.triton.paged_decode_attention import paged_decode_attention
+        from kernels.triton.paged_prefill_attention import paged_prefill_attention
+        from kernels.triton.paged_verify_attention import paged_verify_attention
 
-            decode_attention, prefill_attention = paged_decode_attention, paged_prefill_attention
-            if kind == "verify":
-                prefill_attention = paged_verify_attention
-        else:
-            decode_attention = paged_decode_attention_reference
-            prefill_attention = paged_prefill_attention_reference
+        decode_attention, prefill_attention = paged_decode_attention, paged_prefill_attention
+        if kind == "verify":
+            prefill_attention = paged_verify_attention
         if kind == "decode":
             return decode_attention(
                 q, k_pages, v_pages, metadata.page_tables, metadata.context_lens, self.scale
@@ -393,4 +398,42 @@ class PagedAttention(nn.Module):
             metadata.context_lens,
             self.scale,
             metadata.max_query_len,
+        )
+
+    def _reference(
+        self, q: Tensor, k_pages: Tensor, v_pages: Tensor, metadata: AttentionMetadata, kind: str
+    ) -> Tensor:
+        """The torch references (the CPU path), over the plan the step's first
+        layer built from the lengths (one host read per step, not per layer)."""
+        page_size, plans = k_pages.shape[1], metadata.plans
+        key = (kind, page_size, self.num_heads // self.num_kv_heads)
+        plan = plans.get(key)
+        if kind == "decode":
+            if plan is None:
+                plan = plans[key] = decode_plan(
+                    metadata.page_tables, metadata.context_lens, page_size
+                )
+            return paged_decode_attention_reference(
+                q, k_pages, v_pages, metadata.page_tables, metadata.context_lens, self.scale, plan
+            )
+        if plan is None:
+            plan = plans[key] = prefill_plan(
+                metadata.page_tables,
+                metadata.query_start,
+                metadata.query_lens,
+                metadata.context_lens,
+                page_size,
+                key[2],
+            )
+        return paged_prefill_attention_reference(
+            q,
+            k_pages,
+            v_pages,
+            metadata.page_tables,
+            metadata.query_start,
+            metadata.query_lens,
+            metadata.context_lens,
+            self.scale,
+            metadata.max_query_len,
+            plan,
         )
