@@ -10,6 +10,9 @@ Extents, in the spec's letters:
 * ``batch_capacity``  B: request rows.  A prefill program of B > 1 is packed:
   up to B prompt rows share its ``prompt_capacity`` tokens, each with its own
   query length (their offsets are the prefix sums, as in mixed programs).
+  Scored prefill programs (a prefill that also returns every prompt
+  position's log probabilities, docs/scored-prefill.md) are packed the same
+  way.
 * ``token_capacity``  W: per-request target capacity, including the pending
   token (decode width).  Ordinary decode has W = 1.
 * ``proposal_depth``  D: captured proposal depth; width-one programs have D = 0.
@@ -61,6 +64,8 @@ class GraphKind(str, Enum):
 # execution queue").
 QUEUEABLE_KINDS = frozenset({GraphKind.DECODE, GraphKind.SPECULATIVE})
 PROMPT_KINDS = frozenset({GraphKind.PREFILL, GraphKind.SCORED_PREFILL, GraphKind.MIXED})
+# The prefill kinds: programs whose every lane is a prompt row (B > 1: packed).
+PREFILL_KINDS = (GraphKind.PREFILL, GraphKind.SCORED_PREFILL)
 
 
 def _is_power_of_two(value: int) -> bool:
@@ -107,7 +112,7 @@ class GraphDescriptor:
             raise CatalogError(
                 f"batch_capacity must be <= {MAX_BATCH_CAPACITY}, got {self.batch_capacity}"
             )
-        if self.target_capacity == 0 and kind not in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
+        if self.target_capacity == 0 and kind not in PREFILL_KINDS:
             object.__setattr__(self, "target_capacity", self.batch_capacity * self.token_capacity)
         self._validate_kind(kind)
 
@@ -127,12 +132,12 @@ class GraphDescriptor:
                 )
         elif c:
             raise CatalogError(f"prompt_capacity must be 0 for {kind.value}, got {c}")
-        if kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL):
+        if kind in PREFILL_KINDS:
             # A packed prefill: up to B prompt rows share the C prompt tokens.
-            if kind is GraphKind.PREFILL and not _is_power_of_two(b):
-                raise CatalogError(f"batch_capacity must be a power of two for prefill, got {b}")
-            if kind is GraphKind.SCORED_PREFILL and b != 1:
-                raise CatalogError(f"batch_capacity must be 1 for {kind.value}, got {b}")
+            if not _is_power_of_two(b):
+                raise CatalogError(
+                    f"batch_capacity must be a power of two for {kind.value}, got {b}"
+                )
             if w != 1 or d != 0:
                 raise CatalogError(f"{kind.value} takes token_capacity=1 and proposal_depth=0")
         elif kind is GraphKind.DECODE:

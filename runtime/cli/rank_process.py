@@ -121,6 +121,12 @@ def _add_execution_flags(p: argparse.ArgumentParser) -> None:
         help="also prepare packed prefill programs (capacity.packed_prefill_shapes)",
     )
     p.add_argument(
+        "--scored-prefill",
+        action="store_true",
+        help="also prepare scored prefill programs (prompt log probabilities; "
+        "capacity.scored_prefill_shapes)",
+    )
+    p.add_argument(
         "--draft-model",
         default=None,
         help="a draft model directory for learned proposals ('default': the embedded draft)",
@@ -223,6 +229,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             max_prefill_tokens=args.max_prefill_tokens,
             mixed_prefill=args.mixed_prefill,
             packed_prefill=args.packed_prefill,
+            scored_prefill=args.scored_prefill,
             speculative_widths=widths,
             speculative_token_capacity=args.speculative_token_capacity,
             device_allocation=args.device_allocation,

@@ -9,6 +9,12 @@
   :func:`packed_prefill_shapes`, a prefill of B rows for every decode batch
   B >= 2, at every prompt bucket that holds at least 64 tokens a row.
 
+* Scored prefill buckets (``scored_prefill``): :func:`scored_prefill_shapes`,
+  the prefill shapes again as SCORED_PREFILL programs (a prefill that also
+  returns every prompt position's log probabilities): a single scored prefill
+  at every prompt bucket, and the packed ones where ``packed_prefill`` is on
+  (docs/scored-prefill.md, "Catalog").
+
 * Mixed prefill/decode shapes (opt-in, ``mixed_prefill``): :func:`mixed_shapes`,
   the spec's joint-catalog rule ("Mixed execution contract"), over those two
   ladders.
@@ -63,6 +69,7 @@ class CapacityConfig:
     max_prefill_tokens: int = 2048
     mixed_prefill: bool = False
     packed_prefill: bool = False
+    scored_prefill: bool = False
     speculative_widths: tuple[int, ...] = ()
     speculative_token_capacity: int = 0
     device_allocation: bool = False
@@ -82,6 +89,8 @@ class CapacityConfig:
             raise CapacityError(f"mixed_prefill must be a bool, got {self.mixed_prefill!r}")
         if not isinstance(self.packed_prefill, bool):
             raise CapacityError(f"packed_prefill must be a bool, got {self.packed_prefill!r}")
+        if not isinstance(self.scored_prefill, bool):
+            raise CapacityError(f"scored_prefill must be a bool, got {self.scored_prefill!r}")
         c = self.max_concurrency
         if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_BATCH_CAPACITY:
             raise CapacityError(f"max_concurrency must be in 1..{MAX_BATCH_CAPACITY}, got {c!r}")
@@ -176,21 +185,39 @@ def mixed_shapes(
 
 
 def packed_prefill_shapes(
-    batch_buckets: Sequence[int], prompt_buckets: Sequence[int]
+    batch_buckets: Sequence[int],
+    prompt_buckets: Sequence[int],
+    kind: GraphKind = GraphKind.PREFILL,
 ) -> list[GraphDescriptor]:
     """The packed prefill programs: for every batch bucket B >= 2, a prefill of
     B rows at each prompt bucket C >= 64 B (so its rows average at least one
     64-token chunk when it is full).  The spec gives prefill no batch capacity;
     this bounds the catalog to sum over B of the buckets of at least 64 B
     tokens, at most log2(B_max) programs per prompt bucket: the default
-    (batches 2-32, prompts 64-2048) adds 15."""
+    (batches 2-32, prompts 64-2048) adds 15.  ``kind``: PREFILL, or
+    SCORED_PREFILL for the packed scored programs (the same shapes)."""
     return [
-        GraphDescriptor(GraphKind.PREFILL, b, prompt_capacity=c)
+        GraphDescriptor(kind, b, prompt_capacity=c)
         for b in sorted(set(batch_buckets))
         if b >= 2
         for c in sorted(prompt_buckets)
         if c >= b * PROMPT_ALIGNMENT
     ]
+
+
+def scored_prefill_shapes(
+    batch_buckets: Sequence[int], prompt_buckets: Sequence[int], packed: bool
+) -> list[GraphDescriptor]:
+    """The scored prefill programs: the prefill shapes as SCORED_PREFILL, a
+    single row at every prompt bucket and, with ``packed``, the packed shapes of
+    :func:`packed_prefill_shapes`.  The same bucket set as prefill, so a scored
+    prompt is chunked and packed exactly as an unscored one is and the catalog
+    at most doubles its prefill programs (the default flare run: 10 more)."""
+    kind = GraphKind.SCORED_PREFILL
+    out = [GraphDescriptor(kind, 1, prompt_capacity=c) for c in sorted(prompt_buckets)]
+    if packed:
+        out += packed_prefill_shapes(batch_buckets, prompt_buckets, kind)
+    return out
 
 
 def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[GraphDescriptor]:
@@ -199,6 +226,8 @@ def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[G
     out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in prompts]
     if cfg.packed_prefill:
         out += packed_prefill_shapes(batches, prompts)
+    if cfg.scored_prefill:
+        out += scored_prefill_shapes(batches, prompts, cfg.packed_prefill)
     out += [GraphDescriptor(GraphKind.DECODE, b) for b in batches]
     if cfg.mixed_prefill:  # with speculation, wide mixed programs at each round width
         wider = [w for w in cfg.speculative_widths if w <= MAX_MIXED_TOKEN_CAPACITY]

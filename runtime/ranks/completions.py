@@ -4,7 +4,9 @@ frame, as the wire's :class:`~runtime.transport.completion.Completion`.
 Rank 0 reports the lanes (slot, generation, committed token count, tokens and
 whether each lane finished on an EOS); when a lane of the frame asks for log
 probabilities, it adds the ``logprobs`` and ``logprob_token_ids`` sidecars;
-otherwise only the sampled tokens are read back.  A speculative round's
+otherwise only the sampled tokens are read back.  A scored prefill's rank 0
+adds ``prompt_logprobs`` and ``prompt_logprob_token_ids``, one row per packed
+prompt token.  A speculative round's
 confidence and survival sidecars come from every rank.
 """
 
@@ -58,6 +60,15 @@ def logprob_sidecars(values: torch.Tensor, ids: torch.Tensor) -> dict[str, Tenso
     return {
         "logprobs": tensor_from_torch(values),
         "logprob_token_ids": tensor_from_torch(ids),
+    }
+
+
+def prompt_logprob_sidecars(values: torch.Tensor, ids: torch.Tensor) -> dict[str, Tensor]:
+    """A scored prefill's sidecars: (T, 1 + k) float32 (per packed prompt token the
+    next prompt token's log probability, then the top k), (T, k) int32 ids."""
+    return {
+        "prompt_logprobs": tensor_from_torch(values),
+        "prompt_logprob_token_ids": tensor_from_torch(ids),
     }
 
 

@@ -277,7 +277,7 @@ def largest_shapes(capacity: CapacityConfig, max_context: int) -> list[ProgramSh
 
     catalog = forward_programs(build_catalog(capacity, max_context))
     shapes = [ProgramShape.of(d) for d in catalog]
-    most_tokens = max(shapes, key=lambda s: (s.tokens, s.lanes))
+    most_tokens = max(shapes, key=lambda s: (s.tokens, s.lanes, s.scored))
     most_lanes = max(shapes, key=lambda s: (s.lanes, s.tokens))
     return [most_tokens] if most_lanes == most_tokens else [most_tokens, most_lanes]
 
@@ -307,6 +307,8 @@ def dummy_forward(
     import torch
 
     from runtime.ranks.model.attention import AttentionMetadata
+    from runtime.ranks.shapes import SCORE_ROWS
+    from runtime.transport.sampling import MAX_LOGPROBS
 
     device = model.model.embed_tokens.weight.device
     n, lanes, q = shape.tokens, shape.lanes, shape.max_query_len
@@ -332,7 +334,13 @@ def dummy_forward(
         row_query_len=shape.row_query_len,
     )
     last = ints([s + length - 1 for s, length in zip(starts, lens)])  # (L,)
-    logits = model(ints([0] * n), ints(positions), metadata, last).float()  # (L, V)
+    if shape.scored:  # a scored prefill: logits at every token, then its lanes' last
+        every = model(ints([0] * n), ints(positions), metadata, ints(list(range(n))))  # (N, V)
+        k = min(MAX_LOGPROBS, every.shape[-1])
+        scored = torch.log_softmax(every[:SCORE_ROWS].float(), -1).topk(k, -1)
+        logits = every.index_select(0, last).float() + scored.values[:1, :1]  # (L, V)
+    else:
+        logits = model(ints([0] * n), ints(positions), metadata, last).float()  # (L, V)
     probs = logits.softmax(-1)  # (L, V)
     return probs.sort(dim=-1, descending=True).values[:, 0]  # (L,)
 

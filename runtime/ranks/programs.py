@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.catalog import PREFILL_KINDS, GraphDescriptor, GraphKind
 from runtime.ranks.arena import LANE_FIELDS, SCALARS, FrameInputs, SlotArena, int_size
 from runtime.ranks.checked_frame import CheckedFrame
 from runtime.ranks.draft import DraftContext
@@ -51,7 +51,7 @@ from runtime.ranks.sampling import (
     sample,
     token_logprobs,
 )
-from runtime.ranks.shapes import VARIANTS, ProgramError, ProgramShape
+from runtime.ranks.shapes import SCORE_ROWS, VARIANTS, ProgramError, ProgramShape
 from runtime.ranks.speculative import RoundOutputs, SpeculativeStages
 
 
@@ -104,6 +104,19 @@ class Launch:
         values = torch.cat([self.host.logprob[:r, None], self.host.top_logprobs[:r, :k]], dim=1)
         return values, self.host.top_ids[:r, :k].to(torch.int32)
 
+    def prompt_scores(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A scored prefill's (float32 (T, 1 + k): per packed token the next prompt
+        token's log probability, then the top ``k``; int32 (T, k): their ids),
+        T = the frame's packed tokens in lane order, after :meth:`finished`.
+        The row of a chunk's last token with no next prompt token (score_next
+        -1) holds 0 there, to be ignored."""
+        t = int(self.checked.query_len.sum())
+        host = self.host
+        if not 0 <= k <= host.score_ids.shape[1]:
+            raise ProgramError(f"{k} log probabilities, at most {host.score_ids.shape[1]}")
+        values = torch.cat([host.score_logprob[:t, None], host.score_top[:t, :k]], dim=1)
+        return values.contiguous(), host.score_ids[:t, :k].to(torch.int32).contiguous()
+
 
 class PreparedProgram:
     """One descriptor's program: its input arena, its body, its captured variants."""
@@ -132,8 +145,14 @@ class PreparedProgram:
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
         n, lanes = self.shape.tokens, self.shape.lanes
         self.int_size = int_size(n, lanes)
+        # A scored prefill's lanes also send the prompt token after their chunk
+        # (the frame's score_next), after the arena's other fields.
+        self._score_at = self.int_size
+        if self.shape.scored:
+            self.int_size += lanes
         self._ints = torch.zeros(self.int_size, dtype=torch.int64, device=self.device)
         self.inputs = FrameInputs.over(self._ints, n, lanes)
+        self.vocab = model.config.vocab_size
         self._token_index = torch.arange(n, device=self.device)  # (N,)
         self.speculative: SpeculativeStages | None = None
         if desc.kind is GraphKind.SPECULATIVE or (
@@ -217,7 +236,12 @@ class PreparedProgram:
             row_query_len=shape.row_query_len,
         )
         last = (ends - 1).clamp(0, extent - 1)  # (L,) each lane's last new token
-        logits = self.model(input_ids, positions, meta, last).float()  # (L, V)
+        if shape.scored:  # logits at every packed token: score them, then sample the last
+            every = self.model(input_ids, positions, meta, n)  # (N, V)
+            self._score(every, input_ids, ends, lane, valid, lanes)
+            logits = every.index_select(0, last).float()  # (L, V)
+        else:
+            logits = self.model(input_ids, positions, meta, last).float()  # (L, V)
         if self.draft is not None:  # the draft's context follows the target's
             self.draft.feed(input_ids, positions, meta)
         if variant == "argmax":
@@ -237,6 +261,40 @@ class PreparedProgram:
             at = (start_pos + q_lens).clamp(max=h - 1)
             arena.history.view(-1).index_copy_(0, x.count_row * h + at, tokens)
         out.tokens[:lanes].copy_(tokens)
+
+    def _score(
+        self,
+        every: torch.Tensor,
+        input_ids: torch.Tensor,
+        ends: torch.Tensor,
+        lane: torch.Tensor,
+        valid: torch.Tensor,
+        lanes: int,
+    ) -> None:
+        """A scored prefill's prompt log probabilities: for every packed token, the
+        fp32 log-softmax of its logits at the next prompt token (the next packed
+        token of its lane, or after the chunk's last token the lane's
+        ``score_next``; 0 where there is none) and the top-K, written to the
+        outputs' score rows, :data:`SCORE_ROWS` tokens at a time.  ``every``
+        (N, V) the logits of every packed token; ``ends`` (L,) the lanes' packed
+        ends; ``lane``/``valid`` (N,) each token's lane and whether it has one."""
+        out = self.outputs
+        extent = every.shape[0]
+        score_next = self._ints[self._score_at : self._score_at + lanes]  # (L,)
+        index = self._token_index[:extent]
+        inside = index + 1 < ends.index_select(0, lane)  # (N,) the next token is packed
+        target = torch.where(inside, input_ids.roll(-1), score_next.index_select(0, lane))
+        scored = valid & (target >= 0)
+        target = torch.where(scored, target, 0)  # (N,)
+        k = out.max_logprobs
+        for s in range(0, extent, SCORE_ROWS):
+            e = min(extent, s + SCORE_ROWS)
+            logp = torch.log_softmax(every[s:e].float(), dim=-1)  # (S, V)
+            chosen = logp.gather(1, target[s:e, None]).squeeze(1)  # (S,)
+            out.score_logprob[s:e].copy_(torch.where(scored[s:e], chosen, 0.0))
+            top_values, top_ids = logp.topk(k, dim=-1, largest=True, sorted=True)  # (S, K)
+            out.score_top[s:e].copy_(top_values)
+            out.score_ids[s:e].copy_(top_ids)
 
     def _sample(
         self,
@@ -394,6 +452,18 @@ class PreparedProgram:
                 offset = int(q[: prompt[0]].sum())
                 a[o + offset : o + offset + int(q[prompt[0]])] = checked.prompt_tokens
         used = o + total if self.desc.prompt_capacity else o  # a round feeds no prompt
+        if shape.scored:  # after the arena's fields: each lane's next prompt token
+            following = np.frombuffer(checked.frame.score_next, dtype=np.int64)
+            if following.size and int(following.max()) >= self.vocab:
+                i = int(np.argmax(following >= self.vocab))
+                raise ProgramError(
+                    f"score_next[{i}]: token {int(following[i])} outside the vocabulary "
+                    f"({self.vocab} tokens)"
+                )
+            at = self._score_at
+            a[at : at + r] = following
+            a[at + r : at + lanes] = -1
+            used = at + lanes
         if memo is not None:
             memo[0] = key if checked.steady or not prompt else None
         longest = int(checked.context.max(initial=1))
@@ -440,7 +510,7 @@ class PreparedProgram:
         if total > shape.tokens and not desc.device_allocated:  # ceilings may sum above P
             raise ProgramError(f"{total} tokens do not fit {desc.describe()}")
         prompt = np.flatnonzero(prefill).tolist()
-        if desc.kind is GraphKind.PREFILL:
+        if desc.kind in PREFILL_KINDS:
             if len(prompt) < r:
                 i = int(np.argmin(prefill))
                 raise ProgramError(
@@ -482,6 +552,8 @@ class PreparedProgram:
             host.tokens[:r].copy_(self.outputs.tokens[:r])
             if variant == "logprobs":
                 self._copy_logprobs(host, r)
+            if self.shape.scored:
+                self._copy_scores(host, extent)
             return launch
         launch.start = torch.cuda.Event(enable_timing=True)
         launch.end = torch.cuda.Event(enable_timing=True)
@@ -499,6 +571,8 @@ class PreparedProgram:
             host.tokens[:r].copy_(self.outputs.tokens[:r], non_blocking=True)
             if variant == "logprobs":
                 self._copy_logprobs(host, r)
+            if self.shape.scored:
+                self._copy_scores(host, int(checked.query_len.sum()))
         launch.done.record()
         return launch
 
@@ -508,6 +582,14 @@ class PreparedProgram:
         host.logprob[:r].copy_(out.logprob[:r], non_blocking=blocking)
         host.top_logprobs[:r].copy_(out.top_logprobs[:r], non_blocking=blocking)
         host.top_ids[:r].copy_(out.top_ids[:r], non_blocking=blocking)
+
+    def _copy_scores(self, host: HostOutputs, t: int) -> None:
+        """A scored prefill's first ``t`` score rows (the frame's packed tokens)."""
+        out = self.outputs
+        blocking = self.device.type == "cuda"
+        host.score_logprob[:t].copy_(out.score_logprob[:t], non_blocking=blocking)
+        host.score_top[:t].copy_(out.score_top[:t], non_blocking=blocking)
+        host.score_ids[:t].copy_(out.score_ids[:t], non_blocking=blocking)
 
 
 def prepare_programs(
@@ -527,7 +609,8 @@ def prepare_programs(
     catalog = list(catalog)
     shapes = [ProgramShape.of(d) for d in catalog]
     device = model.model.embed_tokens.weight.device
-    outputs = ProgramOutputs.allocate(max(s.lanes for s in shapes), model, device)
+    scored = max((s.tokens for s in shapes if s.scored), default=0)
+    outputs = ProgramOutputs.allocate(max(s.lanes for s in shapes), model, device, scored)
     programs = {
         d.key: PreparedProgram(d, model, outputs, slots, page_size, draft, proposer)
         for d in catalog

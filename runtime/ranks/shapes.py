@@ -26,10 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.catalog import PREFILL_KINDS, GraphDescriptor, GraphKind
 from runtime.ranks.checked_frame import CheckedFrame
 
 VARIANTS = ("argmax", "sample", "logprobs")
+# A scored prefill turns its (N, V) logits into log probabilities this many
+# token rows at a time, so its float32 temporaries stay (SCORE_ROWS, V).
+SCORE_ROWS = 256
 
 
 class ProgramError(ValueError):
@@ -53,6 +56,7 @@ class ProgramShape:
     lanes: int  # L: request rows
     max_query_len: int  # Q: new tokens per lane at most (mixed: the prompt row's, C)
     row_query_len: int = 0  # W: mixed only: new tokens of every other row at most; 0 = not mixed
+    scored: bool = False  # a scored prefill: logits at every packed token, not only the last
 
     @property
     def mixed(self) -> bool:
@@ -62,8 +66,10 @@ class ProgramShape:
     def of(cls, desc: GraphDescriptor) -> ProgramShape:
         if desc.kind is GraphKind.DECODE:
             return cls(desc.batch_capacity, desc.batch_capacity, 1)
-        if desc.kind is GraphKind.PREFILL:  # B prompt rows sharing C tokens
-            return cls(desc.prompt_capacity, desc.batch_capacity, desc.prompt_capacity)
+        if desc.kind in PREFILL_KINDS:  # B prompt rows sharing C tokens
+            scored = desc.kind is GraphKind.SCORED_PREFILL
+            c = desc.prompt_capacity
+            return cls(c, desc.batch_capacity, c, scored=scored)
         if desc.kind is GraphKind.MIXED:
             b, w, c = desc.batch_capacity, desc.token_capacity, desc.prompt_capacity
             return cls(c + (b - 1) * w, b, c, w)

@@ -53,6 +53,7 @@ from runtime.ranks.completions import (
     frame_completion,
     ints,
     logprob_sidecars,
+    prompt_logprob_sidecars,
     round_columns,
     round_logprob_sidecars,
     state_columns,
@@ -198,7 +199,8 @@ class RankWorker:
         self.staging = HostStaging(max(p.int_size for p in self.programs.values()), self.device)
         lanes = self.outputs.tokens.shape[0]
         k = self.outputs.max_logprobs
-        self.host_buffers = [HostOutputs(lanes, k, self.device) for _ in "ab"]
+        scored = self.outputs.score_logprob.shape[0]  # the largest scored program's tokens
+        self.host_buffers = [HostOutputs(lanes, k, self.device, scored) for _ in "ab"]
         self._next_host = 0
         self.rows = DeviceRows(self.arena, self.outputs.penalties, self.device)
 
@@ -413,6 +415,9 @@ class RankWorker:
         if checked.logprobs >= 0:
             k = min(checked.logprobs, self.outputs.max_logprobs)
             sidecars = logprob_sidecars(*launch.logprobs(k))
+        if launch.program is not None and launch.program.shape.scored:
+            k = min(checked.frame.score_k, self.outputs.max_logprobs)
+            sidecars.update(prompt_logprob_sidecars(*launch.prompt_scores(k)))
         return columns, sidecars, None
 
     def _round_results(

@@ -118,6 +118,15 @@ class Completion:
     emitted token instead (``T`` = ``sum(token_count)`` rows, in lane order):
     ``(T, 1 + K)`` and ``(T, K)``.
 
+    Prompt log probabilities (protocol version 9): a scored prefill's rank 0
+    adds, with ``N`` = the frame's packed prompt tokens (the sum of its lanes'
+    ``query_len``, in lane order) and ``K`` = the frame's ``score_k``,
+    ``sidecars["prompt_logprobs"]`` (float32, ``(N, 1 + K)``: per prompt
+    position the log probability of the next prompt token, then the top-K,
+    descending) and ``sidecars["prompt_logprob_token_ids"]`` (int32,
+    ``(N, K)``).  The row of a chunk's last position whose ``score_next`` is -1
+    (the prompt's end: no next prompt token) holds 0 first, to be ignored.
+
     ``error``: the rank could not run the frame (it names why); such a
     completion carries no lanes, and the coordinator must not assume the ranks'
     state advanced.

@@ -71,8 +71,9 @@ LANE_COLUMNS = (
     "prompt_start",
     "page_count",
 )
-# Every int64 column of a frame, in field order (the flat ones too).
-FRAME_COLUMNS = (*LANE_COLUMNS[:7], "prompt_tokens", "page_count", "pages")
+# Every int64 column of a frame, in field order (the flat ones too, and the
+# scored prefill's ``score_next``: one entry per lane there, else empty).
+FRAME_COLUMNS = (*LANE_COLUMNS[:7], "prompt_tokens", "page_count", "pages", "score_next")
 
 
 _PROGRAMS: dict[tuple, GraphDescriptor] = {}  # wire form -> descriptor (a catalog is small)
@@ -164,6 +165,14 @@ class Frame(FrameRules):
     record, no sampling: its state is dropped), then the releases.  In a state
     frame ``sampling`` names exactly the lanes with a record.
 
+    Scored prefill (protocol version 9; ``program.kind`` SCORED_PREFILL,
+    docs/scored-prefill.md): every lane is a prefill lane, ``score_next`` has
+    one entry per lane, the prompt token right after the lane's chunk (-1 when
+    the chunk ends the prompt), so the rank can score the chunk's last position,
+    and ``score_k`` (0..MAX_LOGPROBS) is the top-k count rank 0 returns per
+    position.  Every other program takes ``score_next`` empty and ``score_k``
+    0.
+
     Columns are ``array('q')``; a list or tuple of ints is converted.  Treat
     them as read-only once the frame is built.
     """
@@ -186,6 +195,8 @@ class Frame(FrameRules):
     expected_ns: int = 0
     copies: tuple[tuple[int, int], ...] = ()
     restores: tuple[tuple[int, Restore], ...] = ()
+    score_next: array = field(default_factory=_empty)
+    score_k: int = 0
 
     def __post_init__(self) -> None:
         check_int("fence", self.fence)
@@ -218,6 +229,7 @@ class Frame(FrameRules):
         else:
             self._check_sampling(prefill)
         self._check_roles(prefill)
+        self._check_scores(prefill)
         released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
         check_distinct("release_slots", released)
         if released and lanes:
@@ -281,6 +293,8 @@ class Frame(FrameRules):
         release_slots: Sequence[int] = (),
         expected_ns: int = 0,
         copies: Sequence[tuple[int, int]] = (),
+        score_next: Sequence[int] = (),
+        score_k: int = 0,
     ) -> Frame:
         """The frame of per-lane views (tests and scripts); each lane's
         ``restore`` goes into ``restores``."""
@@ -311,6 +325,8 @@ class Frame(FrameRules):
             restores=tuple(
                 (i, lane.restore) for i, lane in enumerate(lanes) if lane.restore is not None
             ),
+            score_next=column(score_next),
+            score_k=score_k,
         )
 
     # ------------------------------------------------------------------ wire
@@ -335,6 +351,8 @@ class Frame(FrameRules):
             "expected_ns": self.expected_ns,
             "copies": [[src, dst] for src, dst in self.copies],
             "restores": [[lane, restore.to_wire()] for lane, restore in self.restores],
+            "score_next": column_to_wire(self.score_next),
+            "score_k": self.score_k,
         }
 
     @classmethod

@@ -36,7 +36,7 @@ from runtime.transport.frame_lane import (
     PHASE_STATE,
     STATE_KINDS,
 )
-from runtime.transport.sampling import SamplingParams
+from runtime.transport.sampling import MAX_LOGPROBS, SamplingParams
 
 # Every lane's range rules, checked in one pass; the phase rules when a lane prefills.
 _LANE_RANGES = LaneRanges(
@@ -73,6 +73,8 @@ class FrameRules:
     pages: array
     sampling: tuple[tuple[int, SamplingParams], ...]
     prompt_row: int
+    score_next: array
+    score_k: int
 
     def _check_lanes(self) -> tuple[int, ...]:
         """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
@@ -208,3 +210,23 @@ class FrameRules:
                 raise ProtocolError("prompt_row", reason)
         elif row != -1:
             raise ProtocolError("prompt_row", f"only mixed programs have one, not {kind.value}")
+
+    def _check_scores(self, prefill: tuple[int, ...]) -> None:
+        """A scored prefill: every lane a prefill lane, ``score_next`` one entry per
+        lane in [-1, INT32_MAX] (the vocabulary bound is the rank's), ``score_k``
+        in [0, MAX_LOGPROBS]; every other program: neither."""
+        lanes = len(self.slot)
+        if self.program.kind is GraphKind.SCORED_PREFILL:
+            check_int("score_k", self.score_k, 0, MAX_LOGPROBS)
+            if len(self.score_next) != lanes:
+                reason = f"has {len(self.score_next)} entries for {lanes} lanes"
+                raise ProtocolError("score_next", reason)
+            if len(prefill) != lanes:
+                i = next(i for i in range(lanes) if i not in prefill)
+                raise ProtocolError(f"phase[{i}]", "a scored prefill has prefill lanes only")
+            check_range("score_next", self.score_next, -1, INT32_MAX)
+            return
+        check_int("score_k", self.score_k, 0, 0)
+        if self.score_next:
+            reason = f"only scored prefill frames have one, not {self.program.kind.value}"
+            raise ProtocolError("score_next", reason)

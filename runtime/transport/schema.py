@@ -28,6 +28,9 @@ and preemption).  Protocol version 7 adds the state lanes (phase 2,
 rows that feed and commit nothing (``frame.py``).  Protocol version 8 adds
 the start-up identity to :class:`CatalogReport` (``runtime/identity.py``:
 model digests, dtype, device type, code version, KV bytes per page).
+Protocol version 9 adds scored prefill (``frame.py``: the frame's
+``score_next`` column and ``score_k``; ``completion.py``: the
+``prompt_logprobs`` and ``prompt_logprob_token_ids`` sidecars).
 Sequences are stored as
 tuples; sidecar tensors travel as raw little-endian bytes with dtype and shape.
 Integers on the wire are bounded so that a rank can copy them into int32/int64
@@ -44,7 +47,7 @@ from runtime.transport.inspection import RankStatus
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import Tensor
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 Message = SamplingParams | Frame | Tensor | Completion | CatalogReport | Control | RankStatus
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -41,3 +41,19 @@ def test_the_rank_prepares_packed_prefill_programs_only_when_asked():
         if d.kind is GraphKind.PREFILL and d.batch_capacity > 1
     ]
     assert packed and all(c >= 64 * b for b, c in packed)
+
+
+def test_the_rank_prepares_scored_prefill_programs_only_when_asked():
+    from runtime.catalog import GraphKind
+    from runtime.cli.rank_process import parse_args
+    from runtime.ranks.capacity import build_catalog
+
+    base = ["--frames-endpoint", "ipc:///x/f", "--completions-endpoint", "ipc:///x/c"]
+    assert not parse_args(base).capacity.scored_prefill
+    capacity = parse_args([*base, "--scored-prefill", "--packed-prefill"]).capacity
+    catalog = build_catalog(capacity)
+    shapes = {
+        kind: [(d.batch_capacity, d.prompt_capacity) for d in catalog if d.kind is kind]
+        for kind in (GraphKind.PREFILL, GraphKind.SCORED_PREFILL)
+    }
+    assert shapes[GraphKind.SCORED_PREFILL] == shapes[GraphKind.PREFILL] != []

@@ -43,9 +43,9 @@ BAD_DESCRIPTORS = [
         id="prefill-b-not-pow2",
     ),
     pytest.param(
-        {"kind": GraphKind.SCORED_PREFILL, "batch_capacity": 2, "prompt_capacity": 64},
+        {"kind": GraphKind.SCORED_PREFILL, "batch_capacity": 6, "prompt_capacity": 64},
         "batch_capacity",
-        id="scored-prefill-b-2",
+        id="scored-prefill-b-not-pow2",
     ),
     pytest.param(
         {"kind": GraphKind.MIXED, "batch_capacity": 1, "prompt_capacity": 64},
@@ -446,3 +446,14 @@ def test_a_packed_prefill_program_has_power_of_two_rows_sharing_its_capacity():
     assert packed.describe() == "prefill B=4 C=256"
     assert not packed.queueable  # a prefill drains the window, packed or not
     assert GraphDescriptor.from_wire(packed.to_wire()) == packed
+
+
+def test_a_scored_prefill_program_is_packed_like_prefill_with_its_own_cost_entry():
+    scored = GraphDescriptor(GraphKind.SCORED_PREFILL, 4, prompt_capacity=256)
+    plain = GraphDescriptor(GraphKind.PREFILL, 4, prompt_capacity=256)
+    assert scored.key != plain.key  # its own cost entry
+    assert scored.describe() == "scored_prefill B=4 C=256"
+    assert not scored.queueable  # it drains the window (spec)
+    assert GraphDescriptor.from_wire(scored.to_wire()) == scored
+    with pytest.raises(CatalogError, match="power of two for scored_prefill"):
+        GraphDescriptor(GraphKind.SCORED_PREFILL, 3, prompt_capacity=256)
