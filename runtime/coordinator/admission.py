@@ -107,6 +107,11 @@ class SchedulerAdmission:
     def admit(self, spec: RequestSpec) -> RequestHandle:
         if not isinstance(spec, RequestSpec):
             raise TypeError("admit takes a RequestSpec")
+        if spec.score_prompt and not self.catalog.entries(GraphKind.SCORED_PREFILL):
+            raise SchedulerError(
+                "score_prompt: the catalog has no scored prefill programs "
+                "(the deployment runs with --no-scored-prefill)"
+            )
         needed = -(-(spec.prompt_len + spec.max_output_tokens) // self.config.page_size)
         if needed > self.config.num_pages:
             raise SchedulerError(
@@ -197,7 +202,7 @@ class SchedulerAdmission:
         if ctx is not None:
             for view in ctx.decode:
                 values[view.request.handle.id] = view.decode_value
-            for view in ctx.prefill:
+            for view in (*ctx.prefill, *ctx.scored):
                 tokens = min(view.available, self._res.max_chunk)
                 values[view.request.handle.id] = prompt_lane_value(view, tokens, 0.0)
         return min(

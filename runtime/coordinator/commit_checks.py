@@ -5,7 +5,7 @@ naming the request; nothing changes state.  Pure Python."""
 
 from __future__ import annotations
 
-from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.catalog import PREFILL_KINDS, GraphDescriptor, GraphKind
 from runtime.coordinator.errors import CommitError
 from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan
 from runtime.coordinator.requests import Phase, Request
@@ -23,7 +23,7 @@ def check_shape(plan: ScheduledPlan) -> None:
         raise CommitError("plan has more lanes than its batch capacity")
     kind = plan.graph.kind
     prompt_rows = sum(1 for lane in plan.lanes if lane.phase is LanePhase.PREFILL)
-    if kind is GraphKind.PREFILL:
+    if kind in PREFILL_KINDS:
         if prompt_rows != len(plan.lanes):
             raise CommitError("every lane of a prefill plan is a prompt row")
         tokens = sum(lane.prompt_tokens for lane in plan.lanes)
@@ -80,6 +80,13 @@ def check_lane(lane: LaneWork, r: Request | None, graph: GraphDescriptor, capaci
 def _check_prompt_row(lane: LaneWork, r: Request, graph: GraphDescriptor) -> None:
     if r.phase is not Phase.PREFILL or r.inflight_fences:
         raise CommitError(f"request {lane.handle.id} cannot run a prefill chunk now")
+    if (graph.kind is GraphKind.SCORED_PREFILL) != r.spec.score_prompt:
+        # A scored prompt runs on scored prefill programs only, an unscored one never.
+        scored = "a scored" if r.spec.score_prompt else "an unscored"
+        raise CommitError(
+            f"request {lane.handle.id}: {scored} prompt row on {graph.kind.value} "
+            "(scored prompts run on scored prefill programs only)"
+        )
     if lane.prompt_start != r.consumed_prompt:
         raise CommitError(f"request {lane.handle.id}: prompt epoch changed")
     if not 0 < lane.prompt_tokens <= r.prefill_available(lane.prompt_start):
@@ -87,6 +94,7 @@ def _check_prompt_row(lane: LaneWork, r: Request, graph: GraphDescriptor) -> Non
     if lane.prompt_tokens > graph.prompt_capacity:
         raise CommitError(f"request {lane.handle.id}: chunk exceeds prompt capacity")
     ends = lane.prompt_start + lane.prompt_tokens == r.prefill_target
+    ends = ends and r.spec.max_output_tokens > 0  # (a request of no output commits none)
     if lane.max_tokens != (1 if ends else 0):
         raise CommitError(
             f"request {lane.handle.id}: a prompt row commits one token exactly "

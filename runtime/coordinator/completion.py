@@ -201,6 +201,8 @@ class SchedulerCompletion(SchedulerPlanning):
         first = r.committed_output == 0
         if lane.phase is LanePhase.PREFILL:
             r.consumed_prompt += lane.prompt_tokens
+            if r.spec.score_prompt:
+                r.scored_through = max(r.scored_through, r.consumed_prompt)
             if r.consumed_prompt >= r.prefill_target and r.became_decoder_ns is None:
                 r.became_decoder_ns = now
             self._res.publish_computed(r)  # its full pages, for requests sharing them
@@ -213,8 +215,23 @@ class SchedulerCompletion(SchedulerPlanning):
                 None if rows is None else rows[i],
             )  # fmt: skip
         if not tokens:
+            no_output = lane.phase is LanePhase.PREFILL and r.spec.max_output_tokens == 0
+            if no_output and r.consumed_prompt >= r.prefill_target:
+                return self._finish_without_output(r, fence)
             return None
         return self._commit_tokens(r, fence, record, tokens, first, frame_ms)
+
+    def _finish_without_output(self, r: Request, fence: int) -> GeneratedToken:
+        """A request of no output (a scored prompt's ``max_output_tokens`` 0)
+        finishes when its prompt completes: "length", no tokens; visible now, or
+        with its terminal snapshot when snapshot programs run."""
+        r.finish_reason = "length"
+        r.terminal_since_ns = self.now_ns
+        visible = not self._snapshots
+        return GeneratedToken(
+            r.handle, fence, (), False, visible, r.finish_reason if visible else None,
+            r.cached_tokens or 0,
+        )  # fmt: skip
 
     def _commit_tokens(
         self,

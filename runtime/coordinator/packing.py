@@ -47,6 +47,11 @@ with the same rows and chunks keep only their smallest shapes.  Exploration:
 an unmeasured packed program is skipped when a smaller capacity of the same
 batch already holds what its B rows could consume up to their next message
 or prompt endpoints.
+
+Scored prefill (SCORED_PREFILL, docs/scored-prefill.md) is packed the same
+way over its own programs and rows: the scored requests' prompt rows
+(:meth:`~runtime.coordinator.policy.SelectionContext.prompt_rows`), valued
+exactly as unscored ones.
 """
 
 from __future__ import annotations
@@ -139,8 +144,8 @@ class _Layout:
     prefill capacities, and each batch's capacities ascending (for good: the
     shapes do not change)."""
 
-    def __init__(self, catalog) -> None:
-        entries = catalog.entries(GraphKind.PREFILL)
+    def __init__(self, catalog, kind: GraphKind = GraphKind.PREFILL) -> None:
+        entries = catalog.entries(kind)
         self.packed = [
             (index, entry, entry.descriptor.batch_capacity, entry.descriptor.prompt_capacity)
             for index, entry in enumerate(entries)
@@ -156,18 +161,24 @@ class _Layout:
             ladder.sort()
 
 
-def packed_prefill_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
-    """One candidate per packed prefill program (batch > 1) whose cohort is not
-    left to a smaller shape (module docstring); shapes doing the same work are
+def packed_prefill_candidates(
+    ctx: SelectionContext, out: list[Candidate], kind: GraphKind = GraphKind.PREFILL
+) -> None:
+    """One candidate per packed prefill program (batch > 1) of ``kind`` (PREFILL
+    or SCORED_PREFILL, over the rows that kind serves) whose cohort is not left
+    to a smaller shape (module docstring); shapes doing the same work are
     dropped before any candidate is built."""
-    if not ctx.prefill:
+    prompt_rows = ctx.prompt_rows(kind)
+    if not prompt_rows:
         return
-    layout = ctx.catalog.derived("packed", lambda: _Layout(ctx.catalog), per_version=False)
+    layout = ctx.catalog.derived(
+        f"packed-{kind.value}", lambda: _Layout(ctx.catalog, kind), per_version=False
+    )
     if not layout.packed:
         return
-    rows = PromptRows(ctx.prefill, ctx.beta)
+    rows = PromptRows(prompt_rows, ctx.beta)
     singles = layout.singles
-    reach = sorted((v.to_endpoint for v in ctx.prefill), reverse=True)
+    reach = sorted((v.to_endpoint for v in prompt_rows), reverse=True)
     # (rows, chunks) -> the smallest batch seen doing that work.  Programs come in
     # catalog order (capacity, then batch), so an earlier program of the same work
     # has no larger a capacity: it dominates a later one of no smaller a batch.

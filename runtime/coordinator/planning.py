@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.catalog import PREFILL_KINDS, GraphDescriptor, GraphKind
 from runtime.coordinator.admission import SchedulerAdmission
 from runtime.coordinator.commit_checks import (
     STATE_KINDS,
@@ -83,7 +83,8 @@ class SchedulerPlanning(SchedulerAdmission):
 
     def _candidates(self, ctx: SelectionContext) -> list[Candidate]:
         cands = candidates(ctx)
-        packed_prefill_candidates(ctx, cands)
+        for kind in PREFILL_KINDS:
+            packed_prefill_candidates(ctx, cands, kind)
         fixed = self._fixed_width
         if ctx.states is not None:
             rounds = self.speculation is not None and fixed != 1
@@ -317,9 +318,10 @@ class SchedulerPlanning(SchedulerAdmission):
 
 def _prompt_work(view: LaneView, tokens: int, beta: float) -> LaneWork:
     """A prompt row taking ``tokens`` from its position: it commits the first
-    output token when the chunk ends the prompt."""
+    output token when the chunk ends the prompt (none for a request of no
+    output, a scored prompt's ``max_output_tokens`` 0)."""
     r = view.request
-    finishes = view.prompt_pos + tokens == r.prefill_target
+    finishes = view.prompt_pos + tokens == r.prefill_target and r.spec.max_output_tokens > 0
     return LaneWork(
         r.handle, r.slot, r.generation, LanePhase.PREFILL, view.prompt_pos, tokens,
         view.output_start, 1 if finishes else 0, 1.0 if finishes else 0.0, 0.0,

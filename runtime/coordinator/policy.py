@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.catalog import GraphKind
+from runtime.catalog import PREFILL_KINDS, GraphKind
 from runtime.coordinator.cost import CostCatalog, CostEntry
 from runtime.coordinator.requests import Request
 from runtime.coordinator.utility import prompt_chunk_value, value_rate
@@ -68,7 +68,7 @@ class SelectionContext:
     beta: float
     ttl_ns: int
     catalog: CostCatalog
-    prefill: list[LaneView]  # requests that may run a prefill chunk
+    prefill: list[LaneView]  # requests that may run a prefill chunk (unscored)
     decode: list[LaneView]  # decoders that may run a decode row
     decode_age_slope: float  # c * sigma of the decode family
     active_age_price: float  # sum of c over active decoders
@@ -78,6 +78,14 @@ class SelectionContext:
     prefix_lru: list[int] | None = None
     # Terminal requests and restores awaiting a state program (state_ops.StateViews).
     states: Any = None
+    # Prompt rows of requests whose prompt is scored (RequestSpec.score_prompt):
+    # they run on SCORED_PREFILL programs only (docs/scored-prefill.md).
+    scored: list[LaneView] = field(default_factory=list)
+
+    def prompt_rows(self, kind: GraphKind) -> list[LaneView]:
+        """The prompt rows a prefill program of ``kind`` serves: the scored rows on
+        SCORED_PREFILL programs, every other one on PREFILL programs."""
+        return self.scored if kind is GraphKind.SCORED_PREFILL else self.prefill
 
     def sort_decoders(self) -> tuple[list[float], list[int]]:
         if self.prefix_value is None or self.prefix_lru is None:
@@ -174,16 +182,18 @@ class Candidate:
         return self.unknown or self.stale or not self.entry.descriptor.queueable
 
 
-def prefill_options(ctx: SelectionContext, lane: LaneView) -> Iterator[tuple]:
-    """The single-row prefill programs ``lane`` competes on, as (entry, index,
-    value, padding, tokens): every capacity up to the first that holds its
-    available tokens (a larger one would do the same work with more padding),
-    but for the exploration rule."""
+def prefill_options(
+    ctx: SelectionContext, lane: LaneView, kind: GraphKind = GraphKind.PREFILL
+) -> Iterator[tuple]:
+    """The single-row prefill programs of ``kind`` (PREFILL or SCORED_PREFILL)
+    ``lane`` competes on, as (entry, index, value, padding, tokens): every
+    capacity up to the first that holds its available tokens (a larger one
+    would do the same work with more padding), but for the exploration rule."""
     avail = lane.available
     to_end = lane.to_endpoint
     included = 0  # largest capacity kept as a candidate so far
     previous = 0  # largest smaller capacity seen, kept or not
-    for index, entry in enumerate(ctx.catalog.entries(GraphKind.PREFILL)):
+    for index, entry in enumerate(ctx.catalog.entries(kind)):
         if entry.descriptor.batch_capacity > 1:
             continue  # packed programs: runtime.coordinator.packing
         capacity = entry.descriptor.prompt_capacity
@@ -204,10 +214,10 @@ class _PrefillLadder:
     are measured, the oldest last observation, the most prompt tokens per ms
     (C / T) and the shortest time: what a row's score bound reads."""
 
-    def __init__(self, catalog: CostCatalog) -> None:
+    def __init__(self, catalog: CostCatalog, kind: GraphKind = GraphKind.PREFILL) -> None:
         items = [
             (index, entry)
-            for index, entry in enumerate(catalog.entries(GraphKind.PREFILL))
+            for index, entry in enumerate(catalog.entries(kind))
             if entry.descriptor.batch_capacity == 1
         ]
         self.items = items
@@ -222,14 +232,21 @@ class _PrefillLadder:
             self.oldest = min(entry.last_valid_ns or 0 for _, entry in items)
 
 
-def _prefill_ladder(ctx: SelectionContext) -> _PrefillLadder:
-    return ctx.catalog.derived("prefill-ladder", lambda: _PrefillLadder(ctx.catalog))
+def _prefill_ladder(ctx: SelectionContext, kind: GraphKind) -> _PrefillLadder:
+    build = lambda: _PrefillLadder(ctx.catalog, kind)  # noqa: E731
+    return ctx.catalog.derived(f"prefill-ladder-{kind.value}", build)
 
 
 def prefill_candidates(
-    ctx: SelectionContext, out: list[Candidate], floor: float | None = None
+    ctx: SelectionContext,
+    out: list[Candidate],
+    floor: float | None = None,
+    kind: GraphKind = GraphKind.PREFILL,
 ) -> None:
-    """Per prompt row, its single-row prefill candidates (:func:`prefill_options`).
+    """Per prompt row, its single-row prefill candidates (:func:`prefill_options`)
+    on programs of ``kind``: PREFILL for the unscored rows, SCORED_PREFILL for
+    the scored ones (:meth:`SelectionContext.prompt_rows`; valued alike,
+    docs/scored-prefill.md).
     Only those a decision can read become objects: the best by
     :meth:`Candidate.rank_key` (what selection reads), the most valuable (the
     plan's log scale), and the stale ones (a timing refresh's alternatives);
@@ -239,15 +256,16 @@ def prefill_candidates(
     (the bound: its best token price at the ladder's best tokens per ms, its
     first output over the shortest time, less the active age cost of the
     shortest time; the margin of runtime.coordinator.bounds)."""
-    if not ctx.prefill or not ctx.catalog.entries(GraphKind.PREFILL):
+    rows = ctx.prompt_rows(kind)
+    if not rows or not ctx.catalog.entries(kind):
         return
     now_ns, ttl_ns, price = ctx.now_ns, ctx.ttl_ns, ctx.active_age_price
-    ladder = _prefill_ladder(ctx)
+    ladder = _prefill_ladder(ctx, kind)
     if floor is not None and (not ladder.measured or now_ns - ladder.oldest >= ttl_ns):
         floor = None  # an unmeasured or stale option may win: every row searched
     if floor is not None:
         floor -= 1e-9 * abs(floor)
-    for lane in ctx.prefill:
+    for lane in rows:
         if floor is not None:
             per = 1.0 + lane.token_price
             if lane.history_end > lane.prompt_pos:  # restored history's continuation index
@@ -264,7 +282,7 @@ def prefill_candidates(
                 continue
         best_key: tuple | None = None
         best = last = None
-        for option in prefill_options(ctx, lane):
+        for option in prefill_options(ctx, lane, kind):
             entry, index, value, padding, _ = last = option
             estimate = entry.estimate_ns
             if estimate > 0:
@@ -488,7 +506,8 @@ def candidates(ctx: SelectionContext) -> list[Candidate]:
     mixed_candidates(ctx, decode)
     floor = max((c.score for c in decode if not c.unknown), default=None)
     out: list[Candidate] = []
-    prefill_candidates(ctx, out, floor)
+    for kind in PREFILL_KINDS:  # unscored rows on prefill, scored ones on scored prefill
+        prefill_candidates(ctx, out, floor, kind)
     out += decode
     return out
 

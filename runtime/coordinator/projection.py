@@ -119,7 +119,7 @@ def build_context(
     state = _projected_state(runnable, restoring, queue, policy, view, start)
     n_decoders = sum(1 for r in runnable if r.consumed_prompt >= r.prefill_target)
     slope = c * view.decode_sigma_ms(n_decoders) if n_decoders else 0.0
-    prefill, decode = _lane_views(runnable, state, policy, page_size, start, slope)
+    prefill, decode, scored = _lane_views(runnable, state, policy, page_size, start, slope)
     ctx = SelectionContext(
         now_ns=now_ns,
         start_ns=start,
@@ -130,6 +130,7 @@ def build_context(
         decode=decode,
         decode_age_slope=slope,
         active_age_price=c * n_decoders + policy.terminal_age_price * len(terminal),
+        scored=scored,
     )
     if terminal or restoring:
         ctx.states = _state_views(ctx, state, terminal, restoring, policy, slope, start)
@@ -170,12 +171,14 @@ def _lane_views(
     page_size: int,
     start: int,
     slope: float,
-) -> tuple[list[LaneView], list[LaneView]]:
-    """The prompt rows and decode lanes ``runnable`` may offer at ``start``."""
+) -> tuple[list[LaneView], list[LaneView], list[LaneView]]:
+    """The prompt rows, decode lanes and scored prompt rows (RequestSpec.score_prompt)
+    ``runnable`` may offer at ``start``."""
     f, g = policy.token_fairness, policy.delivery_fairness
     beta = policy.output_token_value
     prefill: list[LaneView] = []
     decode: list[LaneView] = []
+    scored: list[LaneView] = []
     unbounded = 1 << 30
     for r in runnable:
         x, z, last_visible = state[r.handle.id]
@@ -189,10 +192,13 @@ def _lane_views(
             if available <= 0:
                 continue
             finish = beta + token_price
-            if r.committed_output:  # a resumed decoder: its final chunk is its next step
+            if not r.spec.max_output_tokens:  # a scored prompt of no output: none to commit
+                finish = 0.0
+            elif r.committed_output:  # a resumed decoder: its final chunk is its next step
                 age_ms = max(0, start - last_visible) / 1e6
                 finish = decode_lane_value(1.0, 1.0, token_price, g / z, beta) + slope * age_ms
-            prefill.append(_prompt_view(r, token_price, pos, available, finish))
+            rows = scored if r.spec.score_prompt else prefill
+            rows.append(_prompt_view(r, token_price, pos, available, finish))
             continue
         spec = r.spec
         inflight = r.inflight_output
@@ -214,7 +220,7 @@ def _lane_views(
                 r.last_selected, 0, 0.0, room,
             )
         )  # fmt: skip
-    return prefill, decode
+    return prefill, decode, scored
 
 
 def _prompt_view(

@@ -55,6 +55,12 @@ class RequestSpec:
       the prefix cache; empty: the request neither reuses nor publishes pages
       (and, naming no tokens to recompute, is never chosen for preemption).
     * ``cache_salt``: requests share cached pages only with equal salts.
+    * ``score_prompt``: the prompt's log probabilities are wanted (echo with
+      logprobs, prompt_logprobs): its prompt work runs only on scored prefill
+      programs (never a plain prefill or a mixed prompt row), it attaches no
+      cached prefix (the cache holds no scores; it recomputes them and may
+      still publish) and its ``max_output_tokens`` may be 0 (it finishes when
+      its prompt completes).  docs/scored-prefill.md.
     * ``group``: the admission group (the frontend's HTTP request: every choice
       of one request shares it).  Residency goes round-robin across groups,
       first come first served within one; None is a group of its own.
@@ -69,6 +75,7 @@ class RequestSpec:
     group: int | None = None
     prompt_tokens: tuple[int, ...] = ()
     cache_salt: str = ""
+    score_prompt: bool = False
 
     @property
     def step_feedback(self) -> bool:
@@ -79,10 +86,14 @@ class RequestSpec:
         group = self.group
         if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
             raise AdmissionError(f"group must be an integer or None, got {group!r}")
+        if not isinstance(self.score_prompt, bool):
+            raise AdmissionError(f"score_prompt must be a bool, got {self.score_prompt!r}")
         for name in ("prompt_len", "max_output_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise AdmissionError(f"{name} must be a positive integer, got {value!r}")
+            least = 0 if name == "max_output_tokens" and self.score_prompt else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                kind = "a non-negative" if least == 0 else "a positive"
+                raise AdmissionError(f"{name} must be {kind} integer, got {value!r}")
         if not isinstance(self.cache_salt, str):
             raise AdmissionError(f"cache_salt must be a string, got {self.cache_salt!r}")
         tokens = tuple(self.prompt_tokens)
@@ -141,6 +152,7 @@ class Request:
         "prefill_target",
         "resident",
         "restore_pending",
+        "scored_through",
         "slot",
         "spec",
         "speculation",
@@ -181,6 +193,9 @@ class Request:
         self.terminal_since_ns: int | None = None
         self.admitted_seq = 0
         self.consumed_prompt = 0
+        # A scored prompt (spec.score_prompt): positions whose scores its
+        # completed chunks returned (what it may attach from the cache).
+        self.scored_through = 0
         self.committed_output = 0
         self.inflight_prompt = 0  # prompt tokens scheduled in submitted frames
         self.inflight_output = 0  # output tokens submitted frames may still add

@@ -113,13 +113,23 @@ class Residency:
             out.append(request)
         return out
 
+    @staticmethod
+    def _limit(r: Request) -> int:
+        """The most tokens ``r`` may attach from the cache: all but its last to
+        fill; a scored prompt only what it has scored already (the cache holds
+        no scores: at first residency nothing, so it recomputes and rescores its
+        prompt; resumed after a preemption, the prompt it consumed before)."""
+        if r.spec.score_prompt:
+            return min(r.prefill_target - 1, r.scored_through)
+        return r.prefill_target - 1
+
     def _reside(self, r: Request) -> bool:
         """Attach ``r``'s cached prefix and its first chunk's pages, or nothing."""
         size = self.page_size
         cache = self.cache
         tokens = r.known_tokens()
         target = r.prefill_target
-        found = cache.match(r.spec.cache_salt, tokens, target - 1) if tokens else Match()
+        found = cache.match(r.spec.cache_salt, tokens, self._limit(r)) if tokens else Match()
         # The cached chain's idle pages count as available but stop being so once
         # attached: when the whole match does not fit, try it without its partial
         # page, then without any (a chain that fills the pool must not block it).
@@ -209,7 +219,7 @@ class Residency:
         tokens = r.known_tokens()
         if not tokens or not cache.enabled:
             return
-        match = cache.match(r.spec.cache_salt, tokens, r.prefill_target - 1)
+        match = cache.match(r.spec.cache_salt, tokens, self._limit(r))
         cached = match.tokens(size)
         if cached <= r.consumed_prompt:
             return

@@ -139,7 +139,10 @@ class DirectScheduler:
 
     # ------------------------------------------------------------- admission
     def admit(self, spec: RequestSpec) -> RequestHandle:
-        """Queue a request (FCFS residency); SchedulerError if it can never fit."""
+        """Queue a request (FCFS residency); SchedulerError if it can never fit or
+        asks for its prompt's scores (direct mode runs no scored prefill)."""
+        if isinstance(spec, RequestSpec) and spec.score_prompt:
+            raise SchedulerError("score_prompt: direct mode runs no scored prefill programs")
         return self._residency.admit(spec).handle
 
     def cancel(self, handle: RequestHandle) -> bool:
