@@ -51,6 +51,11 @@ Checks, each printed as PASS/FAIL with its figures, on the embedded model:
    (greedy, seeded, penalties) and log probabilities, the greedy tokens and
    penalty state of the same rows run as single prefills, and their replay
    times.
+13. scored prefill programs (``scripts/gpu_scored.py``): the same prompts
+   scored in packed SCORED_PREFILL frames: graph replay gives eager's prompt
+   log probabilities (1e-4) and top-k ids, packed frames give single frames'
+   scores, first tokens equal plain prefill's, and the scored programs'
+   replay times beside the prefill programs of the same shapes.
 
 ``--device cpu`` runs the same script without capture or NCCL (a dry run of
 the script itself).  The last line is one JSON object with every figure; the
@@ -73,6 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_packed
 import gpu_realistic
+import gpu_scored
 import gpu_speculative
 import torch
 from gpu_timing import event_us
@@ -469,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ok &= check_penalties(eager, graphs, prompts)
     ok &= gpu_packed.run(check, RESULTS, args.device)
+    ok &= gpu_scored.run(check, RESULTS, args.device)
 
     if cuda:
         import torch.distributed as dist

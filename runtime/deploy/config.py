@@ -61,6 +61,9 @@ class DeploymentConfig:
     cuda_graphs: bool = True
     mixed_prefill: bool = False  # also capture mixed prefill/decode programs
     packed_prefill: bool = True  # capture packed prefill programs (capacity.packed_prefill_shapes)
+    # Capture scored prefill programs (prompt log probabilities; the prefill
+    # shapes again, capacity.scored_prefill_shapes; docs/scored-prefill.md).
+    scored_prefill: bool = True
     startup_timeout_s: float = 600.0
     # A rank reports a hung frame after multiple x its expected duration + margin.
     frame_timeout_multiple: float = 20.0
@@ -114,6 +117,7 @@ class DeploymentConfig:
         for name in (
             "mixed_prefill",
             "packed_prefill",
+            "scored_prefill",
             "enable_prefix_caching",
             "debug_page_accounting",
             "verify_weights",
@@ -220,6 +224,8 @@ class DeploymentConfig:
             args.append("--mixed-prefill")
         if self.packed_prefill:
             args.append("--packed-prefill")
+        if self.scored_prefill:
+            args.append("--scored-prefill")
         if self.check_ranks:
             args.append("--check-ranks")
         if self.verify_weights:

@@ -241,13 +241,15 @@ class CoordinatorClient:
         *,
         cache_salt: str = "",
         message_endpoints: tuple[int, ...] = (),
+        prompt_logprobs: int = -1,
     ) -> asyncio.Queue[Output | LocalEnd]:
         """Send a request; its outputs arrive on the returned queue, the last one
         finished (or a :class:`LocalEnd`).
         ``group``: the admission group (:meth:`new_group_id`), shared by one HTTP
         request's choices.  ``cache_salt``: prefix-cache pages are shared only with
         requests of an equal salt ("" none); ``message_endpoints``: each chat
-        message's end offset in the prompt (:class:`Submit`)."""
+        message's end offset in the prompt (:class:`Submit`); ``prompt_logprobs``:
+        -1, or score the prompt with that many alternatives (:class:`Submit`)."""
         if self.failure is not None:
             raise CoordinatorGone(self.failure)
         if not self._connected:
@@ -261,6 +263,7 @@ class CoordinatorClient:
             group,
             cache_salt=cache_salt,
             message_endpoints=message_endpoints,
+            prompt_logprobs=prompt_logprobs,
         )
         self._send(message)  # at once, or from the outbox: never dropped nor refused
         queue: asyncio.Queue[Output | LocalEnd] = asyncio.Queue()

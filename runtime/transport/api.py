@@ -93,6 +93,10 @@ class Submit:
     ``cache_salt``: prefix-cache pages are shared only between requests with
     equal salts (a tenant's).  ``message_endpoints``: each chat message's end
     in ``prompt_token_ids`` (increasing, within the prompt): checkpoint anchors.
+    ``prompt_logprobs``: -1, or score the prompt (runs on scored prefill
+    programs, docs/scored-prefill.md) and return each prompt token's log
+    probability with this many top alternatives (0..MAX_LOGPROBS); then
+    ``max_tokens`` may be 0 (the prompt alone).
     """
 
     request_id: int
@@ -103,13 +107,15 @@ class Submit:
     group: int | None = None
     cache_salt: str = ""
     message_endpoints: tuple[int, ...] = ()
+    prompt_logprobs: int = -1
 
     def __post_init__(self) -> None:
         check_int("request_id", self.request_id)
         prompt = check_ints("prompt_token_ids", self.prompt_token_ids, 0, INT32_MAX, MAX_SEQUENCE)
         if not prompt:
             raise ProtocolError("prompt_token_ids", "needs at least one token")
-        check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        scored = check_int("prompt_logprobs", self.prompt_logprobs, -1, MAX_LOGPROBS) >= 0
+        check_int("max_tokens", self.max_tokens, 0 if scored else 1, INT32_MAX)
         if not isinstance(self.sampling, SamplingParams):
             raise ProtocolError("sampling", "must be a SamplingParams")
         _check_bool("ignore_eos", self.ignore_eos)
@@ -133,6 +139,7 @@ class Submit:
             "group": self.group,
             "cache_salt": self.cache_salt,
             "message_endpoints": list(self.message_endpoints),
+            "prompt_logprobs": self.prompt_logprobs,
         }
 
     @classmethod
@@ -237,6 +244,11 @@ class Output:
     ``logprobs``: one entry per token when the request asked for them, else
     empty.  ``cached_tokens``: prompt tokens the request found in the prefix
     cache (usage's ``prompt_tokens_details.cached_tokens``).
+    ``prompt_logprobs``: for a request submitted with ``prompt_logprobs >= 0``,
+    on its first output (its first tokens, or its finish when it has none):
+    one entry per prompt token after the first (the first has no context),
+    in prompt order: the token's log probability and the top alternatives at
+    its position; else empty.
     """
 
     request_id: int
@@ -246,6 +258,7 @@ class Output:
     error: str | None = None
     logprobs: tuple[TokenLogprobs, ...] = ()
     cached_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     def __post_init__(self) -> None:
         check_int("request_id", self.request_id)
@@ -263,8 +276,13 @@ class Output:
         if logprobs and len(logprobs) != len(tokens):
             raise ProtocolError("logprobs", f"{len(logprobs)} entries for {len(tokens)} tokens")
         check_int("cached_tokens", self.cached_tokens, 0, INT32_MAX)
+        scores = check_seq("prompt_logprobs", self.prompt_logprobs, MAX_SEQUENCE)
+        for i, item in enumerate(scores):
+            if not isinstance(item, TokenLogprobs):
+                raise ProtocolError(f"prompt_logprobs[{i}]", "must be a TokenLogprobs")
         set_field(self, "token_ids", tokens)
         set_field(self, "logprobs", logprobs)
+        set_field(self, "prompt_logprobs", scores)
 
     @property
     def finished(self) -> bool:
@@ -279,6 +297,7 @@ class Output:
             "error": self.error,
             "logprobs": [item.to_wire() for item in self.logprobs],
             "cached_tokens": self.cached_tokens,
+            "prompt_logprobs": [item.to_wire() for item in self.prompt_logprobs],
         }
 
     @classmethod
@@ -288,6 +307,11 @@ class Output:
         fields["logprobs"] = tuple(
             parse_nested(f"logprobs[{i}]", TokenLogprobs.from_wire, item)
             for i, item in enumerate(items)
+        )
+        scores = check_seq("prompt_logprobs", fields["prompt_logprobs"], MAX_SEQUENCE)
+        fields["prompt_logprobs"] = tuple(
+            parse_nested(f"prompt_logprobs[{i}]", TokenLogprobs.from_wire, item)
+            for i, item in enumerate(scores)
         )
         return cls(**fields)
 

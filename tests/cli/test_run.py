@@ -477,3 +477,10 @@ def test_packed_prefill_is_on_by_default_and_the_flag_turns_it_off():
     assert config.packed_prefill and "--packed-prefill" in config.rank_args()
     _, config = configure(["--no-packed-prefill"])
     assert not config.packed_prefill and "--packed-prefill" not in config.rank_args()
+
+
+def test_scored_prefill_is_on_by_default_and_the_flag_turns_it_off():
+    _, config = configure([])
+    assert config.scored_prefill and "--scored-prefill" in config.rank_args()
+    _, config = configure(["--no-scored-prefill"])
+    assert not config.scored_prefill and "--scored-prefill" not in config.rank_args()

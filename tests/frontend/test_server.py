@@ -26,12 +26,13 @@ pytestmark = pytest.mark.process
 # rounds of the embedded draft (bursts of up to 4 tokens: stops, logprobs and
 # lengths inside a burst).
 MODES = {
-    # 21 forward programs (11 of them packed prefills) and 6 state programs
-    "ordinary": ((), 27),
+    # 39 forward programs (11 of them packed prefills, 18 scored prefills) and 6
+    # state programs
+    "ordinary": ((), 45),
     "speculative": (
         ("--draft-model", "default", "--num-speculative-tokens", "3",
          "--speculative-selection", "fixed"),
-        30,
+        48,
     ),
 }  # fmt: skip
 
@@ -221,6 +222,87 @@ def test_logprobs_are_sorted_and_the_sampled_one_is_reported(client, model):
     )  # fmt: skip
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def tokenize(server, model: str, prompt, special: bool = True) -> list[int]:
+    body = {"model": model, "prompt": prompt, "add_special_tokens": special}
+    return httpx.post(f"{server.base}/tokenize", json=body).json()["tokens"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_zero_returns_it(server, client, model):
+    """Scored prefill through the API (docs/scored-prefill.md): ``echo`` returns the
+    prompt before the completion, its tokens' log probabilities first (the first
+    token's null); the score of a token the model generated equals the log
+    probability generation reported for it; ``max_tokens: 0`` returns the prompt
+    alone, streamed too (the echoed prompt in the first chunk)."""
+    prompt = words(12, 7)
+    ids = tokenize(server, model, prompt)
+    n = len(ids)
+    kw = dict(model=model, temperature=0, extra_body={"ignore_eos": True})
+    gen = client.completions.create(prompt=ids, max_tokens=2, logprobs=3, **kw)
+    generated = gen.choices[0].logprobs.token_logprobs
+    out = client.completions.create(prompt=ids, max_tokens=2, echo=True, logprobs=3, **kw)
+    choice, lp = out.choices[0], out.choices[0].logprobs
+    assert choice.text.endswith(gen.choices[0].text) and len(choice.text) > len(gen.choices[0].text)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == n + 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset[n] == len(choice.text) - len(gen.choices[0].text)
+    for value, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        values = list(top.values())
+        assert value <= 0 and 1 <= len(values) <= 3 and values == sorted(values, reverse=True)
+        assert value <= values[0] + 1e-4
+    assert lp.token_logprobs[n:] == pytest.approx(generated, abs=1e-4)
+    # The prompt followed by the generated tokens, scored alone (max_tokens 0): the
+    # scored program's log probabilities of those tokens are generation's.
+    first = gen.choices[0].logprobs
+    tokens = tokenize(server, model, "".join(first.tokens), special=False)
+    whole = client.completions.create(prompt=ids + tokens, max_tokens=0, echo=True, logprobs=3,
+                                      **kw)  # fmt: skip
+    scored = whole.choices[0].logprobs.token_logprobs
+    assert whole.usage.completion_tokens == 0 and len(scored) == n + len(tokens)
+    assert scored[:n] == pytest.approx(lp.token_logprobs[:n], abs=1e-4)
+    if len(tokens) == 2:  # the text re-tokenizes to the generated ids
+        assert scored[n:] == pytest.approx(generated, abs=1e-4)
+    alone = client.completions.create(prompt=prompt, max_tokens=0, echo=True, **kw)
+    assert alone.choices[0].text == prompt and alone.usage.completion_tokens == 0
+    assert alone.choices[0].finish_reason == "length" and alone.choices[0].logprobs is None
+    chunks = list(client.completions.create(prompt=ids, max_tokens=2, echo=True, stream=True,
+                                            **kw))  # fmt: skip
+    assert chunks[0].choices[0].text.startswith(choice.text[: lp.text_offset[n]])
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+
+
+def test_prompt_logprobs_in_vllm_shape_also_for_a_cached_prefix(server, client, model):
+    """vLLM's ``prompt_logprobs`` on both routes; a prompt whose prefix is cached
+    gets its scores all the same (recomputed: cached_tokens stays 0 for it)."""
+    prompt = words(40, 11)  # several 16-token pages
+    ids = tokenize(server, model, prompt)
+    salt = f"scored-{server.mode}"
+    kw = dict(model=model, temperature=0, max_tokens=1)
+    client.completions.create(prompt=ids, extra_body={"cache_salt": salt}, **kw)
+    again = client.completions.create(prompt=ids, extra_body={"cache_salt": salt}, **kw)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0  # the prefix is cached
+    body = {"prompt_logprobs": 2, "cache_salt": salt}
+    out = client.completions.create(prompt=ids, extra_body=body, **kw)
+    scores = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(scores) == len(ids) == out.usage.prompt_tokens and scores[0] is None
+    assert out.usage.prompt_tokens_details.cached_tokens == 0  # nothing came from the cache
+    cold = client.completions.create(prompt=ids, extra_body={"prompt_logprobs": 2}, **kw)
+    echo = client.completions.create(prompt=ids, echo=True, logprobs=2, **kw).choices[0].logprobs
+    for position, (entry, fresh) in enumerate(zip(scores[1:], cold.choices[0].model_extra[
+            "prompt_logprobs"][1:]), 1):  # fmt: skip
+        token = entry[str(ids[position])]
+        assert token["logprob"] == pytest.approx(echo.token_logprobs[position], abs=1e-4)
+        assert token["logprob"] == pytest.approx(fresh[str(ids[position])]["logprob"], abs=1e-4)
+        ranks = sorted(e["rank"] for e in entry.values() if e["rank"] is not None)
+        assert ranks == [1, 2] and all(e["decoded_token"] is not None for e in entry.values())
+        assert token["rank"] is None or entry[str(ids[position])]["rank"] in (1, 2)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], extra_body={"prompt_logprobs": 1}, **kw
+    )
+    chat_scores = chat.choices[0].model_extra["prompt_logprobs"]
+    assert len(chat_scores) == chat.usage.prompt_tokens and chat_scores[0] is None
+    assert all(len(entry) in (1, 2) for entry in chat_scores[1:])
 
 
 def test_min_tokens_and_ignore_eos_give_exact_lengths(client, model):

@@ -414,8 +414,6 @@ def test_add_generation_prompt_false_leaves_out_the_assistant_start(tok):
 
 # Every field the audit refuses: a value that asks for something -> 400 naming it.
 REFUSED = [
-    ("prompt_logprobs", 0),
-    ("prompt_logprobs", 1),
     ("prompt_logprobs", -1),
     ("allowed_token_ids", [1, 2]),
     ("allowed_token_ids", []),
@@ -436,7 +434,6 @@ REFUSED = [
     ("reasoning_effort", "low"),
     ("continue_final_message", True),
     ("structural_tag", "{}"),
-    ("echo", True),
     ("best_of", 2),
     ("suffix", "tail"),
     ("use_beam_search", True),
@@ -501,13 +498,30 @@ def test_a_refused_field_is_a_400_naming_it(tok, chat, field, value):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize("value", [0, 5, -1])
-def test_prompt_logprobs_says_prompts_are_not_scored(tok, chat, value):
-    r, _ = post(tok, {"prompt_logprobs": value}, chat=chat)
-    assert r.status_code == 400
-    error = r.json()["error"]
-    assert error["param"] == "prompt_logprobs"
-    assert "does not score prompts yet" in error["message"]
+@pytest.mark.parametrize("value", [0, 5, 20])
+def test_prompt_logprobs_asks_the_coordinator_to_score_the_prompt(tok, chat, value):
+    r, client = post(tok, {"prompt_logprobs": value, "max_tokens": 0}, chat=chat)
+    assert r.status_code == 200, r.text
+    (submit,) = client.submits
+    assert (submit.prompt_logprobs, submit.max_tokens) == (value, 0)
+
+
+@pytest.mark.parametrize("value", [-1, 21, "2"])
+def test_prompt_logprobs_out_of_range_is_a_400_naming_it(tok, value):
+    r, client = post(tok, {"prompt_logprobs": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert client.submitted == []
+
+
+def test_echo_is_for_completions_only_and_scores_with_logprobs(tok):
+    r, client = post(tok, {"echo": True}, chat=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r, client = post(tok, {"echo": True, "logprobs": 2})
+    assert r.status_code == 200, r.text
+    assert client.submits[0].prompt_logprobs == 2  # echo with logprobs scores the prompt
+    r, client = post(tok, {"echo": True})
+    assert r.json()["choices"][0]["text"].startswith("x")  # the prompt, then the text
+    assert client.submits[0].prompt_logprobs == -1  # echo alone: the text, no scoring
 
 
 @pytest.mark.parametrize("chat", [False, True])

@@ -222,6 +222,7 @@ def checked_run(
             cuda_graphs=not args.enforce_eager,
             mixed_prefill=bool(args.mixed_prefill),
             packed_prefill=not args.no_packed_prefill,
+            scored_prefill=not args.no_scored_prefill,
             startup_timeout_s=args.startup_timeout,
             frame_timeout_multiple=args.frame_timeout_multiple,
             frame_timeout_margin_s=args.frame_timeout_margin,

@@ -53,6 +53,13 @@ def add_scheduling_flags(run: argparse.ArgumentParser) -> None:
         "prompts share one prefill frame, up to one row per 64 prompt tokens)",
     )
     scheduling.add_argument(
+        "--no-scored-prefill",
+        action="store_true",
+        help="capture no scored prefill programs (by default the prefill shapes "
+        "are captured again as scored programs, which serve echo with logprobs and "
+        "prompt_logprobs; without them such requests get a 400)",
+    )
+    scheduling.add_argument(
         "--scheduler-policy",
         choices=sorted(PRESETS),
         default=None,

@@ -240,6 +240,7 @@ class FrontendBridge:
                     error,
                     event.logprobs,
                     stream.cached_tokens,
+                    event.prompt_logprobs,
                 )
             )
             if event.finished:
@@ -257,6 +258,7 @@ class FrontendBridge:
                 group=message.group,
                 cache_salt=message.cache_salt,
                 message_endpoints=message.message_endpoints,
+                prompt_logprobs=message.prompt_logprobs,
             )
         except ValueError as exc:  # the request does not fit (the frontend checked the rest)
             self._send(Output(rid, 0, finish_reason=REFUSED, error=str(exc)[:MAX_ERROR_CHARS]))

@@ -24,6 +24,7 @@ from runtime.coordinator.engine.frames import (
     completion_records,
     execution_timing,
     lane_logprobs,
+    prompt_scores,
     sidecar_rows,
     token_logprobs,
 )
@@ -111,6 +112,9 @@ class CompletionHandling(InFlightFrames):
         assert self.facts is not None
         vocab = self.facts.vocab_size
         check_token_ids(answers[0], vocab)  # a corrupt or forged answer fails fast
+        if dispatch.plan.graph.kind is GraphKind.SCORED_PREFILL:  # the prompt's scores
+            streams = [self._by_handle[lane.handle.id].stream for lane in dispatch.plan.lanes]
+            prompt_scores(answers[0], dispatch.plan, streams, vocab)
         records = completion_records(answers[0], dispatch.ignore_eos)
         try:
             generated = self._complete(dispatch, records, timing)
@@ -178,8 +182,15 @@ class CompletionHandling(InFlightFrames):
             reason = item.finish_reason if item.finished else None
             entry = by_handle.get(item.handle.id)
             logprobs = entry if entry is not None and len(item.tokens) == len(entry) else ()
-            live.stream.cached_tokens = item.cached_tokens
-            if live.stream._push(item.tokens, reason, item.fence, logprobs):
+            stream = live.stream
+            stream.cached_tokens = item.cached_tokens
+            scores: tuple = ()
+            if stream.prompt_logprobs >= 0 and not stream.prompt_scores_sent:
+                # With the first output (or the finish of a request of none).
+                stream.prompt_scores_sent = True
+                held = stream.prompt_scores
+                scores = tuple(held[p] for p in range(1, len(stream.prompt_token_ids)) if p in held)
+            if stream._push(item.tokens, reason, item.fence, logprobs, scores):
                 tokens += len(item.tokens)
                 finished += item.finished
             if item.tokens and not self.config.external_publication:

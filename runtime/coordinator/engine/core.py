@@ -96,6 +96,7 @@ class Engine(CompletionHandling):
         group: int | None = None,
         cache_salt: str = "",
         message_endpoints: Sequence[int] = (),
+        prompt_logprobs: int = -1,
     ) -> RequestStream:
         """Queue a request; returns its stream at once (any thread).
 
@@ -106,14 +107,18 @@ class Engine(CompletionHandling):
         groups, first come first served within one (None: a group of its own;
         see runtime.coordinator.residency).  ``cache_salt``: prefix-cache pages
         are shared only between requests with equal salts.  ``message_endpoints``:
-        each chat message's end in the prompt (checkpoint anchors).  Raises
+        each chat message's end in the prompt (checkpoint anchors).
+        ``prompt_logprobs`` >= 0: score the prompt (scored prefill programs):
+        the first event carries each prompt token's log probability and this
+        many alternatives (``TokenEvent.prompt_logprobs``); ``max_tokens`` may
+        then be 0.  Raises
         ValueError naming the argument for invalid input.
         """
         facts = self.facts
         if facts is None:
             raise EngineError("the engine is not started: call start() first")
         prompt, sampling = check_submission(
-            prompt_token_ids, max_tokens, sampling, ignore_eos, facts
+            prompt_token_ids, max_tokens, sampling, ignore_eos, facts, prompt_logprobs
         )
         if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
             raise ValueError(f"group must be an integer or None, got {group!r}")
@@ -139,6 +144,7 @@ class Engine(CompletionHandling):
                 group,
             )
             stream.cache_salt, stream.message_endpoints = cache_salt, ends
+            stream.prompt_logprobs = prompt_logprobs
             self._commands.append(SubmitRequest(stream))
         self.stats.add(requests_submitted=1)
         self._wake.set()
@@ -355,6 +361,7 @@ class Engine(CompletionHandling):
             group=stream.group,
             prompt_tokens=prompt,
             cache_salt=stream.cache_salt,
+            score_prompt=stream.prompt_logprobs >= 0,
         )
         try:
             handle = scheduler.admit(spec)

@@ -24,6 +24,7 @@ from runtime.transport.tensor import Tensor
 
 RUNNABLE_KINDS = (
     GraphKind.PREFILL,
+    GraphKind.SCORED_PREFILL,
     GraphKind.DECODE,
     GraphKind.MIXED,
     GraphKind.SPECULATIVE,
@@ -128,6 +129,10 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
         if len(prefill) > 1:
             raise EngineError(f"fence {fence}: a mixed plan has {len(prefill)} prefill lanes")
         prompt_row = prefill[0] if prefill else -1
+    scores: dict = {}
+    if kind is GraphKind.SCORED_PREFILL:  # the prompt token after each chunk; top-k
+        k = max(live.stream.prompt_logprobs for live in lives)
+        scores = {"score_next": array("q", columns.score_next), "score_k": max(0, k)}
     return Frame(
         fence,
         plan.graph,
@@ -147,6 +152,7 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
         expected_ns=plan.estimated_duration_ns,
         copies=tuple(columns.copies),
         restores=tuple(columns.restores),
+        **scores,
     )
 
 
@@ -167,6 +173,7 @@ class _FrameColumns:
     sampling: list[tuple[int, SamplingParams]] = field(default_factory=list)
     restores: list[tuple[int, Restore]] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    score_next: list[int] = field(default_factory=list)  # prefill lanes (scored frames)
 
     def add(self, i: int, lane: LaneWork, live: Live, fence: int) -> None:
         """Lane ``i`` (``live``'s request) appended to every column."""
@@ -196,6 +203,8 @@ class _FrameColumns:
             self.query_len.append(count)
             self.commits.append(lane.max_tokens)
             self.prompt_tokens += live.tokens()[start : start + count]
+            prompt, end = stream.prompt_token_ids, start + count
+            self.score_next.append(prompt[end] if end < len(prompt) else -1)
             self.sampling.append((i, stream.sampling))
             begin = live.start
             if begin is not None and not live.start_sent and not begin.plain:
@@ -270,21 +279,26 @@ def _logprob_sidecars(completion: Completion) -> tuple[Tensor, Tensor] | None:
 
 
 def _entry(
-    fence: int, logprob: float, ids: Sequence[int], values: Sequence[float], vocab: int | None
+    fence: int,
+    logprob: float,
+    ids: Sequence[int],
+    values: Sequence[float],
+    vocab: int | None,
+    sidecar: str = "logprob",
 ) -> TokenLogprobs:
     """One token's TokenLogprobs; EngineError naming the sidecar for a value that
     is no log probability (NaN, +inf) or a token id outside the vocabulary."""
     if vocab is not None and any(not 0 <= i < vocab for i in ids):
         bad = next(i for i in ids if not 0 <= i < vocab)
         raise EngineError(
-            f"fence {fence}: the logprob_token_ids sidecar holds token id {bad}, outside "
+            f"fence {fence}: the {sidecar}_token_ids sidecar holds token id {bad}, outside "
             f"the vocabulary [0, {vocab})"
         )
     try:
         return TokenLogprobs(logprob, tuple(ids), tuple(values))
     except ProtocolError as exc:
         raise EngineError(
-            f"fence {fence}: the logprob sidecars hold an invalid entry ({exc})"
+            f"fence {fence}: the {sidecar} sidecars hold an invalid entry ({exc})"
         ) from None
 
 
@@ -414,3 +428,52 @@ def sidecar_rows(completion: Completion, name: str, ndim: int) -> list | None:
         return [nest(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
     return nest(list(flat), tuple(tensor.shape))
+
+
+def prompt_scores(
+    completion: Completion, plan: ScheduledPlan, streams: Sequence[RequestStream], vocab: int
+) -> None:
+    """A scored prefill's ``prompt_logprobs`` / ``prompt_logprob_token_ids`` sidecars
+    (rank 0's, one row per packed prompt token in lane order) into each lane's
+    stream: the row of position ``p`` is the entry of prompt token ``p + 1``
+    (its log probability, the top ``prompt_logprobs`` alternatives at ``p``),
+    kept for ``p + 1`` inside the prompt.  EngineError naming the sidecar for a
+    missing sidecar, a wrong dtype or shape, a value that is no log probability
+    or a token id outside the vocabulary; nothing is stored then."""
+    fence = completion.fence
+    values = completion.sidecars.get("prompt_logprobs")
+    ids = completion.sidecars.get("prompt_logprob_token_ids")
+    if values is None or ids is None:
+        raise EngineError(f"fence {fence}: a scored prefill's rank 0 sent no prompt_logprobs")
+    if (values.dtype, ids.dtype) != ("float32", "int32"):
+        raise EngineError(
+            f"fence {fence}: prompt_logprobs sidecars must be float32 values and int32 "
+            f"token ids, got {values.dtype} and {ids.dtype}"
+        )
+    rows = sum(lane.prompt_tokens for lane in plan.lanes)
+    k_max = max(0, max(stream.prompt_logprobs for stream in streams))
+    if tuple(values.shape) != (rows, 1 + k_max) or tuple(ids.shape) != (rows, k_max):
+        raise EngineError(
+            f"fence {fence}: prompt_logprobs sidecars of shape {list(values.shape)} and "
+            f"{list(ids.shape)}, expected [{rows}, {1 + k_max}] and [{rows}, {k_max}]"
+        )
+    flat, flat_ids = values.values(), cast("list[int]", ids.values())
+    width = 1 + k_max
+    found: list[dict[int, TokenLogprobs]] = []
+    row = 0
+    for lane, stream in zip(plan.lanes, streams, strict=True):
+        entries: dict[int, TokenLogprobs] = {}
+        k = max(0, stream.prompt_logprobs)
+        last = len(stream.prompt_token_ids) - 1  # the prompt's end: no next prompt token
+        for i in range(lane.prompt_tokens):
+            p = lane.prompt_start + i
+            if p < last:
+                at = (row + i) * width
+                top = flat_ids[(row + i) * k_max : (row + i) * k_max + k]
+                values_k = flat[at + 1 : at + 1 + k]
+                entry = _entry(fence, flat[at], top, values_k, vocab, "prompt_logprob")
+                entries[p + 1] = entry
+        found.append(entries)
+        row += lane.prompt_tokens
+    for stream, entries in zip(streams, found, strict=True):
+        stream.prompt_scores.update(entries)

@@ -35,6 +35,9 @@ class TokenEvent:
     at_ns: int = 0
     fence: int = 0  # the frame that committed the tokens (0: none, e.g. a cancellation)
     logprobs: tuple = ()  # TokenLogprobs per token, when the request asked for them
+    # The prompt's TokenLogprobs (every prompt token after the first), on the first
+    # event of a request that asked (RequestStream.prompt_logprobs >= 0).
+    prompt_logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ class RequestStream:
         self.group = group  # the admission group (RequestSpec.group)
         self.cache_salt = ""  # prefix-cache tenant (RequestSpec.cache_salt)
         self.message_endpoints: tuple[int, ...] = ()  # checkpoint anchors
+        # Scored prefill (docs/scored-prefill.md): -1, or the top alternatives per
+        # prompt token; the scores collected so far by prompt position (the entry
+        # of token p), and whether they went out (with the first event).
+        self.prompt_logprobs = -1
+        self.prompt_scores: dict[int, object] = {}
+        self.prompt_scores_sent = False
         # Prompt tokens its first residency found in the prefix cache (set with
         # its first output).
         self.cached_tokens = 0
@@ -98,6 +107,7 @@ class RequestStream:
         finish_reason: str | None = None,
         fence: int = 0,
         logprobs: tuple = (),
+        prompt_logprobs: tuple = (),
     ) -> bool:
         """Publish an event; False (and nothing published) once finished."""
         with self._lock:
@@ -108,8 +118,9 @@ class RequestStream:
             if finished:
                 self._finish_reason = finish_reason
             event = TokenEvent(
-                tokens, finished, finish_reason, time.monotonic_ns(), fence, logprobs
-            )
+                tokens, finished, finish_reason, time.monotonic_ns(), fence, logprobs,
+                prompt_logprobs,
+            )  # fmt: skip
             self._events.put(event)
             if finished:
                 self._done.set()

@@ -6,8 +6,9 @@ import operator
 import secrets
 from collections.abc import Sequence
 
+from runtime.catalog import GraphKind
 from runtime.coordinator.engine.startup import ModelFacts
-from runtime.transport.sampling import SamplingParams
+from runtime.transport.sampling import MAX_LOGPROBS, SamplingParams
 
 
 def check_prompt(prompt_token_ids: Sequence[int], facts: ModelFacts) -> tuple[int, ...]:
@@ -44,11 +45,30 @@ def check_submission(
     sampling: SamplingParams | None,
     ignore_eos: bool,
     facts: ModelFacts,
+    prompt_logprobs: int = -1,
 ) -> tuple[tuple[int, ...], SamplingParams]:
-    """The checked prompt and sampling; ValueError naming the argument otherwise."""
+    """The checked prompt and sampling; ValueError naming the argument otherwise.
+    ``prompt_logprobs`` >= 0 (score the prompt) needs scored prefill programs and
+    allows ``max_tokens`` 0."""
     prompt = check_prompt(prompt_token_ids, facts)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if (
+        isinstance(prompt_logprobs, bool)
+        or not isinstance(prompt_logprobs, int)
+        or not -1 <= prompt_logprobs <= MAX_LOGPROBS
+    ):
+        raise ValueError(
+            f"prompt_logprobs must be in [-1, {MAX_LOGPROBS}], got {prompt_logprobs!r}"
+        )
+    scored = prompt_logprobs >= 0
+    if scored and not any(d.kind is GraphKind.SCORED_PREFILL for d in facts.descriptors):
+        raise ValueError(
+            "prompt_logprobs: the deployment captured no scored prefill programs "
+            "(it runs with --no-scored-prefill)"
+        )
+    least = 0 if scored else 1
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < least:
+        kind = "a non-negative" if scored else "a positive"
+        raise ValueError(f"max_tokens must be {kind} integer, got {max_tokens!r}")
     total = len(prompt) + max_tokens
     if total > facts.max_context:
         raise ValueError(

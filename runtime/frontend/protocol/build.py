@@ -8,6 +8,7 @@ from typing import Any
 
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.protocol.errors import RequestError
+from runtime.frontend.protocol.fields import int_field
 from runtime.frontend.protocol.requests import GenerationRequest, ServingLimits
 
 
@@ -47,7 +48,7 @@ def build_request(
         if len(ids) > truncate:
             ids, text = ids[-truncate:], None  # the last tokens: the text is no longer theirs
     room = context - len(ids)
-    if room < 1:
+    if room < 1 and max_tokens != 0:  # (a scored prompt of no output needs no room)
         raise RequestError(
             400,
             f"{limit}; the prompt has {len(ids)} tokens, leaving no room to generate",
@@ -80,6 +81,17 @@ def build_request(
         logprobs=logprobs,
         **fields,
     )
+
+
+def zero_or_more_tokens(obj: Mapping[str, Any], name: str, fields: dict[str, Any]) -> int | None:
+    """The output limit ``name``: >= 1, or 0 when the prompt is scored (``echo`` or
+    ``prompt_logprobs``: the response is the prompt alone); None when absent."""
+    value = int_field(obj, name, lo=0)
+    if value == 0 and not (fields.get("echo") or fields.get("prompt_logprobs") is not None):
+        raise RequestError(
+            400, f"{name} must be >= 1 (0 only with echo or prompt_logprobs), got 0", name
+        )
+    return value
 
 
 def check_choices(prompts: int, n: int, limits: ServingLimits) -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from runtime.frontend.defaults import GenerationDefaults
-from runtime.frontend.protocol.build import build_request, check_choices, served_model
+from runtime.frontend.protocol.build import (
+    build_request,
+    check_choices,
+    served_model,
+    zero_or_more_tokens,
+)
 from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.fields import (
     flag_field,
@@ -34,9 +39,9 @@ def parse_completion(
     model = served_model(obj, limits)
     prompt = _completion_prompt(obj.get("prompt"), limits)
     defaults = defaults or GenerationDefaults()
-    fields = generation_fields(obj, limits, defaults)
+    fields = generation_fields(obj, limits, defaults, echo=True)
     check_choices(1, fields["n"], limits)
-    max_tokens = int_field(obj, "max_tokens", lo=1)
+    max_tokens = zero_or_more_tokens(obj, "max_tokens", fields)
     logprobs = int_field(obj, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if isinstance(prompt, str):
         special = flag_field(obj, "add_special_tokens", True)

@@ -26,6 +26,7 @@ from runtime.transport.api import MAX_SALT_CHARS
 from runtime.transport.sampling import (
     LOGIT_BIAS_LIMIT,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     PENALTY_LIMIT,
 )
 
@@ -35,11 +36,23 @@ _SEED_END = 2**63
 
 
 def generation_fields(
-    obj: Mapping[str, Any], limits: ServingLimits, defaults: GenerationDefaults
+    obj: Mapping[str, Any],
+    limits: ServingLimits,
+    defaults: GenerationDefaults,
+    echo: bool = False,
 ) -> dict[str, Any]:
-    """The fields both endpoints share (everything but prompt, max_tokens, logprobs)."""
-    if bool_field(obj, "echo"):
-        raise RequestError(400, "echo is not supported", "echo")
+    """The fields both endpoints share (everything but prompt, max_tokens, logprobs).
+    ``echo``: the endpoint takes ``echo`` (completions); elsewhere it is refused."""
+    echoed = bool_field(obj, "echo")
+    if echoed and not echo:
+        raise RequestError(400, "echo is not supported on this endpoint", "echo")
+    name = "prompt_logprobs"
+    value = obj.get(name)
+    if is_int(value) and value == -1:
+        raise RequestError(
+            400, f"{name}: -1 (the whole vocabulary) is not supported, at most {MAX_LOGPROBS}", name
+        )
+    prompt_logprobs = int_field(obj, name, lo=0, hi=MAX_LOGPROBS)
     top_k = int_field(obj, "top_k", lo=-1)
     seed = int_field(obj, "seed", lo=0, hi=_SEED_END - 1)
     stream = bool_field(obj, "stream")
@@ -101,6 +114,8 @@ def generation_fields(
         "skip_special_tokens": skip_special_tokens,
         "return_tokens_as_token_ids": bool_field(obj, "return_tokens_as_token_ids"),
         "truncate_prompt_tokens": _truncate_prompt_tokens(obj.get("truncate_prompt_tokens")),
+        "echo": echoed,
+        "prompt_logprobs": prompt_logprobs,
     }
 
 

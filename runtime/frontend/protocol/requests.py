@@ -3,10 +3,8 @@ becomes (:class:`GenerationRequest`), and what validation needs of a tokenizer."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
-
-from runtime.frontend.protocol.images import ImageLimits, PreparedImage
 
 MAX_CHOICES = 1024  # prompts x n of one request, unless the server says otherwise
 
@@ -18,9 +16,7 @@ class ServingLimits:
     ``default_max_tokens``: the max_tokens of a request that gives none, capped by the
     rest of the context; None means the rest of the context (OpenAI's legacy completions
     used 16).  ``max_choices``: prompts x n one request may ask for
-    (``--max-choices-per-request``).  ``images``: what a chat request's images may be
-    (the image flags); ``accepts_images``: whether the served model takes images
-    (false for every model today: an image that passes intake is then a 400).
+    (``--max-choices-per-request``).
     """
 
     model_name: str
@@ -29,8 +25,6 @@ class ServingLimits:
     default_max_tokens: int | None = None
     kv_tokens: int | None = None  # tokens the KV cache holds for one request (pages x size)
     max_choices: int = MAX_CHOICES
-    images: ImageLimits = field(default_factory=ImageLimits)
-    accepts_images: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -86,9 +80,21 @@ class GenerationRequest:
     return_tokens_as_token_ids: bool = False
     # What the request asked (None: no truncation); prompt_token_ids are already cut.
     truncate_prompt_tokens: int | None = None
-    # Chat: the images, decoded and preprocessed, in the order of their parts (each
-    # left IMAGE_PLACEHOLDER in its message's text): the vision model's input.
-    images: tuple[PreparedImage, ...] = ()
+    # Scored prompts (docs/scored-prefill.md): completions' ``echo`` (the prompt's
+    # text, and with logprobs its tokens' log probabilities, before the output)
+    # and vLLM's ``prompt_logprobs`` (None: not asked; k: each prompt token's
+    # log probability and its top k).
+    echo: bool = False
+    prompt_logprobs: int | None = None
+
+    @property
+    def scored_k(self) -> int:
+        """The prompt's top-k to score (Submit.prompt_logprobs): -1 when the prompt
+        is not scored; a request of no output is scored (k >= 0) so that it runs."""
+        if self.prompt_logprobs is None and not (self.echo and self.logprobs is not None):
+            return 0 if self.max_tokens == 0 else -1
+        echoed = self.logprobs if self.echo and self.logprobs is not None else 0
+        return max(self.prompt_logprobs or 0, echoed)
 
 
 class Encoder(Protocol):

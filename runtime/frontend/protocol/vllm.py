@@ -23,7 +23,6 @@ GUIDED_FIELDS = (
 # vLLM fields flare does not implement: (field, the values that ask for nothing, why).
 # Any other value is a 400 naming the field (:func:`refuse_unsupported`).
 REFUSED_FIELDS: tuple[tuple[str, tuple[Any, ...], str], ...] = (
-    ("prompt_logprobs", (), "flare does not score prompts yet (no prompt logprobs)"),
     ("allowed_token_ids", (), "sampling from a list of allowed tokens is not implemented"),
     ("bad_words", ([],), "banning words is not implemented"),
     ("prompt_embeds", (), "prompts are text or token ids, not embeddings"),

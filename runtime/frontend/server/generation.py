@@ -44,6 +44,9 @@ class Piece:
     fence: int
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens its request found in the prefix cache
+    # A scored prompt's entries (every prompt token after the first), on the
+    # choice's first piece (Output.prompt_logprobs).
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class EngineRefused(Exception):
@@ -83,6 +86,7 @@ def _submit(fe: Frontend, req: GenerationRequest, index: int, seed: int, group: 
         group=group,
         cache_salt=req.cache_salt,
         message_endpoints=submit_endpoints(req.message_endpoints, len(req.prompt_token_ids)),
+        prompt_logprobs=req.scored_k,
     )
     return rid, queue
 
@@ -157,7 +161,10 @@ async def _choice(
             if done and not out.finished:
                 with contextlib.suppress(CoordinatorGone):
                     client.cancel(rid)  # ended here: the coordinator stops selecting it
-            yield Piece(index, text, tokens, logprobs, rid, out.fence, finish, cached)
+            yield Piece(
+                index, text, tokens, logprobs, rid, out.fence, finish, cached,
+                out.prompt_logprobs,
+            )  # fmt: skip
     finally:
         if not done:
             with contextlib.suppress(CoordinatorGone):

@@ -77,3 +77,52 @@ def merge_completion_logprobs(into: dict[str, Any] | None, more: dict[str, Any])
     for key in into:
         into[key].extend(more[key])
     return into
+
+
+def echo_logprobs(fe: Frontend, req: Any, piece: Piece, as_ids: bool = False) -> dict[str, Any]:
+    """The legacy completions map of an echoed prompt (``echo`` with ``logprobs``):
+    every prompt token, the first one's log probability and alternatives null
+    (it has no context), then each next token's from the scored prompt;
+    ``text_offset`` from 0."""
+    ids = req.prompt_token_ids
+    entries = piece.prompt_logprobs
+    texts = [_token_text(fe, t) for t in ids]
+    offsets, offset = [], 0
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    k = req.logprobs or 0
+    return {
+        "tokens": [_token_text(fe, t, True) for t in ids] if as_ids else texts,
+        "token_logprobs": [None, *(_lp(item.logprob) for item in entries)],
+        "top_logprobs": [None, *(_top_by_text(fe, _first(item, k), as_ids) for item in entries)],
+        "text_offset": offsets,
+    }
+
+
+def _first(item: TokenLogprobs, k: int) -> TokenLogprobs:
+    """``item`` with its first ``k`` alternatives (the prompt may be scored wider)."""
+    return TokenLogprobs(item.logprob, item.top_token_ids[:k], item.top_logprobs[:k])
+
+
+def vllm_prompt_logprobs(fe: Frontend, req: Any, piece: Piece) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs`` of a choice: None for the first prompt token, then
+    per token ``{token_id: {logprob, rank, decoded_token}}`` for the prompt token
+    and its top ``prompt_logprobs`` alternatives (rank: 1-based among the
+    alternatives; the prompt token's is null when it is not among them: the
+    ranks return the top-k, not every rank)."""
+    k = req.prompt_logprobs or 0
+    out: list[dict[str, Any] | None] = [None]
+    for token, item in zip(req.prompt_token_ids[1:], piece.prompt_logprobs):
+        ranked: dict[str, Any] = {}
+        top = list(zip(item.top_token_ids[:k], item.top_logprobs[:k]))
+        rank = next((i + 1 for i, (t, _) in enumerate(top) if t == token), None)
+        ranked[str(token)] = {
+            "logprob": _lp(item.logprob), "rank": rank, "decoded_token": _token_text(fe, token)
+        }  # fmt: skip
+        for i, (t, value) in enumerate(top):
+            ranked.setdefault(
+                str(t), {"logprob": _lp(value), "rank": i + 1, "decoded_token": _token_text(fe, t)}
+            )
+        out.append(ranked)
+    return out

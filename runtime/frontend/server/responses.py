@@ -19,11 +19,13 @@ from runtime.frontend.preprocess.preparer import render_json
 from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.requests import GenerationRequest
 from runtime.frontend.server.admission import Ticket
-from runtime.frontend.server.generation import EngineRefused, choices_of, merged_pieces
+from runtime.frontend.server.generation import EngineRefused, Piece, choices_of, merged_pieces
 from runtime.frontend.server.logprobs import (
     chat_logprobs,
     completion_logprobs,
+    echo_logprobs,
     merge_completion_logprobs,
+    vllm_prompt_logprobs,
 )
 from runtime.frontend.server.state import Frontend
 from runtime.frontend.server.usage import Timing, Usage
@@ -39,6 +41,38 @@ def _seed(req: GenerationRequest) -> int:
 
 def _usage(reqs: list[GenerationRequest]) -> Usage:
     return Usage(sum(len(req.prompt_token_ids) for req in reqs), reqs[0].n)  # each prompt once
+
+
+class _Echo:
+    """A choice's first piece: the echoed prompt (completions' ``echo``: its text,
+    with ``logprobs`` its tokens' map) and vLLM's ``prompt_logprobs``, each
+    once per choice (docs/scored-prefill.md)."""
+
+    def __init__(self, fe: Frontend, req: GenerationRequest, chat: bool) -> None:
+        self.fe, self.req, self.chat = fe, req, chat
+        self.seen: set[int] = set()
+        text = ""
+        if req.echo and not chat:
+            text = req.prompt
+            if text is None:  # token ids: their text
+                ids = list(req.prompt_token_ids)
+                text = fe.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+        self.text = text
+
+    def first(self, piece: Piece) -> tuple[str, dict | None, list | None] | None:
+        """(prompt text, its logprobs map or None, vLLM's prompt_logprobs or None)
+        for the first piece of its choice; None for later ones."""
+        if piece.index in self.seen:
+            return None
+        self.seen.add(piece.index)
+        req = self.req
+        echoed = None
+        if req.echo and req.logprobs is not None and not self.chat:
+            echoed = echo_logprobs(self.fe, req, piece, req.return_tokens_as_token_ids)
+        scores = None
+        if req.prompt_logprobs is not None:
+            scores = vllm_prompt_logprobs(self.fe, req, piece)
+        return self.text, echoed, scores
 
 
 async def stream_response(
@@ -74,6 +108,7 @@ async def _stream_chunks(
     kind = "chat.completion.chunk" if chat else "text_completion"
     head = {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model}
     offsets = [0] * total
+    echo = _Echo(fe, req, chat)
     if chat:
         for i in range(total):
             yield _sse(
@@ -84,23 +119,36 @@ async def _stream_chunks(
         async for piece in merged_pieces(fe, reqs, seed):
             usage.add(piece)
             timing.tokens(piece)
-            if not piece.text and piece.finish_reason is None and req.logprobs is None:
+            first = echo.first(piece)
+            prefix, echoed, scores = first if first is not None else ("", None, None)
+            extra = bool(prefix) or echoed is not None or scores is not None
+            if (
+                not piece.text
+                and piece.finish_reason is None
+                and req.logprobs is None
+                and not extra
+            ):
                 continue  # held back (stop-string prefix, partial character)
-            logprobs = None
+            logprobs = echoed
+            offsets[piece.index] += len(prefix)
             if req.logprobs is not None and piece.token_ids:
                 as_ids = req.return_tokens_as_token_ids
                 if chat:
                     logprobs = {"content": chat_logprobs(fe, piece, as_ids)}
                 else:
-                    logprobs = completion_logprobs(fe, piece, offsets[piece.index], as_ids)
+                    more = completion_logprobs(fe, piece, offsets[piece.index], as_ids)
+                    logprobs = merge_completion_logprobs(echoed, more)
             offsets[piece.index] += len(piece.text)
+            text = prefix + piece.text
             if chat:
-                delta = {"content": piece.text} if piece.text else {}
+                delta = {"content": text} if text else {}
                 choice = {"index": piece.index, "delta": delta, "logprobs": logprobs,
                           "finish_reason": piece.finish_reason}  # fmt: skip
             else:
-                choice = {"index": piece.index, "text": piece.text, "logprobs": logprobs,
+                choice = {"index": piece.index, "text": text, "logprobs": logprobs,
                           "finish_reason": piece.finish_reason}  # fmt: skip
+            if scores is not None:
+                choice["prompt_logprobs"] = scores
             yield _sse({**head, "choices": [choice]})
             if piece.text and piece.finish_reason is None:
                 with contextlib.suppress(CoordinatorGone):
@@ -128,9 +176,16 @@ async def collect_response(
     finish: list[str | None] = [None] * total
     completion_lp: list[dict | None] = [None] * total
     chat_lp: list[list] = [[] for _ in range(total)]
+    prompt_lp: list[list | None] = [None] * total
+    echo = _Echo(fe, req, chat)
     async for piece in merged_pieces(fe, reqs, seed):
         usage.add(piece)
         timing.tokens(piece)
+        first = echo.first(piece)
+        if first is not None:
+            prefix, echoed, prompt_lp[piece.index] = first
+            texts[piece.index] += prefix
+            completion_lp[piece.index] = echoed
         if req.logprobs is not None and piece.token_ids:
             as_ids = req.return_tokens_as_token_ids
             if chat:
@@ -162,6 +217,9 @@ async def collect_response(
             for i in range(total)
         ]
         kind = "text_completion"
+    if req.prompt_logprobs is not None:  # vLLM's field, per choice
+        for i, choice in enumerate(choices):
+            choice["prompt_logprobs"] = prompt_lp[i]
     return {
         "id": request_id,
         "object": kind,
