@@ -36,6 +36,8 @@ setup(
         "prometheus_client>=0.20",
         "jinja2>=3.1",
         "httpx>=0.27",
+        # Chat images: decoded and preprocessed in the frontend's preprocessing workers.
+        "pillow>=10",
     ],
     extras_require={
         "test": [

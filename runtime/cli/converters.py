@@ -11,6 +11,7 @@ flag keeps its words, so the names below say what a converter accepts.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -238,6 +239,41 @@ def kv_bytes(text: str) -> int:
         return parse_bytes(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def byte_count(text: str) -> int:
+    """``20971520``, ``20MiB``: bytes, as :func:`kv_bytes` reads them (``--max-image-bytes``)."""
+    return kv_bytes(text)
+
+
+def mm_limits(text: str) -> int:
+    """vLLM's ``--limit-mm-per-prompt``: ``{"image": N}`` (JSON) or ``image=N``; the
+    images per request (N >= 0; 0 refuses every image). flare takes images only:
+    another modality (video, audio) is refused."""
+    raw = text.strip()
+    if raw.startswith("{"):
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be JSON such as '{{\"image\": 4}}', got {text!r}"
+            ) from None
+    else:
+        pairs = [item.partition("=") for item in raw.split(",") if item.strip()]
+        if not pairs or any(not eq for _, eq, _ in pairs):
+            raise argparse.ArgumentTypeError(
+                f"must be JSON such as '{{\"image\": 4}}' or image=4, got {text!r}"
+            )
+        value = {k.strip(): _integer(v.strip()) for k, _, v in pairs}
+    if not isinstance(value, dict) or set(value) != {"image"}:
+        keys = sorted(value) if isinstance(value, dict) else value
+        raise argparse.ArgumentTypeError(
+            f'flare takes images only: give {{"image": N}}, got {keys!r}'
+        )
+    count = value["image"]
+    if type(count) is not int or count < 0:
+        raise argparse.ArgumentTypeError(f"image must be an integer >= 0, got {count!r}")
+    return count
 
 
 def trace_bytes(text: str) -> int:

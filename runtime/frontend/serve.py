@@ -34,7 +34,7 @@ import socket
 import ssl
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 
@@ -56,6 +56,7 @@ from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
 from runtime.frontend.preprocess.pool import DEFAULT_WORKERS, PreprocessPool
+from runtime.frontend.protocol.images import ImageLimits
 from runtime.frontend.protocol.requests import ServingLimits
 from runtime.frontend.server.admission import Gate
 from runtime.frontend.server.app import create_app
@@ -99,6 +100,8 @@ class ServeOptions:
     max_connections: int | None = None  # --max-connections (None: from the fd limit)
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # --header-timeout
     preprocess_workers: int = DEFAULT_WORKERS  # --preprocess-workers (0: none)
+    # --limit-mm-per-prompt, --max-image-bytes, --max-image-pixels, --max-image-frames
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "heartbeat_timeout_s"):
@@ -250,6 +253,9 @@ async def _serve(
             status.max_context,
             kv_tokens=status.kv_tokens,
             max_choices=opts.max_choices_per_request,
+            # Text-only (docs/serving.md, "Images": what the vision model sets here).
+            images=opts.image_limits,
+            accepts_images=False,
         )
         if opts.preprocess_workers > 0:  # large bodies are prepared there
             pool = PreprocessPool(

@@ -25,13 +25,24 @@ import tempfile
 import threading
 import time
 
+import openai
 import psutil
 import pytest
 
 from runtime.deploy.launch import free_port
 from runtime.frontend.preprocess.limits import MAX_MESSAGES
+from runtime.frontend.protocol.images import NOT_ACCEPTED
 from runtime.frontend.tokenizer import ModelTokenizer
 from runtime.ranks.model import default_model_dir
+from tests.support.images import (
+    animated_gif,
+    data_uri,
+    encoded,
+    image_chat,
+    png,
+    png_header,
+    truncated_png,
+)
 from tests.support.server import ROOT, START_S
 
 pytestmark = pytest.mark.process
@@ -335,6 +346,68 @@ def test_large_bodies_within_the_limits_are_served_by_the_workers(server, tokeni
         server.port, "POST", "/detokenize", json.dumps({"tokens": answer["tokens"]}).encode()
     )
     assert status == 200 and answer["prompt"] == text, answer
+
+
+# ------------------------------------------------------------------ hostile images
+
+IMAGE_FIELD = "messages[0].content[1].image_url.url"
+HOSTILE_IMAGES = {
+    "truncated PNG": (image_chat(data_uri(truncated_png())), IMAGE_FIELD,
+                      "cannot be decoded as a PNG image"),
+    "100,000 x 100,000 header": (image_chat(data_uri(png_header(100_000, 100_000))),
+                                 IMAGE_FIELD, "100000 x 100000 = 10000000000 pixels"),
+    "non-image bytes": (image_chat(data_uri(b"%PDF-1.7 not an image" * 10)), IMAGE_FIELD,
+                        "is not a PNG, JPEG, WebP or GIF image"),
+    "GIF of 1,000 frames": (image_chat(data_uri(animated_gif(1000), "image/gif")), IMAGE_FIELD,
+                            "more than 32 frames"),
+    "remote URL": (image_chat("https://example.com/cat.png"), IMAGE_FIELD,
+                   "does not fetch images"),
+    "1,000 images": (image_chat(*[data_uri(png(2, 2))] * 1000), "messages",
+                     "at most 16 per request (--limit-mm-per-prompt)"),
+}  # fmt: skip
+
+
+def chat_works(port: int) -> bool:
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    status, answer = request(port, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    return status == 200 and answer["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("name", list(HOSTILE_IMAGES))
+def test_a_hostile_image_is_a_400_naming_it_and_the_server_stays_healthy(server, name):
+    body, param, words = HOSTILE_IMAGES[name]
+    status, answer = request(server.port, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    error = error_of(answer)
+    assert status == 400 and error["param"] == param and words in error["message"], answer
+    assert chat_works(server.port)
+
+
+def test_images_are_decoded_off_the_event_loop(server):
+    """Images of the most pixels each (4096 x 4096, compressible: 300 MB of pixels
+    from a 0.5 MB body, half a second each to decode), decoded in a worker while
+    /health and a stream are watched; then refused by the text-only model."""
+    from PIL import Image
+
+    big = [encoded(Image.new("RGB", (4096, 4096), (i, 2 * i, 3 * i))) for i in range(6)]
+    body = image_chat(*[data_uri(b) for b in big])
+    start = time.monotonic()
+    status, answer, health, excess = attack(
+        server, "/v1/chat/completions", json.dumps(body).encode()
+    )
+    assert status == 400 and error_of(answer)["message"] == NOT_ACCEPTED, answer
+    assert health < HEALTH_BOUND_S and excess < GAP_BOUND_S, (health, excess)
+    assert time.monotonic() - start < 60
+
+
+def test_a_valid_image_on_the_text_only_model_is_a_400_through_the_openai_client(server):
+    client = openai.OpenAI(base_url=f"http://{HOST}:{server.port}/v1", api_key="-", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id, **image_chat(data_uri(png()))
+        )  # fmt: skip
+    assert info.value.status_code == 400
+    assert info.value.body["message"] == NOT_ACCEPTED and info.value.body["param"] == IMAGE_FIELD
+    assert chat_works(server.port)
 
 
 # ------------------------------------------------------------------ connections

@@ -1,6 +1,7 @@
-"""The serving flags of ``flare run``: the HTTP server's address, API limits, and
-its reliability (drain on SIGTERM, the queue limit, limits against hostile
-clients; docs/serving.md, "Reliability").
+"""The serving flags of ``flare run``: the HTTP server's address, API limits (the
+image limits among them: docs/serving.md, "Images"), and its reliability (drain on
+SIGTERM, the queue limit, limits against hostile clients; docs/serving.md,
+"Reliability").
 
 The heartbeat flags (``--heartbeat-interval``, ``--heartbeat-timeout``) belong
 to the liveness flags (flags/liveness.py); the frontend reads them too, for the
@@ -14,6 +15,8 @@ import argparse
 import os
 
 from runtime.cli.converters import (
+    byte_count,
+    mm_limits,
     nonnegative_int,
     nonnegative_seconds,
     port,
@@ -23,6 +26,13 @@ from runtime.cli.converters import (
 )
 from runtime.cli.flags.families import flag_group
 from runtime.cli.flags.security import add_https_flags, https_options
+from runtime.frontend.protocol.images import (
+    DEFAULT_IMAGE_BYTES,
+    DEFAULT_IMAGE_FRAMES,
+    DEFAULT_IMAGE_PIXELS,
+    DEFAULT_IMAGES_PER_PROMPT,
+    ImageLimits,
+)
 
 
 def add_server_flags(run: argparse.ArgumentParser) -> None:
@@ -47,6 +57,45 @@ def add_server_flags(run: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1024,
         help="the most choices (prompts x n) one HTTP request may ask for",
+    )
+    add_image_flags(serving)
+
+
+def add_image_flags(serving: argparse._ArgumentGroup) -> None:
+    """The limits on a chat request's images (docs/serving.md, "Images"), each a 400
+    naming it: runtime.frontend.protocol.images.ImageLimits."""
+    serving.add_argument(
+        "--limit-mm-per-prompt",
+        metavar="JSON",
+        type=mm_limits,
+        default=DEFAULT_IMAGES_PER_PROMPT,
+        help="vLLM's flag: the most images one request may hold, as '{\"image\": N}' or "
+        f"image=N (0 refuses images; default {DEFAULT_IMAGES_PER_PROMPT})",
+    )
+    serving.add_argument(
+        "--max-image-bytes",
+        metavar="BYTES",
+        type=byte_count,
+        default=DEFAULT_IMAGE_BYTES,
+        help="the largest image file a data URI may carry, checked from its base64 length "
+        "before decoding (20MiB, 20971520; default 20MiB)",
+    )
+    serving.add_argument(
+        "--max-image-pixels",
+        metavar="N",
+        type=positive_int,
+        default=DEFAULT_IMAGE_PIXELS,
+        help="the most pixels (width x height, read from the header before decoding, and "
+        f"after the preprocessor's resize) of one image (default {DEFAULT_IMAGE_PIXELS}, "
+        "4096 x 4096)",
+    )
+    serving.add_argument(
+        "--max-image-frames",
+        metavar="N",
+        type=positive_int,
+        default=DEFAULT_IMAGE_FRAMES,
+        help="the most frames of an animated image (GIF, APNG, WebP), counted without "
+        f"decoding them; only the first is used (default {DEFAULT_IMAGE_FRAMES})",
     )
 
 
@@ -134,4 +183,10 @@ def serving_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         "max_connections": args.max_connections,
         "header_timeout_s": float(args.header_timeout),
         "preprocess_workers": args.preprocess_workers,
+        "image_limits": ImageLimits(
+            max_images_per_prompt=args.limit_mm_per_prompt,
+            max_image_bytes=args.max_image_bytes,
+            max_image_pixels=args.max_image_pixels,
+            max_image_frames=args.max_image_frames,
+        ),
     }

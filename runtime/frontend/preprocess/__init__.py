@@ -34,6 +34,10 @@ Modules, one concept each:
   and :func:`~.preparer.prepare_body`, which picks inline or the pool;
 - ``pool``: the frontend's side, :class:`~.pool.PreprocessPool`;
 - ``worker``: the worker process (``__main__`` runs it);
-- ``wire``: the frames and the checked msgpack form of requests and errors;
+- ``images``: decoding a chat request's images with Pillow against hostile ones
+  (every body with an image part is prepared in a worker);
+- ``image_processor``: a ``preprocessor_config.json`` read and applied;
+- ``wire``: the frames and the checked msgpack form of requests (their images'
+  pixels as bytes, shape and dtype) and errors;
 - ``memory``: handing a large body's heap pages back (``malloc_trim``), RSS.
 """

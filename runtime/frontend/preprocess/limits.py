@@ -131,6 +131,20 @@ def check_sizes(route: str, body: object, limits: ServingLimits, max_token_chars
             )
 
 
+def has_images(route: str, body: object) -> bool:
+    """Whether a chat body holds an ``image_url`` part: decoding one is never done
+    on the event loop, whatever the body's size."""
+    if route != "chat" or not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return False
+    for message in body["messages"]:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "image_url" for p in content
+        ):
+            return True
+    return False
+
+
 def inline_cost(route: str, body: object, size: int) -> int:
     """The characters the tokenizer would go through for this body, roughly: a chat
     request encodes its conversation once per message (its prefix-cache anchors)."""

@@ -19,6 +19,7 @@ import msgpack
 
 from runtime.frontend.chat import ChatTemplate
 from runtime.frontend.defaults import GenerationDefaults
+from runtime.frontend.preprocess.image_processor import ImageProcessorConfig
 from runtime.frontend.preprocess.memory import TRIM_BODY_BYTES, TRIMMER
 from runtime.frontend.preprocess.wire import (
     FRAME,
@@ -94,6 +95,7 @@ class PreprocessPool:
         workers: int = DEFAULT_WORKERS,
         timeout_s: float = PREPARE_TIMEOUT_S,
         max_queued: int | None = None,
+        image_processor: ImageProcessorConfig | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -106,6 +108,8 @@ class PreprocessPool:
             "limits": to_wire(limits),
             "template": to_wire(template),
             "defaults": to_wire(defaults),
+            # The served model's preprocessor_config.json (None: a text-only model).
+            "image_processor": None if image_processor is None else to_wire(image_processor),
         }
         self.workers: set[_Worker] = set()
         self.idle: asyncio.Queue[_Worker] = asyncio.Queue()

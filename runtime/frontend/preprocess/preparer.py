@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from runtime.frontend.chat import ChatTemplate
 from runtime.frontend.defaults import GenerationDefaults
+from runtime.frontend.preprocess.image_processor import ImageProcessorConfig
+from runtime.frontend.preprocess.images import prepare_images
 from runtime.frontend.preprocess.limits import (
     INLINE_BODY_BYTES,
     INLINE_COST,
     TOKENIZE_CONTEXTS,
     check_sizes,
+    has_images,
     inline_cost,
     limit_error,
 )
@@ -23,13 +27,17 @@ from runtime.frontend.preprocess.wire import Body, body_bytes, body_size
 from runtime.frontend.protocol.chat_completions import parse_chat
 from runtime.frontend.protocol.completions import parse_completions
 from runtime.frontend.protocol.errors import RequestError
+from runtime.frontend.protocol.images import ImagePart, PreparedImage
 from runtime.frontend.protocol.requests import GenerationRequest, ServingLimits
 from runtime.frontend.protocol.tokens import parse_detokenize, parse_tokenize
 from runtime.frontend.tokenizer import ModelTokenizer
 
 
 class Preparer:
-    """What preparing a body needs: the limits, tokenizer, chat template and defaults."""
+    """What preparing a body needs: the limits, tokenizer, chat template and defaults,
+    and for a model that takes images its ``preprocessor_config.json``
+    (``image_processor``; None for a text-only model, whose images are decoded and
+    checked, then refused)."""
 
     def __init__(
         self,
@@ -37,19 +45,31 @@ class Preparer:
         tokenizer: ModelTokenizer,
         template: ChatTemplate,
         defaults: GenerationDefaults,
+        image_processor: ImageProcessorConfig | None = None,
     ) -> None:
+        if limits.accepts_images and image_processor is None:
+            raise ValueError("a model that accepts images needs its preprocessor_config.json")
         self.limits = limits
         self.tokenizer = tokenizer
         self.template = template
         self.defaults = defaults
+        self.image_processor = image_processor
         self.max_token_chars = tokenizer.max_token_chars
+
+    def images(self, parts: Sequence[ImagePart]) -> tuple[PreparedImage, ...]:
+        """A chat request's image parts decoded, checked and preprocessed."""
+        return prepare_images(parts, self.limits.images, self.image_processor)
 
     def run(self, route: str, body: object) -> list[GenerationRequest] | dict[str, Any]:
         """The requests of a generation route, or the response of /tokenize and
         /detokenize; RequestError for anything invalid or over a limit."""
         check_sizes(route, body, self.limits, self.max_token_chars)
         if route == "chat":
-            return [parse_chat(body, self.limits, self.tokenizer, self.template, self.defaults)]
+            return [
+                parse_chat(
+                    body, self.limits, self.tokenizer, self.template, self.defaults, self.images
+                )
+            ]
         if route == "completions":
             return parse_completions(body, self.limits, self.tokenizer, self.defaults)
         if route == "tokenize":
@@ -111,9 +131,12 @@ async def prepare_body(
     if pool is None and size > INLINE_BODY_BYTES:  # no pool: a thread, as good as it gets
         return await asyncio.to_thread(_parse_and_run, preparer, route, data)
     obj = parse_json(data)
+    images = has_images(route, obj)  # decoded off the event loop, whatever their size
     if pool is None:
+        if images:
+            return await asyncio.to_thread(preparer.run, route, obj)
         return preparer.run(route, obj)
-    if inline_cost(route, obj, size) > INLINE_COST:
+    if images or inline_cost(route, obj, size) > INLINE_COST:
         return await pool.prepare(route, data)
     return preparer.run(route, obj)
 

@@ -47,8 +47,10 @@ def _encode(tp: Any, value: Any) -> Any:
                 return array("q", value).tobytes()
             return [_encode(inner[0], v) for v in value]
         return [_encode(t, v) for t, v in zip(inner, value)]
-    if tp in (int, float, bool, str):
+    if tp in (int, float, bool, str, bytes):
         return value
+    if dataclasses.is_dataclass(tp):
+        return to_wire(value)
     raise TypeError(f"no wire form for {tp!r}")
 
 
@@ -75,8 +77,10 @@ def _decode(tp: Any, value: Any, name: str) -> Any:
         return tuple(_decode(t, v, name) for t, v in zip(inner, value))
     if tp is float and type(value) in (int, float):
         return float(value)
-    if tp in (int, bool, str) and type(value) is tp:
+    if tp in (int, bool, str, bytes) and type(value) is tp:
         return value
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return from_wire(tp, value)
     raise WireError(f"{name}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
 
 
@@ -88,7 +92,9 @@ _HINTS: dict[type, dict[str, Any]] = {}
 
 
 def to_wire(obj: Any) -> dict[str, Any]:
-    """A flat frozen dataclass (GenerationRequest, ServingLimits, ...) as a msgpack map."""
+    """A frozen dataclass (GenerationRequest, ServingLimits, ...) as a msgpack map;
+    a field that is a dataclass (PreparedImage, ImageLimits) is a nested map, bytes
+    stay bytes (an image's pixels: shape and dtype are fields beside them)."""
     cls = type(obj)
     hints = _HINTS.get(cls) or _HINTS.setdefault(cls, _hints(cls))
     return {f.name: _encode(hints[f.name], getattr(obj, f.name)) for f in dataclasses.fields(obj)}
@@ -128,8 +134,22 @@ def requests_from_wire(data: Any, limits: ServingLimits) -> list[GenerationReque
             raise WireError("prompt_token_ids: empty, or longer than the context")
         if min(ids) < 0 or max(ids) >= limits.vocab_size:
             raise WireError("prompt_token_ids: outside the vocabulary")
+        _check_images(req, limits)
         out.append(req)
     return out
+
+
+def _check_images(req: GenerationRequest, limits: ServingLimits) -> None:
+    """A request's images: only for a model that takes them, within the count, and
+    each one's hash that of its pixels (PreparedImage checked shape, dtype, size)."""
+    if not req.images:
+        return
+    if not limits.accepts_images:
+        raise WireError("images: the served model does not accept images")
+    if len(req.images) > limits.images.max_images_per_prompt:
+        raise WireError("images: more than the limit per request")
+    if not all(image.hash_matches() for image in req.images):
+        raise WireError("images: an image's hash is not that of its pixels")
 
 
 def error_to_wire(exc: RequestError) -> dict[str, Any]:

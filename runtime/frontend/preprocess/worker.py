@@ -15,6 +15,7 @@ from typing import Any
 
 from runtime.frontend.chat import ChatTemplate
 from runtime.frontend.defaults import GenerationDefaults
+from runtime.frontend.preprocess.image_processor import ImageProcessorConfig
 from runtime.frontend.preprocess.limits import ROUTES
 from runtime.frontend.preprocess.memory import TRIM_BODY_BYTES, release_memory, rss_bytes
 from runtime.frontend.preprocess.preparer import Preparer, parse_json, render_json
@@ -65,6 +66,10 @@ def _handle(preparer: Preparer, route: Any, payload: bytes) -> tuple[dict[str, A
     return {"requests": requests_to_wire(result)}, b""
 
 
+def _image_processor(raw: Any) -> ImageProcessorConfig | None:
+    return None if raw is None else from_wire(ImageProcessorConfig, raw)
+
+
 def worker_main() -> int:
     """``python -m runtime.frontend.preprocess``: frames on stdin, answers on stdout."""
     from runtime.logs import basic_config
@@ -88,6 +93,7 @@ def worker_main() -> int:
             tokenizer,
             from_wire(ChatTemplate, config["template"]),
             from_wire(GenerationDefaults, config["defaults"]),
+            _image_processor(config.get("image_processor")),
         )
     except Exception as exc:
         _write_frame(stdout, {"ready": False, "error": str(exc)[:500]})
@@ -105,7 +111,7 @@ def worker_main() -> int:
         except Exception as exc:  # a bug: one line, and the request gets a 500
             log.error("preparing a %s body failed: %r", header.get("route"), exc)
             answer, out = {"error": error_to_wire(RequestError(500, str(exc)[:300], None))}, b""
-        big = len(payload) >= TRIM_BODY_BYTES
+        big = len(payload) >= TRIM_BODY_BYTES or b"image_url" in payload  # decoded images
         del payload, frame
         if big:
             gc.collect()

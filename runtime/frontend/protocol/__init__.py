@@ -17,7 +17,11 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   batch: a list of such prompts (strings or token-id lists), one request each.
 - chat ``messages``: a non-empty list of ``{"role": "system"|"user"|"assistant",
   "content": str | [{"type": "text", "text": str}, ...]}``; text parts are joined with
-  "\\n" (as vLLM does). The prompt is the chat template's rendering.
+  "\\n" (as vLLM does). The prompt is the chat template's rendering. ``image_url``
+  parts (base64 data URIs only; a remote URL is a 400 naming it) leave
+  ``IMAGE_PLACEHOLDER`` in the text and are decoded by the preprocessing worker
+  into ``GenerationRequest.images``; a text-only model then refuses them (``images``,
+  docs/serving.md "Images").
 - ``max_tokens`` (chat also ``max_completion_tokens``, which wins): an int >= 1. Default:
   the rest of the context, capped by ``ServingLimits.default_max_tokens`` when set.
 - ``temperature`` (finite, >= 0, default 1.0; 0 is greedy), ``top_p`` (0 < p <= 1),
@@ -86,6 +90,7 @@ Modules, one concept each: ``completions``, ``chat_completions`` and ``tokens`` 
 ``/tokenize`` and ``/detokenize`` bodies) parse each endpoint's body; ``generation``
 checks the fields the generation endpoints share; ``vllm`` refuses the fields flare
 does not implement; ``build`` applies the context checks and assembles the request;
-``fields`` checks single JSON values; ``requests`` holds ``ServingLimits`` and
+``fields`` checks single JSON values; ``images`` checks image parts and holds
+``ImageLimits`` and ``PreparedImage``; ``requests`` holds ``ServingLimits`` and
 ``GenerationRequest``; ``errors`` holds ``RequestError``.
 """

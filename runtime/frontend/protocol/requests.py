@@ -3,8 +3,10 @@ becomes (:class:`GenerationRequest`), and what validation needs of a tokenizer."
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
+
+from runtime.frontend.protocol.images import ImageLimits, PreparedImage
 
 MAX_CHOICES = 1024  # prompts x n of one request, unless the server says otherwise
 
@@ -16,7 +18,9 @@ class ServingLimits:
     ``default_max_tokens``: the max_tokens of a request that gives none, capped by the
     rest of the context; None means the rest of the context (OpenAI's legacy completions
     used 16).  ``max_choices``: prompts x n one request may ask for
-    (``--max-choices-per-request``).
+    (``--max-choices-per-request``).  ``images``: what a chat request's images may be
+    (the image flags); ``accepts_images``: whether the served model takes images
+    (false for every model today: an image that passes intake is then a 400).
     """
 
     model_name: str
@@ -25,6 +29,8 @@ class ServingLimits:
     default_max_tokens: int | None = None
     kv_tokens: int | None = None  # tokens the KV cache holds for one request (pages x size)
     max_choices: int = MAX_CHOICES
+    images: ImageLimits = field(default_factory=ImageLimits)
+    accepts_images: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
@@ -80,6 +86,9 @@ class GenerationRequest:
     return_tokens_as_token_ids: bool = False
     # What the request asked (None: no truncation); prompt_token_ids are already cut.
     truncate_prompt_tokens: int | None = None
+    # Chat: the images, decoded and preprocessed, in the order of their parts (each
+    # left IMAGE_PLACEHOLDER in its message's text): the vision model's input.
+    images: tuple[PreparedImage, ...] = ()
     # Scored prompts (docs/scored-prefill.md): completions' ``echo`` (the prompt's
     # text, and with logprobs its tokens' log probabilities, before the output)
     # and vLLM's ``prompt_logprobs`` (None: not asked; k: each prompt token's

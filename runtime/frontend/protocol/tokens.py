@@ -37,7 +37,9 @@ def parse_tokenize(
             raise RequestError(400, "prompt must be a string", "prompt")
         text = utf8(prompt, "prompt")
         return tokenizer.encode(text, add_special_tokens=special is not False), strs
-    messages = chat_messages(obj["messages"])
+    # Images: a text-only model refuses them; a vision model counts each part's
+    # placeholder here (its image tokens are the vision model's work).
+    messages = chat_messages(obj["messages"], [] if limits.accepts_images else None, limits.images)
     generation = obj.get("add_generation_prompt")
     generation = True if generation is None else bool_field(obj, "add_generation_prompt")
     try:

@@ -20,7 +20,7 @@ def create_app(fe: Frontend) -> FastAPI:
     if keys:
         app.add_middleware(ApiKeyMiddleware, keys=keys, salts=tenant_salts(keys))
     # Size limits, then parsing and tokenizing (runtime.frontend.preprocess).
-    preparer = Preparer(fe.limits, fe.tokenizer, fe.template, fe.defaults)
+    preparer = Preparer(fe.limits, fe.tokenizer, fe.template, fe.defaults, fe.image_processor)
 
     @app.exception_handler(404)
     async def not_found(request: Request, exc: Exception):

@@ -11,6 +11,7 @@ from runtime.frontend.client import CoordinatorClient
 from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults
 from runtime.frontend.metrics import ServingMetrics
+from runtime.frontend.preprocess.image_processor import ImageProcessorConfig
 from runtime.frontend.preprocess.pool import PreprocessPool
 from runtime.frontend.protocol.requests import ServingLimits
 from runtime.frontend.server.admission import Gate
@@ -35,3 +36,6 @@ class Frontend:
     gate: Gate | None = None  # liveness, drain and overload (None: admit everything)
     # --preprocess-workers: where large bodies are prepared (None: in this process)
     preprocess: PreprocessPool | None = None
+    # The model's preprocessor_config.json when it takes images (limits.accepts_images);
+    # None for a text-only model.
+    image_processor: ImageProcessorConfig | None = None
