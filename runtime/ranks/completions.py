@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from runtime.ranks.checked_frame import CheckedFrame
-from runtime.ranks.programs import Launch
+from runtime.ranks.launch import Launch
 from runtime.ranks.speculative import RoundOutputs
 from runtime.transport.completion import Completion
 from runtime.transport.tensor import Tensor, tensor_from_torch

@@ -22,7 +22,7 @@ from collections import deque
 from runtime.ranks.checked_frame import FrameError
 from runtime.ranks.completions import error_completion
 from runtime.ranks.heap import release_free_memory
-from runtime.ranks.programs import Launch
+from runtime.ranks.launch import Launch
 from runtime.ranks.shapes import ProgramError
 from runtime.ranks.watchdog import Watchdog, hang_message
 from runtime.ranks.worker import RankWorker

@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from runtime.catalog import PREFILL_KINDS, GraphDescriptor, GraphKind
-from runtime.ranks.arena import LANE_FIELDS, SCALARS, FrameInputs, SlotArena, int_size
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.ranks.arena import LANE_FIELDS, FrameInputs, SlotArena, int_size
 from runtime.ranks.checked_frame import CheckedFrame
 from runtime.ranks.draft import DraftContext
+from runtime.ranks.frame_packing import pack_frame
+from runtime.ranks.launch import Launch
 from runtime.ranks.model.attention import AttentionMetadata
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.model.parallel import RELEASE
@@ -52,70 +53,7 @@ from runtime.ranks.sampling import (
     token_logprobs,
 )
 from runtime.ranks.shapes import SCORE_ROWS, VARIANTS, ProgramError, ProgramShape
-from runtime.ranks.speculative import RoundOutputs, SpeculativeStages
-
-
-@dataclass
-class Launch:
-    """One launched frame: its checked lanes, the variant, and how to learn it finished.
-
-    CUDA: ``done`` is an event recorded after the host copies; ``start``/``end``
-    bracket the replay.  CPU: the frame already ran (``device_ns`` is set).
-    """
-
-    checked: CheckedFrame
-    program: PreparedProgram | None  # None: a state frame (no forward)
-    variant: str
-    host: HostOutputs
-    launched_ns: int
-    start: torch.cuda.Event | None = None
-    end: torch.cuda.Event | None = None
-    done: torch.cuda.Event | None = None
-    device_ns: int = 0
-    launch_wait_ns: int = 0  # waiting for the other ranks at the first collective (CPU)
-    stages: dict[str, int] = field(default_factory=dict)  # host ns per stage
-    round: RoundOutputs | None = None  # a speculative round's host outputs
-    times: list[int] = field(default_factory=list)  # received, launched, ended (monotonic ns)
-    state: bool = False  # a state frame (RESTORE/SNAPSHOT): no tokens, one timed interval
-
-    def finished(self) -> bool:
-        return self.done is None or self.done.query()
-
-    def wait(self) -> None:
-        if self.done is not None:
-            self.done.synchronize()
-
-    def elapsed_ns(self) -> int:
-        """The device interval (after :meth:`finished`)."""
-        if self.start is not None and self.end is not None:
-            return max(1, round(self.start.elapsed_time(self.end) * 1e6))
-        return max(1, self.device_ns)
-
-    def tokens(self) -> np.ndarray:
-        """(R,) the sampled tokens (after :meth:`finished`)."""
-        return self.host.token_array[: self.checked.lanes]
-
-    def logprobs(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float32 (R, 1 + k): the sampled token's log probability, then the top
-        ``k``; int32 (R, k): their ids), after :meth:`finished`."""
-        r = self.checked.lanes
-        if not 0 <= k <= self.host.top_ids.shape[1]:
-            raise ProgramError(f"{k} log probabilities, at most {self.host.top_ids.shape[1]}")
-        values = torch.cat([self.host.logprob[:r, None], self.host.top_logprobs[:r, :k]], dim=1)
-        return values, self.host.top_ids[:r, :k].to(torch.int32)
-
-    def prompt_scores(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A scored prefill's (float32 (T, 1 + k): per packed token the next prompt
-        token's log probability, then the top ``k``; int32 (T, k): their ids),
-        T = the frame's packed tokens in lane order, after :meth:`finished`.
-        The row of a chunk's last token with no next prompt token (score_next
-        -1) holds 0 there, to be ignored."""
-        t = int(self.checked.query_len.sum())
-        host = self.host
-        if not 0 <= k <= host.score_ids.shape[1]:
-            raise ProgramError(f"{k} log probabilities, at most {host.score_ids.shape[1]}")
-        values = torch.cat([host.score_logprob[:t, None], host.score_top[:t, :k]], dim=1)
-        return values.contiguous(), host.score_ids[:t, :k].to(torch.int32).contiguous()
+from runtime.ranks.speculative import SpeculativeStages
 
 
 class PreparedProgram:
@@ -147,7 +85,7 @@ class PreparedProgram:
         self.int_size = int_size(n, lanes)
         # A scored prefill's lanes also send the prompt token after their chunk
         # (the frame's score_next), after the arena's other fields.
-        self._score_at = self.int_size
+        self.score_at = self.int_size
         if self.shape.scored:
             self.int_size += lanes
         self._ints = torch.zeros(self.int_size, dtype=torch.int64, device=self.device)
@@ -280,7 +218,7 @@ class PreparedProgram:
         ends; ``lane``/``valid`` (N,) each token's lane and whether it has one."""
         out = self.outputs
         extent = every.shape[0]
-        score_next = self._ints[self._score_at : self._score_at + lanes]  # (L,)
+        score_next = self._ints[self.score_at : self.score_at + lanes]  # (L,)
         index = self._token_index[:extent]
         inside = index + 1 < ends.index_select(0, lane)  # (N,) the next token is packed
         target = torch.where(inside, input_ids.roll(-1), score_next.index_select(0, lane))
@@ -405,122 +343,8 @@ class PreparedProgram:
     def pack(
         self, checked: CheckedFrame, a: np.ndarray, memo: list | None = None
     ) -> tuple[int, int]:
-        """Pack ``checked`` into the host int64 array ``a`` (the arena layout).
-
-        Returns (entries used, page-table width the frame needs).  Column
-        operations only; the prompt lanes' tokens are one slice copy (they lie
-        in lane order, as the lanes pack them).  ``memo``: the buffer's memo
-        (:attr:`HostStaging.memo`); when the buffer was last packed by this
-        program with the same lanes and the frame is steady, only the start
-        positions and steps are rewritten.
-        """
-        shape, scratch = self.shape, self.slots.scratch
-        lanes, r = shape.lanes, checked.lanes
-        key = (self.desc.key, checked.frame.slot, checked.frame.commits)
-        if checked.steady and memo is not None and memo[0] == key:
-            a[2 * lanes : 2 * lanes + r] = checked.position
-            a[3 * lanes : 3 * lanes + r] = checked.step
-            used = len(LANE_FIELDS) * lanes + len(SCALARS) + r
-            return used, max(1, -(-int(checked.context.max()) // self.page_size))
-        prompt = self._check_fits(checked)
-        q, slot, prefill = checked.query_len, checked.slot, checked.prefill
-        o = 0
-        for values, pad in (
-            (slot, scratch),  # state_row
-            (q, 0),  # query_lens
-            (checked.position, 0),  # start_pos
-            (checked.step, 0),  # step
-            (np.where(checked.commits > 0, slot, scratch), scratch),  # count_row
-            (~prefill, 0),  # from_pending
-            (scratch, scratch),  # reset_row (the prompt lanes' below)
-        ):
-            a[o : o + r] = values
-            a[o + r : o + lanes] = pad
-            o += lanes
-        if prompt:
-            self._pack_resets(checked, prompt, a[o - lanes : o])
-        a[o] = checked.frame.prompt_row  # prefill_row
-        o += len(SCALARS)
-        total = int(q.sum())
-        if len(prompt) == r:  # a prefill frame: its chunks in lane order are its tokens
-            a[o : o + total] = checked.prompt_tokens
-        elif self.desc.prompt_capacity:  # a mixed frame: at most one prompt lane
-            # Zeros in the decode rows (their ids come from the pending tokens):
-            # no stale entry of the shared buffer reaches the device's token ids.
-            a[o : o + total] = 0
-            if prompt:
-                offset = int(q[: prompt[0]].sum())
-                a[o + offset : o + offset + int(q[prompt[0]])] = checked.prompt_tokens
-        used = o + total if self.desc.prompt_capacity else o  # a round feeds no prompt
-        if shape.scored:  # after the arena's fields: each lane's next prompt token
-            following = np.frombuffer(checked.frame.score_next, dtype=np.int64)
-            if following.size and int(following.max()) >= self.vocab:
-                i = int(np.argmax(following >= self.vocab))
-                raise ProgramError(
-                    f"score_next[{i}]: token {int(following[i])} outside the vocabulary "
-                    f"({self.vocab} tokens)"
-                )
-            at = self._score_at
-            a[at : at + r] = following
-            a[at + r : at + lanes] = -1
-            used = at + lanes
-        if memo is not None:
-            memo[0] = key if checked.steady or not prompt else None
-        longest = int(checked.context.max(initial=1))
-        if self.speculative is not None:  # the draft extent: D positions past the pending one
-            longest = min(longest + self.desc.proposal_depth, self.max_pages * self.page_size)
-        return used, max(1, -(-longest // self.page_size))
-
-    @staticmethod
-    def _pack_resets(checked: CheckedFrame, prompt: list[int], reset_row: np.ndarray) -> None:
-        """Each prompt lane that starts a new generation resets its slot's penalty
-        row, unless the generation is restored: the rank wrote that row before
-        the launch (DeviceRows.restore).  ``reset_row``: the field, scratch."""
-        if len(prompt) == 1:  # a single prefill, a mixed prompt row: scalars
-            i = prompt[0]
-            if checked.starts[i] and i not in checked.restores:
-                reset_row[i] = checked.slot[i]
-            return
-        fresh = checked.prefill & checked.starts  # (R,)
-        if checked.restores:
-            fresh[list(checked.restores)] = False
-        reset_row[: checked.lanes] = np.where(fresh, checked.slot, reset_row[: checked.lanes])
-
-    def _check_fits(self, checked: CheckedFrame) -> list[int]:
-        """The prompt lanes of ``checked``; ProgramError when it does not fit this
-        program: more lanes than its rows, a lane over its query bound, more
-        tokens than it packs, or a lane in a role the program has no row for (a
-        prefill program's lanes are all prompt lanes; a mixed one takes at most
-        one; decode and speculative programs none)."""
-        shape, desc = self.shape, self.desc
-        r, q, prefill = checked.lanes, checked.query_len, checked.prefill
-        if r > shape.lanes:
-            raise ProgramError(f"{r} lanes for {shape.lanes} rows of {desc.describe()}")
-        if shape.mixed:
-            limit = np.full(r, shape.row_query_len, np.int64)
-            if checked.frame.prompt_row >= 0:
-                limit[checked.frame.prompt_row] = shape.max_query_len
-        else:
-            limit = shape.max_query_len
-        over = q > limit
-        if over.any():
-            i = int(np.argmax(over))
-            raise ProgramError(f"lane {i}: {int(q[i])} tokens exceed {desc.describe()}")
-        total = int(q.sum())
-        if total > shape.tokens and not desc.device_allocated:  # ceilings may sum above P
-            raise ProgramError(f"{total} tokens do not fit {desc.describe()}")
-        prompt = np.flatnonzero(prefill).tolist()
-        if desc.kind in PREFILL_KINDS:
-            if len(prompt) < r:
-                i = int(np.argmin(prefill))
-                raise ProgramError(
-                    f"lane {i}: a decode lane for {desc.describe()} (prompt lanes only)"
-                )
-        elif len(prompt) > 1:
-            raise ProgramError(f"prompt lanes {prompt}: a program takes at most one")
-        elif prompt and not desc.prompt_capacity:
-            raise ProgramError(f"a prompt lane for {desc.describe()}")
-        return prompt
+        """Pack ``checked`` into the host int64 array ``a``: :func:`pack_frame`."""
+        return pack_frame(self, checked, a, memo)
 
     def launch(
         self,

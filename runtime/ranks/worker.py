@@ -61,10 +61,11 @@ from runtime.ranks.completions import (
 from runtime.ranks.device_rows import DeviceRows
 from runtime.ranks.draft import DraftContext
 from runtime.ranks.drills import DebugDrills
+from runtime.ranks.launch import Launch
 from runtime.ranks.model.llama import LlamaForCausalLM
 from runtime.ranks.outputs import HostOutputs
 from runtime.ranks.profiling import RankProfiler
-from runtime.ranks.programs import Launch, PreparedProgram, prepare_programs
+from runtime.ranks.programs import PreparedProgram, prepare_programs
 from runtime.ranks.proposals import ProposerConfig
 from runtime.ranks.shapes import ProgramError, variant_of
 from runtime.ranks.slots import SlotTable

@@ -11,8 +11,8 @@ import pytest
 from runtime.catalog import GraphKind
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.frame_loop import FrameLoop, RankHang
+from runtime.ranks.launch import Launch
 from runtime.ranks.model import load_model
-from runtime.ranks.programs import Launch
 from runtime.ranks.worker import RankWorker
 from runtime.transport.completion import Completion
 from runtime.transport.control import Control

@@ -35,7 +35,7 @@ def test_mixed_frames_serve_staggered_requests_with_transformers_tokens(referenc
     )  # fmt: skip
     with LocalDeployment(config) as d:
         kinds = {desc.kind.value for desc in d.engine.facts.descriptors}
-        assert kinds == {"prefill", "decode", "mixed", "restore", "snapshot"}
+        assert kinds == {"prefill", "scored_prefill", "decode", "mixed", "restore", "snapshot"}
         streams = []
         for prompt in prompts:  # prompts arrive while earlier requests decode
             streams.append(d.engine.submit(prompt, NEW, ignore_eos=True))

@@ -13,8 +13,8 @@ import torch
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.ranks.capacity import CapacityConfig
 from runtime.ranks.checked_frame import FrameError
+from runtime.ranks.launch import Launch
 from runtime.ranks.model import load_model
-from runtime.ranks.programs import Launch
 from runtime.ranks.shapes import VARIANTS, ProgramError
 from runtime.ranks.worker import STAGES, RankWorker
 from runtime.transport.codec import decode, encode
