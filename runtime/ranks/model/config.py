@@ -1,7 +1,10 @@
 """Model configuration read from a Hugging Face ``config.json`` (frozen, validated).
 
 Supported architectures: ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` (q/k/v bias) and
-``Qwen3ForCausalLM`` (per-head RMSNorm on q and k, explicit ``head_dim``). Both the
+``Qwen3ForCausalLM`` (per-head RMSNorm on q and k, explicit ``head_dim``), and
+``LlavaForConditionalGeneration`` over any of them: its ``text_config`` is the
+decoder and its vision half is :attr:`ModelConfig.vision` (see
+:mod:`runtime.ranks.model.vision_config`). Both the
 transformers 4.x spelling (``rope_theta`` + ``rope_scaling``) and the 5.x spelling
 (``rope_parameters``) of the RoPE settings are read.
 """
@@ -10,11 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from runtime.ranks.model.errors import ModelConfigError
+from runtime.ranks.model.vision_config import VisionConfig, VisionConfigError, is_llava
 
 __all__ = ["ARCHITECTURES", "ModelConfig", "RopeScaling"]
 
@@ -102,6 +106,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # LLaVA: the vision encoder, projector and image token; None: a text-only model.
+    vision: VisionConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -136,6 +142,16 @@ class ModelConfig:
             _check_token_id("eos_token_id", token)
         if self.bos_token_id is not None:
             _check_token_id("bos_token_id", self.bos_token_id)
+        if self.vision is not None and self.vision.image_token_id >= self.vocab_size:
+            raise VisionConfigError(
+                f"image_token_index ({self.vision.image_token_id}) is outside the text "
+                f"vocabulary (text_config.vocab_size {self.vocab_size})"
+            )
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether the model takes images (a LLaVA directory)."""
+        return self.vision is not None
 
     # -- derived ---------------------------------------------------------------
 
@@ -218,7 +234,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed Hugging Face config dict."""
+        """Build from a parsed Hugging Face config dict (a LLaVA one: the decoder of
+        its ``text_config`` with :attr:`vision` set)."""
+        if is_llava(raw):
+            return cls._from_llava(raw)
         architecture = _architecture(raw)
         defaults = ARCHITECTURES[architecture]
         act = raw.get("hidden_act", "silu")
@@ -273,8 +292,27 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
         )
 
+    @classmethod
+    def _from_llava(cls, raw: dict[str, Any]) -> ModelConfig:
+        vision = VisionConfig.from_llava(raw)
+        text = raw.get("text_config")
+        if text is None:
+            raise VisionConfigError("text_config is missing from config.json (LLaVA)")
+        if not isinstance(text, dict):
+            raise VisionConfigError(f"text_config must be an object, got {text!r}")
+        text = {"model_type": "llama", **text}  # transformers' default text model
+        if raw.get("tie_word_embeddings"):  # transformers ties if either level says so
+            text["tie_word_embeddings"] = True
+        try:
+            return replace(cls.from_hf(text), vision=vision)
+        except VisionConfigError:
+            raise
+        except ModelConfigError as exc:
+            raise VisionConfigError(f"text_config: {exc}") from None
+
     def to_hf(self) -> dict[str, Any]:
-        """A ``config.json`` dict that :meth:`from_hf` (and transformers) reads back."""
+        """A ``config.json`` dict that :meth:`from_hf` (and transformers) reads back
+        (the decoder's only: a LLaVA config's vision half is not written)."""
         rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(self.rope_scaling.to_hf())

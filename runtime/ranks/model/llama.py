@@ -3,6 +3,9 @@
 Module names mirror the Hugging Face checkpoints (``model.layers.N.self_attn...``)
 except for the merged projections (``qkv_proj``, ``gate_up_proj``), which the
 loader fills part by part.
+
+The forward optionally substitutes image features for token embeddings
+(:func:`substitute_features`; the LLaVA composite, :mod:`.llava`, makes them).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from runtime.ranks.model.parallel import (
     VocabParallelEmbedding,
 )
 
-__all__ = ["PACKED_MODULES", "LlamaForCausalLM"]
+__all__ = ["PACKED_MODULES", "LlamaForCausalLM", "substitute_features"]
 
 # Checkpoint projection name -> (merged module name, shard id).
 PACKED_MODULES: dict[str, tuple[str, str | int]] = {
@@ -112,6 +115,16 @@ class LlamaDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (N, hidden)
 
 
+def substitute_features(hidden: Tensor, image_rows: Tensor, features: Tensor) -> Tensor:
+    """hidden (N, hidden) token embeddings with row ``image_rows[i]`` of the feature
+    store ``features`` (R, hidden), R >= 1, in place of token i's where
+    ``image_rows[i] >= 0``; -1 keeps the embedding. Tensor ops only (no
+    data-dependent branch or shape): CUDA-graph capturable."""
+    use = (image_rows >= 0).unsqueeze(1)  # (N, 1)
+    picked = features.index_select(0, image_rows.clamp(min=0))  # (N, hidden)
+    return torch.where(use, picked.to(hidden.dtype), hidden)  # (N, hidden)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, group: TPGroup, dtype: torch.dtype) -> None:
         super().__init__()
@@ -130,8 +143,12 @@ class LlamaModel(nn.Module):
         positions: Tensor,
         kv_cache: PagedKVCache,
         metadata: AttentionMetadata,
+        image_rows: Tensor | None = None,
+        features: Tensor | None = None,
     ) -> Tensor:
         hidden = self.embed_tokens(input_ids)  # (N, hidden)
+        if image_rows is not None and features is not None:
+            hidden = substitute_features(hidden, image_rows, features)  # (N, hidden)
         cos, sin = self.rotary_emb(positions, hidden.dtype)  # (N, d) each
         for layer in self.layers:
             hidden = layer(hidden, positions, cos, sin, kv_cache, metadata)  # (N, hidden)
@@ -199,10 +216,22 @@ class LlamaForCausalLM(nn.Module):
         positions: Tensor,
         attn_metadata: AttentionMetadata,
         logits_indices: Tensor,
+        *,
+        image_rows: Tensor | None = None,
+        features: Tensor | None = None,
     ) -> Tensor:
         """input_ids (N,) int64, positions (N,) int64, logits_indices (M,) int64 into
-        the N tokens -> logits (M, vocab_size) in the model dtype."""
+        the N tokens -> logits (M, vocab_size) in the model dtype.
+
+        Image features (optional, both or neither): ``features`` (R, hidden) a
+        feature store in the model dtype (rows of :meth:`encode_images` outputs),
+        ``image_rows`` (N,) int64 the store row whose feature replaces each
+        token's embedding, -1 for none (:func:`substitute_features`)."""
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound: call allocate_kv_cache or bind_kv_cache")
-        hidden = self.model(input_ids, positions, self.kv_cache, attn_metadata)  # (N, hidden)
+        if (image_rows is None) != (features is None):
+            raise ValueError("image_rows and features go together: pass both or neither")
+        hidden = self.model(
+            input_ids, positions, self.kv_cache, attn_metadata, image_rows, features
+        )  # (N, hidden)
         return self.lm_head(hidden[logits_indices])  # (M, vocab)

@@ -5,11 +5,16 @@
 tensor is read through ``get_slice``, so a rank reads only the rows or columns its
 shard keeps. A missing, unexpected, duplicated or mis-shaped tensor raises
 LoadError naming it.
+
+A LLaVA directory (``config.json`` with ``vision_config``) loads as
+:class:`~runtime.ranks.model.llava.LlavaForConditionalGeneration`, a
+LlamaForCausalLM with the vision encoder and projector; its checkpoint names are
+mapped by ``param_name`` (the layouts transformers writes, :mod:`.llava`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import torch
@@ -20,6 +25,7 @@ from runtime.ranks.model.checkpoint import checkpoint_files
 from runtime.ranks.model.config import ModelConfig
 from runtime.ranks.model.errors import LoadError
 from runtime.ranks.model.llama import PACKED_MODULES, LlamaForCausalLM
+from runtime.ranks.model.llava import LlavaForConditionalGeneration
 from runtime.ranks.model.parallel import TPGroup, default_weight_loader
 
 __all__ = [
@@ -40,10 +46,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LlamaForCausalLM:
-    """Config, construction directly on ``device``, and this rank's weights."""
+    """Config, construction directly on ``device``, and this rank's weights: a
+    LlavaForConditionalGeneration (a LlamaForCausalLM that also encodes images)
+    for a LLaVA directory, else a LlamaForCausalLM."""
     config = ModelConfig.from_dir(model_dir)
+    cls = LlamaForCausalLM if config.vision is None else LlavaForConditionalGeneration
     with torch.device(device):
-        model = LlamaForCausalLM(config, group, dtype)
+        model = cls(config, group, dtype)
     load_weights(model, model_dir)
     return model.eval()
 
@@ -56,10 +65,17 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
-def _target(name: str, tied: bool) -> tuple[str, Hashable] | None:
+def _target(
+    name: str, tied: bool, rename: Callable[[str], str | None] | None = None
+) -> tuple[str, Hashable] | None:
     """Model parameter and shard id for a checkpoint tensor name; None to skip it."""
     if name.endswith(_IGNORED_SUFFIXES):
         return None
+    if rename is not None:
+        renamed = rename(name)
+        if renamed is None:
+            return None
+        name = renamed
     if tied and name == "lm_head.weight":
         return None  # the embedding (already read) is the head
     parts = name.split(".")
@@ -91,10 +107,11 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | Path) -> None:
 
     loaded: set[tuple[str, Hashable]] = set()
     tied = model.config.tie_word_embeddings
+    rename = model.param_name if isinstance(model, LlavaForConditionalGeneration) else None
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                target = _target(name, tied)
+                target = _target(name, tied, rename)
                 if target is None:
                     continue
                 param_name, shard_id = target
