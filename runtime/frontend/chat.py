@@ -42,6 +42,7 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from runtime.frontend.tokenizer import ModelTokenizer, read_model_json
@@ -68,12 +69,29 @@ class ChatTemplateError(ValueError):
     alternate) or failed while rendering it: the client's messages are at fault."""
 
 
+# A content part as a template sees it: ("text", its text) or ("image", "").
+ContentPart = tuple[Literal["text", "image"], str]
+
+
 @dataclass(frozen=True)
 class ChatMessage:
-    """One message of a conversation; list content is already joined into text."""
+    """One message of a conversation: ``content``, list content joined into text
+    (an image part as ``<image>``), and ``parts``, the parts as the client sent
+    them (None for string content), for a template that renders parts itself."""
 
     role: Role
     content: str
+    parts: tuple[ContentPart, ...] | None = None
+
+    def template_content(self) -> list[dict[str, str]]:
+        """The content as OpenAI-format templates take it (vLLM's "openai" content
+        format): ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` parts."""
+        if self.parts is None:
+            return [{"type": "text", "text": self.content}]
+        return [
+            {"type": "image"} if kind == "image" else {"type": "text", "text": text}
+            for kind, text in self.parts
+        ]
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,13 @@ class ChatTemplate:
                 raise ValueError(f"chat_template does not compile: {exc}") from exc
 
     @property
+    def renders_parts(self) -> bool:
+        """Whether the template loops over a message's content (vLLM's "openai"
+        content format: it renders text and image parts itself, LLaVA's writing
+        ``<image>``); otherwise it takes the content as one string."""
+        return self.source is not None and _loops_over_content(self.source)
+
+    @property
     def add_special_tokens(self) -> bool:
         """Whether the rendered prompt is encoded with the tokenizer's special tokens: only
         for the fallback, since a model's template writes ``bos_token`` itself."""
@@ -103,9 +128,13 @@ class ChatTemplate:
         if self.source is None:
             turns = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages)
             return turns + ("<|assistant|>\n" if add_generation_prompt else "")
+        parts = self.renders_parts
         try:
             return _compile(self.source).render(
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                messages=[
+                    {"role": m.role, "content": m.template_content() if parts else m.content}
+                    for m in messages
+                ],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -225,11 +254,39 @@ def _tojson(
 
 
 @functools.lru_cache(maxsize=8)
-def _compile(source: str) -> jinja2.Template:
+def _loops_over_content(source: str) -> bool:
+    """A ``{% for ... in <x>['content'] %}`` (or ``<x>.content``, through filters
+    such as ``selectattr``) anywhere in the template: vLLM's content-format test,
+    without its check of what ``<x>`` is."""
+    try:
+        tree = _environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+    for loop in tree.find_all(jinja2.nodes.For):
+        node = loop.iter
+        while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) and node.node is not None:
+            node = node.node
+        if isinstance(node, jinja2.nodes.Getattr) and node.attr == "content":
+            return True
+        if (
+            isinstance(node, jinja2.nodes.Getitem)
+            and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == "content"
+        ):
+            return True
+    return False
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(source: str) -> jinja2.Template:
+    return _environment().from_string(source)

@@ -56,6 +56,7 @@ from runtime.transport.api import (
 )
 from runtime.transport.channels import make_socket
 from runtime.transport.codec import decode_or_log, encode
+from runtime.transport.images import SubmitImage
 from runtime.transport.links import ApiEndpoints
 from runtime.transport.run_dirs import make_run_dir
 from runtime.transport.sampling import SamplingParams
@@ -242,6 +243,7 @@ class CoordinatorClient:
         cache_salt: str = "",
         message_endpoints: tuple[int, ...] = (),
         prompt_logprobs: int = -1,
+        images: tuple[SubmitImage, ...] = (),
     ) -> asyncio.Queue[Output | LocalEnd]:
         """Send a request; its outputs arrive on the returned queue, the last one
         finished (or a :class:`LocalEnd`).
@@ -249,7 +251,8 @@ class CoordinatorClient:
         request's choices.  ``cache_salt``: prefix-cache pages are shared only with
         requests of an equal salt ("" none); ``message_endpoints``: each chat
         message's end offset in the prompt (:class:`Submit`); ``prompt_logprobs``:
-        -1, or score the prompt with that many alternatives (:class:`Submit`)."""
+        -1, or score the prompt with that many alternatives (:class:`Submit`);
+        ``images``: the prompt's images, each its span and pixels (:class:`Submit`)."""
         if self.failure is not None:
             raise CoordinatorGone(self.failure)
         if not self._connected:
@@ -264,6 +267,7 @@ class CoordinatorClient:
             cache_salt=cache_salt,
             message_endpoints=message_endpoints,
             prompt_logprobs=prompt_logprobs,
+            images=images,
         )
         self._send(message)  # at once, or from the outbox: never dropped nor refused
         queue: asyncio.Queue[Output | LocalEnd] = asyncio.Queue()

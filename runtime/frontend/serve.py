@@ -55,6 +55,8 @@ from runtime.frontend.connections import (
 from runtime.frontend.debug import DebugLink
 from runtime.frontend.defaults import GenerationDefaults, load_generation_defaults
 from runtime.frontend.metrics import ServingMetrics
+from runtime.frontend.preprocess.image_processor import ImageProcessorConfig
+from runtime.frontend.preprocess.image_tokens import ImageTokens, load_vision
 from runtime.frontend.preprocess.pool import DEFAULT_WORKERS, PreprocessPool
 from runtime.frontend.protocol.images import ImageLimits
 from runtime.frontend.protocol.requests import ServingLimits
@@ -236,8 +238,51 @@ def _stop_coordinator(proc, grace_s: float = STOP_COORDINATOR_S) -> None:
             proc.wait()
 
 
+def _serving_limits(
+    status, opts: ServeOptions, vision: tuple[ImageTokens, ImageProcessorConfig] | None
+) -> ServingLimits:
+    return ServingLimits(
+        status.model_name,
+        status.vocab_size,
+        status.max_context,
+        kv_tokens=status.kv_tokens,
+        max_choices=opts.max_choices_per_request,
+        # A LLaVA model takes images (docs/serving.md, "Images").
+        images=opts.image_limits,
+        accepts_images=vision is not None,
+        image_tokens=None if vision is None else vision[0],
+    )
+
+
+async def _start_pool(
+    limits: ServingLimits,
+    template,
+    defaults: GenerationDefaults,
+    opts: ServeOptions,
+    processor: ImageProcessorConfig | None,
+) -> PreprocessPool:
+    pool = PreprocessPool(
+        limits,
+        template,
+        defaults,
+        opts.model_dir,
+        opts.preprocess_workers,
+        image_processor=processor,
+    )
+    try:
+        await pool.start()
+    except Exception as exc:
+        await pool.close()  # the workers that did start
+        raise StartupError(f"the preprocessing workers did not start: {exc}") from None
+    return pool
+
+
 async def _serve(
-    opts: ServeOptions, tokenizer: ModelTokenizer, template, defaults: GenerationDefaults
+    opts: ServeOptions,
+    tokenizer: ModelTokenizer,
+    template,
+    defaults: GenerationDefaults,
+    vision: tuple[ImageTokens, ImageProcessorConfig] | None = None,
 ) -> int:
     client = CoordinatorClient()
     debug = DebugLink(client.run_dir) if opts.debug_endpoints else None
@@ -247,24 +292,10 @@ async def _serve(
     try:
         started = time.monotonic()
         proc, status = await _start_coordinator(client, opts, debug)
-        limits = ServingLimits(
-            status.model_name,
-            status.vocab_size,
-            status.max_context,
-            kv_tokens=status.kv_tokens,
-            max_choices=opts.max_choices_per_request,
-            # Text-only (docs/serving.md, "Images": what the vision model sets here).
-            images=opts.image_limits,
-            accepts_images=False,
-        )
+        limits = _serving_limits(status, opts, vision)
+        processor = None if vision is None else vision[1]
         if opts.preprocess_workers > 0:  # large bodies are prepared there
-            pool = PreprocessPool(
-                limits, template, defaults, opts.model_dir, opts.preprocess_workers
-            )
-            try:
-                await pool.start()
-            except Exception as exc:
-                raise StartupError(f"the preprocessing workers did not start: {exc}") from None
+            pool = await _start_pool(limits, template, defaults, opts, processor)
         gate = Gate(
             client,
             opts.heartbeat_timeout_s,
@@ -282,6 +313,7 @@ async def _serve(
             debug=debug,
             gate=gate,
             preprocess=pool,
+            image_processor=processor,
         )
         app = create_app(frontend)
         quiet_accept_errors(asyncio.get_running_loop())
@@ -424,6 +456,7 @@ def serve(opts: ServeOptions) -> int:
         tokenizer = ModelTokenizer.from_dir(opts.model_dir)
         template = load_chat_template(opts.model_dir, tokenizer, opts.chat_template)
         defaults = load_generation_defaults(opts.model_dir, tokenizer.eos_token_ids)
+        vision = load_vision(opts.model_dir)  # None: a text-only model
     except ValueError as exc:  # names the file or the flag
         print(f"flare: {exc}", file=sys.stderr)
         return 1
@@ -435,7 +468,7 @@ def serve(opts: ServeOptions) -> int:
         log.info("request defaults from the model's generation_config.json: %s", taken)
     try:
         _check_port(opts.host, opts.port)
-        return asyncio.run(_serve(opts, tokenizer, template, defaults))
+        return asyncio.run(_serve(opts, tokenizer, template, defaults, vision))
     except StartupError as exc:
         print(f"flare: {exc}", file=sys.stderr)
         return 1

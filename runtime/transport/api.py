@@ -44,6 +44,7 @@ from runtime.transport.fields import (
     parse_nested,
     set_field,
 )
+from runtime.transport.images import MAX_IMAGES, SubmitImage, check_images
 from runtime.transport.sampling import MAX_LOGPROBS, SamplingParams
 
 OUTPUT_FINISH_REASONS = ("stop", "length", "cancelled", "aborted", "error", "refused")
@@ -96,7 +97,10 @@ class Submit:
     ``prompt_logprobs``: -1, or score the prompt (runs on scored prefill
     programs, docs/scored-prefill.md) and return each prompt token's log
     probability with this many top alternatives (0..MAX_LOGPROBS); then
-    ``max_tokens`` may be 0 (the prompt alone).
+    ``max_tokens`` may be 0 (the prompt alone).  ``images``: the prompt's images
+    in prompt order (:class:`~runtime.transport.images.SubmitImage`: each one's
+    span of image tokens, digest and float32 pixels), checked against the prompt
+    (spans in order, disjoint, inside it; digests recomputed from the pixels).
     """
 
     request_id: int
@@ -108,6 +112,7 @@ class Submit:
     cache_salt: str = ""
     message_endpoints: tuple[int, ...] = ()
     prompt_logprobs: int = -1
+    images: tuple[SubmitImage, ...] = ()
 
     def __post_init__(self) -> None:
         check_int("request_id", self.request_id)
@@ -128,6 +133,7 @@ class Submit:
             raise ProtocolError("message_endpoints", "must be strictly increasing")
         set_field(self, "prompt_token_ids", prompt)
         set_field(self, "message_endpoints", ends)
+        set_field(self, "images", check_images(self.images, prompt))
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -140,12 +146,18 @@ class Submit:
             "cache_salt": self.cache_salt,
             "message_endpoints": list(self.message_endpoints),
             "prompt_logprobs": self.prompt_logprobs,
+            "images": [image.to_wire() for image in self.images],
         }
 
     @classmethod
     def from_wire(cls, data: Any) -> Submit:
         fields = dict(check_fields(cls, data))
         fields["sampling"] = parse_nested("sampling", SamplingParams.from_wire, fields["sampling"])
+        images = check_seq("images", fields["images"], MAX_IMAGES)
+        fields["images"] = tuple(
+            parse_nested(f"images[{i}]", SubmitImage.from_wire, item)
+            for i, item in enumerate(images)
+        )
         return cls(**fields)
 
 

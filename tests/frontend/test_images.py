@@ -26,6 +26,7 @@ from runtime.frontend.preprocess.image_processor import (
     preprocess,
     processor_config,
 )
+from runtime.frontend.preprocess.image_tokens import ImageTokens
 from runtime.frontend.preprocess.images import decode_image, gif_frames, prepare_images
 from runtime.frontend.preprocess.pool import PreprocessPool
 from runtime.frontend.preprocess.preparer import Preparer
@@ -43,6 +44,7 @@ from runtime.frontend.protocol.requests import GenerationRequest, ServingLimits
 from runtime.frontend.server.app import create_app
 from runtime.frontend.server.state import Frontend
 from runtime.frontend.tokenizer import ModelTokenizer
+from runtime.image_spans import ImageSpan
 from runtime.ranks.model import default_model_dir
 from tests.support.images import (
     animated_gif,
@@ -77,8 +79,16 @@ def tokenizer() -> ModelTokenizer:
     return ModelTokenizer.from_dir(default_model_dir())
 
 
+# A vision model's image tokens over the tiny tokenizer: <|pad|> (511) as the image
+# token, (28 / 14)^2 = 4 tokens per image.
+TINY_VISION = ImageTokens(image_token_id=511, image_size=28, patch_size=14)
+
+
 def vision_limits(**images) -> ServingLimits:
-    return ServingLimits(MODEL, 512, 4096, images=ImageLimits(**images), accepts_images=True)
+    return ServingLimits(
+        MODEL, 512, 4096, images=ImageLimits(**images), accepts_images=True,
+        image_tokens=TINY_VISION,
+    )  # fmt: skip
 
 
 def refusal(call, *args) -> RequestError:
@@ -336,10 +346,22 @@ def test_prepared_images_cross_the_wire_unchanged_and_malformed_ones_are_refused
     limits = vision_limits(max_images_per_prompt=2)
     image = prepared()
     assert image.shape == (3, 8, 6) and len(image.pixels) == 3 * 8 * 6 * 4
-    req = GenerationRequest(MODEL, (1, 2, 511), "text", 4, images=(image, image))
+    spans = (ImageSpan(1, 4, image.image_hash), ImageSpan(6, 4, image.image_hash))
+    prompt = (1, *[511] * 4, 2, *[511] * 4, 3)
+    req = GenerationRequest(MODEL, prompt, "text", 4, images=(image, image), image_spans=spans)
     wire = msgpack.unpackb(msgpack.packb(requests_to_wire([req])), raw=False)
     assert wire[0]["images"][0]["pixels"] == image.pixels  # raw bytes, no pickle
     assert requests_from_wire(wire, limits) == [req]
+    bad_spans = [
+        [wire[0]["image_spans"][0]],  # one span for two images
+        [{**wire[0]["image_spans"][0], "digest": "0" * 64}] * 2,  # not the image's hash
+        [wire[0]["image_spans"][0]] * 2,  # overlapping
+        [wire[0]["image_spans"][0], {**wire[0]["image_spans"][1], "start": 8}],  # past the end
+        [wire[0]["image_spans"][0], {**wire[0]["image_spans"][1], "start": 5}],  # over a text token
+    ]
+    for bad in bad_spans:
+        with pytest.raises(WireError, match="image_spans"):
+            requests_from_wire([{**wire[0], "image_spans": bad}], limits)
     good = wire[0]["images"][0]
     bad_images = [
         {**good, "dtype": "float64"},

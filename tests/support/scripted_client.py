@@ -49,12 +49,13 @@ class ScriptedClient:
         cache_salt="",
         message_endpoints=(),
         prompt_logprobs=-1,
+        images=(),
     ):
         # What CoordinatorClient would send: Submit validates the fields.
         self.submits.append(
             Submit(request_id, tuple(prompt), max_tokens, sampling, ignore_eos, group,
                    cache_salt=cache_salt, message_endpoints=message_endpoints,
-                   prompt_logprobs=prompt_logprobs)
+                   prompt_logprobs=prompt_logprobs, images=images)
         )  # fmt: skip
         self.submitted.append(request_id)
         self.groups.append(group)

@@ -1,13 +1,21 @@
-"""Checks of a submission against the model the ranks reported."""
+"""Checks of a submission against the model the ranks reported, and a request's
+images as the engine keeps them (:class:`RequestImages`)."""
 
 from __future__ import annotations
 
 import operator
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.engine.startup import ModelFacts
+from runtime.coordinator.requests import RequestSpec
+from runtime.image_spans import ImageSpan
+from runtime.transport.fields import ProtocolError
+from runtime.transport.images import SubmitImage
+from runtime.transport.images import check_images as check_image_wire
 from runtime.transport.sampling import MAX_LOGPROBS, SamplingParams
 
 
@@ -94,3 +102,56 @@ def check_submission(
                 f"[0, {facts.vocab_size})"
             )
     return prompt, sampling
+
+
+@dataclass(frozen=True)
+class RequestImages:
+    """A request's images, kept with the engine's record of it (its stream) from
+    submission to retirement: the spans the scheduler plans with
+    (``RequestSpec.images``) and each image's pixels (``SubmitImage.pixels``,
+    ``shape``, float32), which the vision frames send to the ranks."""
+
+    images: tuple[SubmitImage, ...]
+
+    @property
+    def spans(self) -> tuple[ImageSpan, ...]:
+        return tuple(image.span for image in self.images)
+
+    def pixels(self, index: int) -> tuple[bytes, tuple[int, ...]]:
+        """Image ``index``'s float32 pixels (C order) and shape."""
+        image = self.images[index]
+        return image.pixels, image.shape
+
+
+def check_images(
+    images: Sequence[SubmitImage], prompt: tuple[int, ...], facts: ModelFacts
+) -> RequestImages | None:
+    """A submission's images (None without any), checked against its prompt (spans
+    in order, disjoint, inside it, over one repeated image token; digests
+    recomputed) and the deployment: it must have vision programs, and the
+    scheduler must take image spans (``RequestSpec.images``).  A ValueError
+    naming ``images`` otherwise: never run without its images."""
+    if isinstance(images, (str, bytes)) or not hasattr(images, "__len__"):
+        raise ValueError(f"images must be a sequence of SubmitImage, got {type(images).__name__}")
+    if len(images) == 0:
+        return None
+    try:
+        checked = check_image_wire(tuple(images), prompt)
+    except ProtocolError as exc:  # "images[1].start: ..."
+        raise ValueError(str(exc)) from None
+    if not any(d.kind is GraphKind.VISION for d in facts.descriptors):
+        raise ValueError(
+            "images: the deployment has no vision programs (the served model "
+            f"{facts.model_name!r} does not take images)"
+        )
+    if "images" not in RequestSpec.__dataclass_fields__:
+        raise ValueError(
+            "images: this coordinator's scheduler takes no image spans yet "
+            "(RequestSpec.images): the request is refused rather than run without its images"
+        )
+    return RequestImages(checked)
+
+
+def spec_images(images: RequestImages | None) -> dict[str, Any]:
+    """``RequestSpec``'s keyword for a request's image spans ({} without images)."""
+    return {} if images is None else {"images": images.spans}

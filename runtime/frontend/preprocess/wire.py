@@ -16,6 +16,7 @@ import msgpack
 
 from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.requests import GenerationRequest, ServingLimits
+from runtime.image_spans import ImageSpanError, check_spans
 
 MAX_FRAME_BYTES = 1 << 30
 FRAME = struct.Struct(">II")  # header length, payload length; then msgpack header, payload
@@ -140,16 +141,30 @@ def requests_from_wire(data: Any, limits: ServingLimits) -> list[GenerationReque
 
 
 def _check_images(req: GenerationRequest, limits: ServingLimits) -> None:
-    """A request's images: only for a model that takes them, within the count, and
-    each one's hash that of its pixels (PreparedImage checked shape, dtype, size)."""
-    if not req.images:
+    """A request's images: only for a model that takes them, within the count, each
+    one's hash that of its pixels (PreparedImage checked shape, dtype, size), and
+    one span per image: its digest the image's hash, in order, disjoint, inside the
+    prompt, over the model's image token."""
+    if not req.images and not req.image_spans:
         return
-    if not limits.accepts_images:
+    if limits.image_tokens is None:
         raise WireError("images: the served model does not accept images")
     if len(req.images) > limits.images.max_images_per_prompt:
         raise WireError("images: more than the limit per request")
     if not all(image.hash_matches() for image in req.images):
         raise WireError("images: an image's hash is not that of its pixels")
+    spans = req.image_spans
+    if [s.digest for s in spans] != [i.image_hash for i in req.images]:
+        raise WireError("image_spans: not one per image, with its hash")
+    try:
+        check_spans(spans, len(req.prompt_token_ids))
+    except ImageSpanError as exc:
+        raise WireError(f"image_spans: {exc}") from None
+    tokens = limits.image_tokens
+    for span in spans:
+        held = req.prompt_token_ids[span.start : span.end]
+        if span.length != tokens.tokens_per_image or set(held) != {tokens.image_token_id}:
+            raise WireError("image_spans: a span is not the image's image tokens")
 
 
 def error_to_wire(exc: RequestError) -> dict[str, Any]:

@@ -16,9 +16,11 @@ from runtime.frontend.chat import (
     ChatMessage,
     ChatTemplate,
     ChatTemplateError,
+    ContentPart,
     message_endpoints,
 )
 from runtime.frontend.defaults import GenerationDefaults
+from runtime.frontend.preprocess.image_tokens import ImageTokens
 from runtime.frontend.protocol.build import (
     build_request,
     check_choices,
@@ -28,6 +30,7 @@ from runtime.frontend.protocol.build import (
 from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.fields import bool_field, flag_field, int_field, json_object, utf8
 from runtime.frontend.protocol.generation import generation_fields
+from runtime.frontend.protocol.image_prompt import expand_images, image_spans
 from runtime.frontend.protocol.images import (
     IMAGE_PLACEHOLDER,
     ImageLimits,
@@ -58,7 +61,9 @@ def parse_chat(
     obj = json_object(body)
     model = served_model(obj, limits)
     parts: list[ImagePart] = []
-    messages = chat_messages(obj.get("messages"), parts, limits.images)
+    vision = limits.image_tokens
+    reserved = IMAGE_PLACEHOLDER if vision is not None else None
+    messages = chat_messages(obj.get("messages"), parts, limits.images, reserved=reserved)
     prepared = _decoded(parts, images, limits)
     defaults = defaults or GenerationDefaults()
     fields = generation_fields(obj, limits, defaults)
@@ -81,21 +86,35 @@ def parse_chat(
         text = template.render(messages, add_generation_prompt=generation)
     except ChatTemplateError as exc:
         raise RequestError(400, str(exc), "messages") from exc
-    ids = tuple(tokenizer.encode(text, add_special_tokens=special))
+
+    ids, starts = _encode(text, len(parts), vision, tokenizer, special)
     request = build_request(
         model, ids, text, "messages", max_tokens, max_param, logprobs, fields, limits, defaults
     )
     if prepared:
-        request = dataclasses.replace(request, images=prepared)
+        assert vision is not None  # _decoded refused images for a text-only model
+        dropped = len(ids) - len(request.prompt_token_ids)
+        spans = image_spans(starts, prepared, vision, dropped)
+        request = dataclasses.replace(request, images=prepared, image_spans=spans)
     if len(request.prompt_token_ids) < len(ids):
         return request  # truncated: the later turns' anchors would not be prefixes of it
     try:
         ends = message_endpoints(
-            template, messages, ids, lambda t: tokenizer.encode(t, add_special_tokens=special)
+            template, messages, ids, lambda t: _encode(t, None, vision, tokenizer, special)[0]
         )
     except ChatTemplateError:  # a template that refuses a partial conversation: no anchors
         ends = ()
     return dataclasses.replace(request, message_endpoints=ends)
+
+
+def _encode(
+    text: str, count: int | None, vision: ImageTokens | None, tokenizer: Encoder, special: bool
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The prompt's ids and each image's first position (a vision model's images
+    expanded into its image tokens: :func:`expand_images`)."""
+    if vision is None:
+        return tuple(tokenizer.encode(text, add_special_tokens=special)), ()
+    return expand_images(text, count, vision, tokenizer, special)
 
 
 def _decoded(
@@ -112,10 +131,17 @@ def _decoded(
 
 
 def chat_messages(
-    value: Any, images: list[ImagePart] | None = None, limits: ImageLimits | None = None
+    value: Any,
+    images: list[ImagePart] | None = None,
+    limits: ImageLimits | None = None,
+    *,
+    reserved: str | None = None,
 ) -> tuple[ChatMessage, ...]:
     """The messages; their image parts (checked, not decoded) are appended to
-    ``images`` (None: an image part is refused as the model's not accepting it)."""
+    ``images`` (None: an image part is refused as the model's not accepting it).
+    ``reserved``: the served vision model's image placeholder, refused in text (a
+    400 naming the text): an image goes where its image_url part is, never where a
+    client typed the placeholder."""
     if value is None:
         raise RequestError(400, "messages is required", "messages")
     if not isinstance(value, list):
@@ -136,28 +162,36 @@ def chat_messages(
                 f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
                 f"{where}.role",
             )
-        content = _content(message.get("content"), f"{where}.content", images, limits)
-        out.append(ChatMessage(role, content))
+        raw, at = message.get("content"), f"{where}.content"
+        if isinstance(raw, str):
+            out.append(ChatMessage(role, _typed_placeholder(utf8(raw, at), at, reserved)))
+            continue
+        parts = _parts(raw, at, images, limits, reserved)
+        content = "\n".join(IMAGE_PLACEHOLDER if k == "image" else t for k, t in parts)
+        out.append(ChatMessage(role, content, parts))
     return tuple(out)
 
 
-def _content(
-    value: Any, where: str, images: list[ImagePart] | None, limits: ImageLimits | None
-) -> str:
-    """Message content: a string, or a non-empty list of text and image parts joined
-    by newlines (an image part as IMAGE_PLACEHOLDER)."""
-    if isinstance(value, str):
-        return utf8(value, where)
+def _parts(
+    value: Any,
+    where: str,
+    images: list[ImagePart] | None,
+    limits: ImageLimits | None,
+    reserved: str | None,
+) -> tuple[ContentPart, ...]:
+    """List content: a non-empty list of text and image parts (joined by newlines,
+    an image part as IMAGE_PLACEHOLDER, by :func:`chat_messages`)."""
     if not isinstance(value, list) or not value:
         raise RequestError(
             400, f"{where} must be a string or a non-empty list of content parts", where
         )
-    texts = []
+    out: list[ContentPart] = []
     for j, part in enumerate(value):
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if kind == "image_url" and isinstance(part, dict):
-            texts.append(_image(part, at, images, limits))
+            _image(part, at, images, limits)
+            out.append(("image", ""))
             continue
         if kind != "text":
             raise RequestError(
@@ -169,17 +203,28 @@ def _content(
         text = part.get("text")
         if not isinstance(text, str):
             raise RequestError(400, f"{at}.text must be a string", f"{at}.text")
-        texts.append(utf8(text, f"{at}.text"))
-    return "\n".join(texts)
+        out.append(("text", _typed_placeholder(utf8(text, f"{at}.text"), f"{at}.text", reserved)))
+    return tuple(out)
+
+
+def _typed_placeholder(text: str, where: str, reserved: str | None) -> str:
+    if reserved is not None and reserved in text:
+        raise RequestError(
+            400,
+            f"{where} contains {reserved!r}, the served model's image placeholder: send "
+            "each image as an image_url part, which places it (typed, it would be an "
+            "image without pixels)",
+            where,
+        )
+    return text
 
 
 def _image(
     part: dict[str, Any], at: str, images: list[ImagePart] | None, limits: ImageLimits | None
-) -> str:
+) -> None:
     if images is None:  # a route that takes no images (a text-only model's /tokenize)
         raise not_accepted(at)
     limits = limits or ImageLimits()
     if len(images) >= limits.max_images_per_prompt:
         raise too_many_images(len(images) + 1, limits)
     images.append(image_part(part, at, limits))
-    return IMAGE_PLACEHOLDER

@@ -17,12 +17,14 @@ frames are checked where the image is decoded, in a preprocessing worker
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from runtime.frontend.protocol.errors import RequestError
+from runtime.transport.images import DTYPE as DTYPE  # re-exported: one digest for both sides
+from runtime.transport.images import pixel_digest
+from runtime.transport.images import pixel_digest_input as pixel_digest_input
 
 # vLLM V1 takes up to 999 images per prompt; flare holds each image's prepared
 # pixels (3 x 336 x 336 float32: 1.35 MB for LLaVA-1.5) in the preprocessing worker
@@ -35,7 +37,6 @@ DEFAULT_IMAGE_FRAMES = 32
 # (the vision model's work expands it into the image's tokens).
 IMAGE_PLACEHOLDER = "<image>"
 NOT_ACCEPTED = "the served model does not accept images (it is a text-only model)"
-DTYPE = "float32"
 
 _DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+)((?:;[^;,]*)*),", re.ASCII)
 _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
@@ -194,10 +195,7 @@ class PreparedImage:
         return image_hash(self.pixels, self.shape) == self.image_hash
 
 
-def pixel_digest_input(pixels: bytes, shape: tuple[int, ...]) -> bytes:
-    """What :attr:`PreparedImage.image_hash` hashes: shape, dtype, then the pixels."""
-    return f"{DTYPE}:{'x'.join(map(str, shape))}:".encode() + pixels
-
-
 def image_hash(pixels: bytes, shape: tuple[int, ...]) -> str:
-    return hashlib.sha256(pixel_digest_input(pixels, shape)).hexdigest()
+    """The sha256 of :func:`pixel_digest_input` (shape, dtype, pixels): the digest the
+    coordinator recomputes on receipt (:mod:`runtime.transport.images`)."""
+    return pixel_digest(pixels, shape)

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from runtime.frontend.preprocess.image_tokens import ImageTokens
 from runtime.frontend.protocol.images import ImageLimits, PreparedImage
+from runtime.image_spans import ImageSpan
 
 MAX_CHOICES = 1024  # prompts x n of one request, unless the server says otherwise
 
@@ -20,7 +22,9 @@ class ServingLimits:
     used 16).  ``max_choices``: prompts x n one request may ask for
     (``--max-choices-per-request``).  ``images``: what a chat request's images may be
     (the image flags); ``accepts_images``: whether the served model takes images
-    (false for every model today: an image that passes intake is then a 400).
+    (a LLaVA model; a text-only model's image that passes intake is then a 400),
+    with ``image_tokens``: how its prompt holds an image (``config.json``), given
+    exactly when it takes them.
     """
 
     model_name: str
@@ -31,8 +35,11 @@ class ServingLimits:
     max_choices: int = MAX_CHOICES
     images: ImageLimits = field(default_factory=ImageLimits)
     accepts_images: bool = False
+    image_tokens: ImageTokens | None = None
 
     def __post_init__(self) -> None:
+        if self.accepts_images != (self.image_tokens is not None):
+            raise ValueError("a model that accepts images has image_tokens, and only it")
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ValueError(f"model_name must be a non-empty string, got {self.model_name!r}")
         for name in ("vocab_size", "max_context", "max_choices"):
@@ -87,8 +94,11 @@ class GenerationRequest:
     # What the request asked (None: no truncation); prompt_token_ids are already cut.
     truncate_prompt_tokens: int | None = None
     # Chat: the images, decoded and preprocessed, in the order of their parts (each
-    # left IMAGE_PLACEHOLDER in its message's text): the vision model's input.
+    # left IMAGE_PLACEHOLDER in its message's text): the vision model's input;
+    # image_spans: where each one's image tokens are in prompt_token_ids (one span
+    # per image, in order, its digest the image's image_hash).
     images: tuple[PreparedImage, ...] = ()
+    image_spans: tuple[ImageSpan, ...] = ()
     # Scored prompts (docs/scored-prefill.md): completions' ``echo`` (the prompt's
     # text, and with logprobs its tokens' log probabilities, before the output)
     # and vLLM's ``prompt_logprobs`` (None: not asked; k: each prompt token's

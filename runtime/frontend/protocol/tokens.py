@@ -7,6 +7,8 @@ from runtime.frontend.protocol.build import served_model
 from runtime.frontend.protocol.chat_completions import chat_messages
 from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.fields import bool_field, in_vocabulary, is_int, json_object, utf8
+from runtime.frontend.protocol.image_prompt import expand_images
+from runtime.frontend.protocol.images import IMAGE_PLACEHOLDER, ImagePart
 from runtime.frontend.protocol.requests import Encoder, ServingLimits
 
 
@@ -37,9 +39,12 @@ def parse_tokenize(
             raise RequestError(400, "prompt must be a string", "prompt")
         text = utf8(prompt, "prompt")
         return tokenizer.encode(text, add_special_tokens=special is not False), strs
-    # Images: a text-only model refuses them; a vision model counts each part's
-    # placeholder here (its image tokens are the vision model's work).
-    messages = chat_messages(obj["messages"], [] if limits.accepts_images else None, limits.images)
+    # Images: a text-only model refuses them; a vision model's count as their image
+    # tokens (as in the chat route), without decoding them.
+    vision = limits.image_tokens
+    parts: list[ImagePart] | None = None if vision is None else []
+    reserved = None if vision is None else IMAGE_PLACEHOLDER
+    messages = chat_messages(obj["messages"], parts, limits.images, reserved=reserved)
     generation = obj.get("add_generation_prompt")
     generation = True if generation is None else bool_field(obj, "add_generation_prompt")
     try:
@@ -47,6 +52,9 @@ def parse_tokenize(
     except ChatTemplateError as exc:
         raise RequestError(400, str(exc), "messages") from exc
     special = template.add_special_tokens if special is None else special
+    if vision is not None:
+        count = len(parts or ())
+        return list(expand_images(text, count, vision, tokenizer, special)[0]), strs
     return tokenizer.encode(text, add_special_tokens=special), strs
 
 

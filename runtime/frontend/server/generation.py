@@ -17,6 +17,7 @@ from runtime.frontend.detokenizer import IncrementalDetokenizer
 from runtime.frontend.protocol.requests import GenerationRequest
 from runtime.frontend.server.state import Frontend
 from runtime.transport.api import Output, TokenLogprobs
+from runtime.transport.images import SubmitImage
 from runtime.transport.sampling import SamplingParams
 
 SEED_MODULUS = 1 << 63
@@ -77,6 +78,7 @@ def _submit(fe: Frontend, req: GenerationRequest, index: int, seed: int, group: 
     outbox: never half-sent); its request id and output queue."""
     client = fe.client
     rid = client.new_request_id()
+    images = {"images": submit_images(req)} if req.images else {}  # text: as before
     queue = client.submit(
         rid,
         req.prompt_token_ids,
@@ -87,8 +89,18 @@ def _submit(fe: Frontend, req: GenerationRequest, index: int, seed: int, group: 
         cache_salt=req.cache_salt,
         message_endpoints=submit_endpoints(req.message_endpoints, len(req.prompt_token_ids)),
         prompt_logprobs=req.scored_k,
+        **images,
     )
     return rid, queue
+
+
+def submit_images(req: GenerationRequest) -> tuple[SubmitImage, ...]:
+    """The request's images as ``Submit`` carries them: each one's span and pixels
+    (the coordinator recomputes each digest from the pixels)."""
+    return tuple(
+        SubmitImage(span.start, span.length, span.digest, image.pixels, image.shape, image.dtype)
+        for span, image in zip(req.image_spans, req.images, strict=True)
+    )
 
 
 async def _choice(
