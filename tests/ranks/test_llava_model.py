@@ -484,3 +484,13 @@ def test_image_rows_need_features(checkpoints) -> None:
             torch.tensor([1]),
             image_rows=torch.tensor([-1, -1]),
         )
+
+
+def test_another_vision_language_architecture_is_not_read_as_llava() -> None:
+    from runtime.ranks.model.config import ModelConfig
+    from runtime.ranks.model.vision_config import VisionConfigError
+
+    raw = {"architectures": ["Qwen2VLForConditionalGeneration"], "vision_config": {}}
+    with pytest.raises(ModelConfigError, match="architectures") as caught:
+        ModelConfig.from_hf(raw)
+    assert not isinstance(caught.value, VisionConfigError)

@@ -43,9 +43,10 @@ class VisionConfigError(ModelConfigError, LoadError):
 def is_llava(raw: dict[str, Any]) -> bool:
     """Whether a parsed ``config.json`` is a LLaVA (vision-language) config."""
     archs = raw.get("architectures")
-    if isinstance(archs, list) and LLAVA_ARCHITECTURE in archs:
-        return True
-    return raw.get("model_type") == "llava" or "vision_config" in raw
+    if archs:
+        return isinstance(archs, list) and LLAVA_ARCHITECTURE in archs
+    model_type = raw.get("model_type")
+    return model_type == "llava" or (model_type is None and "vision_config" in raw)
 
 
 @dataclass(frozen=True)
