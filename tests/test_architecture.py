@@ -237,8 +237,8 @@ def test_the_frontend_depends_on_transport_not_on_the_coordinator() -> None:
 # lower one, never a higher one.  The first prefix that a module name starts
 # with places it (so ``runtime.coordinator.engine`` before ``runtime.coordinator``).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("runtime.catalog", "runtime.identity", "runtime.logs", "runtime.private_files",
-     "runtime.speculation"),  # shared leaves
+    ("runtime.catalog", "runtime.identity", "runtime.image_spans", "runtime.logs",
+     "runtime.private_files", "runtime.speculation"),  # shared leaves
     ("runtime.transport",),
     ("runtime.coordinator",),  # the pure scheduler
     ("runtime.coordinator.engine", "runtime.direct", "runtime.ranks", "kernels",
