@@ -2,7 +2,8 @@
 their URLs checked, each limit's 400 naming it and the field, hostile images refused
 before their pixels are decoded, the preprocessor equal to transformers'
 ``CLIPImageProcessor`` (its Pillow backend), prepared images across the workers'
-wire (and malformed ones refused), the limits' flags, and a text-only model's 400.
+wire with their spans (and malformed ones refused), the limits' flags, and a
+text-only model's 400.  Image tokens in the prompt: test_image_tokens.py.
 Against a real server: test_hostile_clients.py ("Hostile images")."""
 
 from __future__ import annotations

@@ -17,11 +17,14 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   batch: a list of such prompts (strings or token-id lists), one request each.
 - chat ``messages``: a non-empty list of ``{"role": "system"|"user"|"assistant",
   "content": str | [{"type": "text", "text": str}, ...]}``; text parts are joined with
-  "\\n" (as vLLM does). The prompt is the chat template's rendering. ``image_url``
-  parts (base64 data URIs only; a remote URL is a 400 naming it) leave
-  ``IMAGE_PLACEHOLDER`` in the text and are decoded by the preprocessing worker
-  into ``GenerationRequest.images``; a text-only model then refuses them (``images``,
-  docs/serving.md "Images").
+  "\\n" (as vLLM does). The prompt is the chat template's rendering (a template
+  that loops over a message's content gets the parts, vLLM's "openai" content
+  format). ``image_url`` parts (base64 data URIs only; a remote URL is a 400
+  naming it) leave ``IMAGE_PLACEHOLDER`` in the text and are decoded by the
+  preprocessing worker into ``GenerationRequest.images``; a text-only model then
+  refuses them. A vision model (LLaVA) gets each placeholder expanded into its
+  image tokens (``image_prompt``), one ``GenerationRequest.image_spans`` entry per
+  image, and refuses the placeholder typed in text (docs/serving.md "Images").
 - ``max_tokens`` (chat also ``max_completion_tokens``, which wins): an int >= 1. Default:
   the rest of the context, capped by ``ServingLimits.default_max_tokens`` when set.
 - ``temperature`` (finite, >= 0, default 1.0; 0 is greedy), ``top_p`` (0 < p <= 1),
@@ -37,7 +40,11 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   With several API keys the server adds each key's own salt
   (``runtime.frontend.server.auth``).
 - ``stream``, ``stream_options.include_usage`` (stream_options only with stream: true),
-  ``ignore_eos`` (vLLM), ``min_tokens`` (0..max_tokens, vLLM); ``echo: true`` is refused.
+  ``ignore_eos`` (vLLM), ``min_tokens`` (0..max_tokens, vLLM).
+- completions ``echo`` (the prompt's text, and with ``logprobs`` its tokens' log
+  probabilities, before the completion; ``max_tokens: 0`` returns the prompt alone)
+  and vLLM's ``prompt_logprobs`` (0..20, both routes): scored prefill,
+  docs/scored-prefill.md. Chat's ``echo: true`` is a 400 naming ``echo``.
 - vLLM's output fields: ``include_stop_str_in_output`` (bool, default false: the stop
   string that ends a choice is part of its text), ``skip_special_tokens`` (bool, default
   true: special tokens are left out of the text; ``spaces_between_special_tokens: false``
@@ -63,8 +70,7 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   for a call, ``min_p`` other than 0. Their no-op forms pass: ``best_of`` <= n,
   ``suffix: ""``, ``use_beam_search: false``, ``response_format: {"type": "text"}``,
   ``tools: []``, ``tool_choice: "none"`` (or ``"auto"``, which with no tools calls none).
-  Likewise vLLM's ``prompt_logprobs`` (any value: prompts are not scored yet),
-  ``structural_tag``, ``allowed_token_ids``, ``bad_words`` (``[]`` passes),
+  Likewise vLLM's ``prompt_logprobs`` -1 (the whole vocabulary), ``structural_tag``, ``allowed_token_ids``, ``bad_words`` (``[]`` passes),
   ``prompt_embeds``, ``logits_processors`` (``[]``), ``vllm_xargs`` (``{}``),
   ``kv_transfer_params`` (``{}``), ``priority`` (0), ``return_token_ids`` (false),
   ``stream_options.continuous_usage_stats`` (false), the repetition-pattern stop
@@ -91,6 +97,7 @@ Modules, one concept each: ``completions``, ``chat_completions`` and ``tokens`` 
 checks the fields the generation endpoints share; ``vllm`` refuses the fields flare
 does not implement; ``build`` applies the context checks and assembles the request;
 ``fields`` checks single JSON values; ``images`` checks image parts and holds
-``ImageLimits`` and ``PreparedImage``; ``requests`` holds ``ServingLimits`` and
+``ImageLimits`` and ``PreparedImage``; ``image_prompt`` expands a vision model's
+image placeholders into its image tokens and spans; ``requests`` holds ``ServingLimits`` and
 ``GenerationRequest``; ``errors`` holds ``RequestError``.
 """
