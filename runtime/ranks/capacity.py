@@ -28,6 +28,13 @@
   (P <= R).  Width one is the ordinary decode program, which keeps the draft
   context (runtime/ranks/draft.py).
 
+* Vision programs (a vision model only, ``build_catalog(..., vision=True)``):
+  :func:`vision_shapes`, a VISION program per power-of-two image count
+  through ``max_vision_images`` (B = images per frame).  Their feature store
+  (``vision_windows`` windows of ``window_rows`` rows, :class:`VisionCapacity`)
+  is sized at rank start-up from the model's image tokens (docs/vision.md,
+  "Rank programs").
+
 * State programs (spec, "Prerequisites and completion"): a RESTORE and a
   SNAPSHOT program per decode batch B (token capacity 1, no prompt capacity).
   They run no forward (runtime/ranks/worker.py: page copies, restored rows and
@@ -51,6 +58,11 @@ from runtime.catalog import (
 # Resident request slots when nobody says (--max-num-seqs): measured on the CPU
 # runtime with flare bench (docs/serving.md, "Default concurrency").
 DEFAULT_MAX_CONCURRENCY = 32
+# A vision model's feature store when nobody says: windows, images a window
+# holds (its rows: that many images' tokens), the largest vision frame.
+DEFAULT_VISION_WINDOWS = 4
+DEFAULT_WINDOW_IMAGES = 4
+DEFAULT_MAX_VISION_IMAGES = 4
 
 
 class CapacityError(ValueError):
@@ -73,8 +85,22 @@ class CapacityConfig:
     speculative_widths: tuple[int, ...] = ()
     speculative_token_capacity: int = 0
     device_allocation: bool = False
+    # A vision model's feature store and vision programs (ignored for text-only
+    # models): windows, rows per window (0: DEFAULT_WINDOW_IMAGES images' tokens),
+    # the most images one vision frame encodes.
+    vision_windows: int = DEFAULT_VISION_WINDOWS
+    window_rows: int = 0
+    max_vision_images: int = DEFAULT_MAX_VISION_IMAGES
 
     def __post_init__(self) -> None:
+        for name, least in (("vision_windows", 1), ("window_rows", 0), ("max_vision_images", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise CapacityError(f"{name} must be an integer >= {least}, got {v!r}")
+        if self.max_vision_images > MAX_BATCH_CAPACITY:
+            raise CapacityError(
+                f"max_vision_images must be <= {MAX_BATCH_CAPACITY}, got {self.max_vision_images}"
+            )
         widths = self.speculative_widths
         if not isinstance(widths, tuple) or any(
             isinstance(w, bool) or not isinstance(w, int) or not 2 <= w <= 16 for w in widths
@@ -123,6 +149,39 @@ class CapacityConfig:
     def decode_batches(self) -> tuple[int, ...]:
         top = padded_concurrency(self.max_concurrency)
         return tuple(1 << i for i in range(top.bit_length()))
+
+    def vision_batches(self) -> tuple[int, ...]:
+        """The vision programs' image counts: powers of two through the padded
+        ``max_vision_images``."""
+        top = padded_concurrency(self.max_vision_images)
+        return tuple(1 << i for i in range(top.bit_length()))
+
+
+@dataclass(frozen=True)
+class VisionCapacity:
+    """A vision model's feature store: ``windows`` windows of ``window_rows``
+    feature rows each (row ``windows * window_rows`` is scratch), for images
+    of ``image_tokens`` rows."""
+
+    windows: int
+    window_rows: int
+    image_tokens: int
+
+    @property
+    def rows(self) -> int:
+        """Addressable feature rows (the scratch row is not one)."""
+        return self.windows * self.window_rows
+
+    @classmethod
+    def of(cls, cfg: CapacityConfig, image_tokens: int) -> VisionCapacity:
+        """The store ``cfg`` asks for, for a model of ``image_tokens`` rows per
+        image; CapacityError when a window cannot hold one image."""
+        rows = cfg.window_rows or DEFAULT_WINDOW_IMAGES * image_tokens
+        if rows < image_tokens:
+            raise CapacityError(
+                f"window_rows ({rows}) cannot hold one image of {image_tokens} feature rows"
+            )
+        return cls(cfg.vision_windows, rows, image_tokens)
 
 
 def balanced_prompt_bucket(prompt_buckets: Sequence[int]) -> int:
@@ -220,7 +279,16 @@ def scored_prefill_shapes(
     return out
 
 
-def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[GraphDescriptor]:
+def vision_shapes(batches: Sequence[int]) -> list[GraphDescriptor]:
+    """The vision programs: one per image count (B images per frame)."""
+    return [GraphDescriptor(GraphKind.VISION, b) for b in sorted(set(batches))]
+
+
+def build_catalog(
+    cfg: CapacityConfig, max_context: int | None = None, vision: bool = False
+) -> list[GraphDescriptor]:
+    """The catalog ``cfg`` asks for; ``vision``: the model encodes images (its
+    vision programs too)."""
     prompts = cfg.prefill_buckets(max_context)
     batches = cfg.decode_batches()
     out = [GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=c) for c in prompts]
@@ -236,6 +304,8 @@ def build_catalog(cfg: CapacityConfig, max_context: int | None = None) -> list[G
     out += speculative_shapes(
         batches, cfg.speculative_widths, cfg.speculative_token_capacity, cfg.device_allocation
     )
+    if vision:
+        out += vision_shapes(cfg.vision_batches())
     out += [GraphDescriptor(kind, b) for kind in STATE_PROGRAMS for b in batches]
     return out
 

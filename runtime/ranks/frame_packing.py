@@ -3,8 +3,9 @@
 :func:`pack_frame` writes the arena layout of :mod:`runtime.ranks.arena` into
 the host staging buffer: per lane its slot, query length, start position,
 step, commit row, whether it continues from its pending token and the penalty
-row it resets; the prompt row; the prompt lanes' tokens in lane order; and, for
-a scored prefill, each lane's next prompt token.  :func:`check_fits` refuses a
+row it resets; the prompt row; the prompt lanes' tokens in lane order; for
+a scored prefill, each lane's next prompt token; and for a vision model's
+prompt program, each packed token's feature-store row (-1: none).  :func:`check_fits` refuses a
 frame the program has no room or no role for, naming the lane.
 """
 
@@ -30,7 +31,15 @@ class PackedProgram(Protocol):
     page_size: int
     max_pages: int
     score_at: int  # a scored prefill's score_next entries start here
+    feature_at: int  # a vision model's prompt program: its feature rows start here
+    store: FeatureRows | None  # a vision model's prompt program: the feature store
     speculative: object | None
+
+
+class FeatureRows(Protocol):
+    """What packing reads of a :class:`~runtime.ranks.vision_programs.FeatureStore`."""
+
+    rows: int  # addressable rows (the scratch row is not one)
 
 
 def pack_frame(
@@ -54,6 +63,7 @@ def pack_frame(
         used = len(LANE_FIELDS) * lanes + len(SCALARS) + r
         return used, max(1, -(-int(checked.context.max()) // program.page_size))
     prompt = check_fits(program, checked)
+    features = check_features(program, checked)
     q, slot, prefill = checked.query_len, checked.slot, checked.prefill
     o = 0
     for values, pad in (
@@ -95,6 +105,13 @@ def pack_frame(
         a[at : at + r] = following
         a[at + r : at + lanes] = -1
         used = at + lanes
+    if program.store is not None:  # each packed token's feature row, -1 but the prompt's
+        at, offset = program.feature_at, 0
+        if prompt and len(prompt) < r:  # a mixed frame's prompt row sits among decode rows
+            offset = int(q[: prompt[0]].sum())
+        a[at : at + shape.tokens] = -1
+        a[at + offset : at + offset + features.size] = features
+        used = at + shape.tokens
     if memo is not None:
         memo[0] = key if checked.steady or not prompt else None
     longest = int(checked.context.max(initial=1))
@@ -151,3 +168,24 @@ def check_fits(program: PackedProgram, checked: CheckedFrame) -> list[int]:
     elif prompt and not desc.prompt_capacity:
         raise ProgramError(f"a prompt lane for {desc.describe()}")
     return prompt
+
+
+def check_features(program: PackedProgram, checked: CheckedFrame) -> np.ndarray:
+    """The frame's ``feature_rows`` (one per prompt token, or none); ProgramError
+    naming the entry when one lies outside the program's feature store, or the
+    program reads no features (a text-only model, a speculative program)."""
+    rows = np.frombuffer(checked.frame.feature_rows, dtype=np.int64)
+    if not rows.size:
+        return rows
+    store = program.store
+    if store is None:
+        raise ProgramError(
+            f"feature_rows: {program.desc.describe()} reads no image features on this rank"
+        )
+    outside = (rows < -1) | (rows >= store.rows)
+    if outside.any():
+        i = int(np.argmax(outside))
+        raise ProgramError(
+            f"feature_rows[{i}]: row {int(rows[i])} outside the feature store ({store.rows} rows)"
+        )
+    return rows

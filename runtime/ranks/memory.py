@@ -13,8 +13,10 @@ The pool of every rank comes from the first of:
    ``other`` is device memory in use outside torch's allocator (the CUDA
    context, NCCL buffers, other processes); ``peak activations`` is the peak
    of one forward at the catalog's largest shapes (the graphs' pool holds one
-   copy of it); the reserve (:data:`GRAPH_POOL_RESERVE_BYTES`) covers what
-   capture takes beyond that.  :func:`check_programs_fit` checks it after
+   copy of it), for a vision model with its feature store held throughout and
+   one encode of the largest vision frame (:func:`vision_dummies`); the
+   reserve (:data:`GRAPH_POOL_RESERVE_BYTES`) covers what capture takes
+   beyond that.  :func:`check_programs_fit` checks it after
    capture.
 
 A page holds ``page_size`` tokens of K and V for every layer and this rank's
@@ -345,6 +347,30 @@ def dummy_forward(
     return probs.sort(dim=-1, descending=True).values[:, 0]  # (L,)
 
 
+def vision_dummies(model: LlamaForCausalLM, capacity: CapacityConfig) -> torch.Tensor | None:
+    """A vision model: a feature store of the size the rank allocates (returned,
+    so the caller holds it across its forwards) after one encode of the largest
+    vision frame's images into it; None for a text-only model."""
+    import torch
+
+    from runtime.ranks.vision_programs import FeatureStore
+
+    vision = model.config.vision
+    if vision is None:
+        return None
+    store = FeatureStore.for_model(model, capacity)
+    assert store is not None
+    enc = vision.encoder
+    images = max(capacity.vision_batches())
+    size = (images, enc.num_channels, enc.image_size, enc.image_size)
+    device = store.features.device
+    features = model.encode_images(torch.zeros(size, device=device))  # type: ignore[operator]
+    n = store.capacity.image_tokens
+    rows = torch.full((images * n,), store.scratch, dtype=torch.int64, device=device)
+    store.features.index_copy_(0, rows, features.reshape(images * n, -1).to(store.features.dtype))
+    return store.features
+
+
 def profile_cuda(
     model: LlamaForCausalLM,
     capacity: CapacityConfig,
@@ -366,8 +392,10 @@ def profile_cuda(
     model.allocate_kv_cache(1, page_size)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
+    store = vision_dummies(model, capacity)  # held across the forwards below
     for shape in largest_shapes(capacity, max_context):
         dummy_forward(model, shape, max_context, page_size)
+    del store
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     model.kv_cache = None

@@ -240,6 +240,7 @@ def catalog_counts(worker: RankWorker) -> str:
     from runtime.catalog import describe_counts
 
     captured = sum(p.captured for p in worker.programs.values())
+    captured += sum(p.captured for p in worker.vision.values())  # a vision model's encoders
     return f"catalog of {describe_counts(worker.catalog)}, {captured} captured as CUDA graphs"
 
 

@@ -25,6 +25,13 @@ publication only.
   program's shape is inert, so it is not computed).
 
 A program's shape and its sampling variants: :mod:`runtime.ranks.shapes`.
+
+A vision model's prompt programs (prefill, scored prefill, mixed) also take,
+after the arena's other fields, each packed token's feature-store row (the
+frame's ``feature_rows``, -1: its embedding) and pass the store to the model
+(:mod:`runtime.ranks.vision_programs`); its VISION programs are
+:class:`~runtime.ranks.vision_programs.VisionProgram`, captured here with the
+others.  A text-only model's arenas and bodies are unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.catalog import PROMPT_KINDS, GraphDescriptor, GraphKind
 from runtime.ranks.arena import LANE_FIELDS, FrameInputs, SlotArena, int_size
 from runtime.ranks.checked_frame import CheckedFrame
 from runtime.ranks.draft import DraftContext
@@ -54,6 +61,7 @@ from runtime.ranks.sampling import (
 )
 from runtime.ranks.shapes import SCORE_ROWS, VARIANTS, ProgramError, ProgramShape
 from runtime.ranks.speculative import SpeculativeStages
+from runtime.ranks.vision_programs import FeatureStore, VisionProgram
 
 
 class PreparedProgram:
@@ -68,6 +76,7 @@ class PreparedProgram:
         page_size: int,
         draft: DraftContext | None = None,
         proposer: ProposerConfig | None = None,
+        store: FeatureStore | None = None,
     ) -> None:
         self.desc = desc
         self.shape = ProgramShape.of(desc)
@@ -88,6 +97,14 @@ class PreparedProgram:
         self.score_at = self.int_size
         if self.shape.scored:
             self.int_size += lanes
+        # A vision model's prompt program: each packed token's feature-store row
+        # (the frame's feature_rows), after those.  None: no tail, no features.
+        speculative = desc.kind is GraphKind.SPECULATIVE or bool(desc.proposal_depth)
+        prompt = desc.kind in PROMPT_KINDS and not speculative
+        self.store = store if prompt else None
+        self.feature_at = self.int_size
+        if self.store is not None:
+            self.int_size += n
         self._ints = torch.zeros(self.int_size, dtype=torch.int64, device=self.device)
         self.inputs = FrameInputs.over(self._ints, n, lanes)
         self.vocab = model.config.vocab_size
@@ -174,12 +191,16 @@ class PreparedProgram:
             row_query_len=shape.row_query_len,
         )
         last = (ends - 1).clamp(0, extent - 1)  # (L,) each lane's last new token
+        image: dict[str, torch.Tensor] = {}
+        if self.store is not None:  # each token's feature row, -1: its embedding
+            rows = self._ints[self.feature_at : self.feature_at + extent]  # (N,)
+            image = {"image_rows": rows, "features": self.store.features}
         if shape.scored:  # logits at every packed token: score them, then sample the last
-            every = self.model(input_ids, positions, meta, n)  # (N, V)
+            every = self.model(input_ids, positions, meta, n, **image)  # (N, V)
             self._score(every, input_ids, ends, lane, valid, lanes)
             logits = every.index_select(0, last).float()  # (L, V)
         else:
-            logits = self.model(input_ids, positions, meta, last).float()  # (L, V)
+            logits = self.model(input_ids, positions, meta, last, **image).float()  # (L, V)
         if self.draft is not None:  # the draft's context follows the target's
             self.draft.feed(input_ids, positions, meta)
         if variant == "argmax":
@@ -337,6 +358,7 @@ class PreparedProgram:
         for row in (views.state_row, views.count_row, views.reset_row):
             row.fill_(scratch)
         views.prefill_row.fill_(-1)
+        host[self.feature_at :].fill_(-1)  # a vision model's feature rows: none
         self._ints.copy_(host)
 
     # -- one frame ---------------------------------------------------------------
@@ -426,17 +448,22 @@ def prepare_programs(
     progress: Callable[[Iterable], Iterable] | None = None,
     draft: DraftContext | None = None,
     proposer: ProposerConfig | None = None,
+    store: FeatureStore | None = None,
+    vision: Iterable[VisionProgram] = (),
 ) -> tuple[dict[tuple, PreparedProgram], ProgramOutputs]:
     """One program per descriptor over shared buffers; captured largest first.
     With a ``draft``, every program also feeds it (runtime/ranks/draft.py);
-    speculative descriptors need a ``proposer``."""
-    catalog = list(catalog)
+    speculative descriptors need a ``proposer``.  ``store``: a vision model's
+    feature store (its prompt programs read it); ``vision``: its VISION
+    programs (built by the caller, not in the returned dict), captured after
+    the others in the same memory pool; VISION descriptors are skipped."""
+    catalog = [d for d in catalog if d.kind is not GraphKind.VISION]
     shapes = [ProgramShape.of(d) for d in catalog]
     device = model.model.embed_tokens.weight.device
     scored = max((s.tokens for s in shapes if s.scored), default=0)
     outputs = ProgramOutputs.allocate(max(s.lanes for s in shapes), model, device, scored)
     programs = {
-        d.key: PreparedProgram(d, model, outputs, slots, page_size, draft, proposer)
+        d.key: PreparedProgram(d, model, outputs, slots, page_size, draft, proposer, store)
         for d in catalog
     }
     order = sorted(programs.values(), key=lambda p: (p.shape.tokens, p.shape.lanes), reverse=True)
@@ -444,4 +471,7 @@ def prepare_programs(
     for program in progress(order) if progress else order:
         if capture:
             pool = program.capture(pool)
+    for encoder in vision:
+        if capture:
+            pool = encoder.capture(pool)
     return programs, outputs

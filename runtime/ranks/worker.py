@@ -28,6 +28,10 @@ token, its position and step) and drops each terminal row's slot, all on the
 compute stream between two CUDA events (``perf_counter_ns`` on CPU), and
 reports one lane per row with no tokens and that interval as the program's
 device time (:meth:`RankWorker._start_state`).
+
+Vision frames (VISION programs, protocol version 10) encode their images into
+the feature store (:mod:`runtime.ranks.vision_programs`) and are published
+like state frames: no lanes, no tokens, the program's device interval.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import numpy as np
 import psutil
 import torch
 
-from runtime.catalog import GraphDescriptor, validate_catalog
+from runtime.catalog import GraphDescriptor, GraphKind, validate_catalog
 from runtime.identity import ModelIdentity, code_version, loaded_identity
 from runtime.ranks.arena import HostStaging, SlotArena
 from runtime.ranks.capacity import CapacityConfig, build_catalog, forward_programs
@@ -69,6 +73,7 @@ from runtime.ranks.programs import PreparedProgram, prepare_programs
 from runtime.ranks.proposals import ProposerConfig
 from runtime.ranks.shapes import ProgramError, variant_of
 from runtime.ranks.slots import SlotTable
+from runtime.ranks.vision_programs import FeatureStore, VisionProgram, vision_programs
 from runtime.ranks.watchdog import frame_deadline_ns
 from runtime.transport.catalog_report import CatalogReport
 from runtime.transport.completion import STAGE_NAMES, Completion
@@ -136,7 +141,7 @@ class RankWorker:
         self.is_eos = np.zeros(config.vocab_size, bool)  # token -> EOS, one lookup per frame
         self.is_eos[list(config.eos_token_ids)] = True
         self.catalog: list[GraphDescriptor] = (
-            build_catalog(capacity, self.max_context)
+            build_catalog(capacity, self.max_context, vision=config.vision is not None)
             if catalog is None
             else list(validate_catalog(list(catalog)))
         )
@@ -175,6 +180,11 @@ class RankWorker:
         # Token history (copy proposals): every position, plus a round's width.
         history = self.max_context + 2 * max(capacity.speculative_widths, default=0) + 2
         self.arena = SlotArena(MAX_SLOTS, max_pages, self.device, history=history * speculative)
+        # A vision model's feature store and VISION programs (None and none: text-only).
+        self.store = FeatureStore.for_model(self.model, capacity)
+        self.vision: dict[tuple, VisionProgram] = vision_programs(
+            self.catalog, self.model, self.store
+        )
         self.programs: dict[tuple, PreparedProgram]
         self.programs, self.outputs = prepare_programs(
             forward_programs(self.catalog),
@@ -185,6 +195,8 @@ class RankWorker:
             progress=progress,
             draft=draft,
             proposer=self.proposer,
+            store=self.store,
+            vision=self.vision.values(),
         )
         # Slots are cheap on a rank: hold the protocol bound, so any coordinator
         # concurrency fits whatever decode buckets were captured.
@@ -225,6 +237,7 @@ class RankWorker:
             weights_digest=self.identity.weights_digest,
             weights_full_digest=self.identity.weights_full_digest,
             draft_digest=self.draft_identity.combined() if self.draft_identity else "",
+            **(self.store.report() if self.store is not None else {}),  # text-only: zeros
         )
 
     def inspect(self, nonce: int = 0) -> RankStatus:
@@ -235,6 +248,7 @@ class RankWorker:
         # Every program of the catalog; the state programs have nothing to capture.
         programs = sorted(
             [(p.desc.describe(), int(p.captured)) for p in self.programs.values()]
+            + [(p.desc.describe(), int(p.captured)) for p in self.vision.values()]
             + [(d.describe(), 0) for d in self.catalog if d.key in self.state_programs]
         )
         cuda = self.device.type == "cuda"
@@ -286,6 +300,8 @@ class RankWorker:
         Raises FrameError / ProgramError with nothing changed.  The slot table
         and the device rows are updated here, before the frame finishes.
         """
+        if frame.program.kind is GraphKind.VISION:
+            return self._start_vision(frame, received_ns, received_at)
         if not frame.slot:  # an empty frame: page copies and releases, no program runs
             self._known_program(frame)
             self.slots.check_copies(frame)
@@ -356,6 +372,21 @@ class RankWorker:
         launch.stages.update(
             receive=received_ns, validate=t1 - t0, pack=0, launch=t2 - t1 - launch.device_ns
         )
+        return launch
+
+    def _start_vision(self, frame: Frame, received_ns: int, received_at: int) -> Launch:
+        """A vision frame: its images encoded into the feature store (nothing
+        changes when the program refuses it), published like a state frame."""
+        program = self.vision.get(frame.program.key)
+        if program is None:
+            raise ProgramError(f"fence {frame.fence}: program {frame.program.describe()} unknown")
+        self.drills.before_launch(frame.fence, self.rank, self.device)
+        launched_at = time.monotonic_ns()
+        host = self.host_buffers[self._next_host]  # unused: nothing is read back
+        with self.profiler.range("launch"):
+            launch = program.launch(frame, host)
+        launch.times = [received_at or launched_at, launched_at]
+        launch.stages["receive"] = received_ns
         return launch
 
     def _copy_pages(self, frame: Frame) -> None:

@@ -1,6 +1,7 @@
 """Rank -> coordinator after capture: :class:`CatalogReport`, the prepared programs
 and the model facts the ranks must agree on (protocol version 8 adds the start-up
-identity of :mod:`runtime.identity`)."""
+identity of :mod:`runtime.identity`; protocol version 10 the vision feature
+store)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ class CatalogReport:
     ``kv_page_bytes`` the KV cache bytes of one page on this rank (target and
     draft), ``draft_digest`` one digest of the draft model's identity ("" = no
     draft).
+
+    Vision (protocol version 10, docs/vision.md "Rank programs"): the feature
+    store the rank allocated at start-up, ``vision_windows`` windows of
+    ``window_rows`` feature rows (store rows ``0 .. vision_windows *
+    window_rows - 1``; a vision frame's ``image_base`` and a prompt frame's
+    ``feature_rows`` address them), for images of ``image_tokens`` rows each;
+    all three 0 for a text-only model.
     """
 
     rank: int
@@ -65,6 +73,9 @@ class CatalogReport:
     weights_digest: str
     weights_full_digest: str
     draft_digest: str
+    vision_windows: int = 0
+    window_rows: int = 0
+    image_tokens: int = 0
 
     def __post_init__(self) -> None:
         world_size = check_int("world_size", self.world_size, 1, MAX_WORLD_SIZE)
@@ -97,6 +108,20 @@ class CatalogReport:
                     wanted += " or ''"
                 raise ProtocolError(name, f"must be {wanted}, got {value!r:.80}")
             set_field(self, name, str.__str__(value))
+        self._check_vision()
+
+    def _check_vision(self) -> None:
+        windows = check_int("vision_windows", self.vision_windows, 0, INT32_MAX)
+        rows = check_int("window_rows", self.window_rows, 0, INT32_MAX)
+        tokens = check_int("image_tokens", self.image_tokens, 0, INT32_MAX)
+        if not windows == rows == tokens == 0 and not 1 <= tokens <= rows:
+            raise ProtocolError(
+                "window_rows",
+                f"a vision model's store needs windows >= 1 of at least one image's rows "
+                f"({tokens}), got {windows} windows of {rows} rows",
+            )
+        if windows * rows > INT32_MAX:
+            raise ProtocolError("vision_windows", f"{windows} x {rows} rows exceed {INT32_MAX}")
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -114,6 +139,9 @@ class CatalogReport:
             "protocol_version": self.protocol_version,
             "code_version": self.code_version,
             **{name: getattr(self, name) for name in _DIGEST_FIELDS},
+            "vision_windows": self.vision_windows,
+            "window_rows": self.window_rows,
+            "image_tokens": self.image_tokens,
         }
 
     @classmethod

@@ -20,6 +20,12 @@ commit nothing (``query_len == commits == 0``, no prompt tokens) and either
 restore a new generation (a *restore row*: RESTORE programs only, with a
 ``restores`` record and its ``sampling``) or drop a known one (a *terminal
 row*); see :class:`Frame`.
+
+Vision (protocol version 10, docs/vision.md "Rank programs"): a VISION
+program's frame has no lanes; it carries ``image_base`` and ``pixels`` and
+writes image features into the ranks' feature store; a prompt frame of a
+vision model may carry ``feature_rows``, the store row each packed prompt
+token reads.
 """
 
 from __future__ import annotations
@@ -71,9 +77,13 @@ LANE_COLUMNS = (
     "prompt_start",
     "page_count",
 )
-# Every int64 column of a frame, in field order (the flat ones too, and the
-# scored prefill's ``score_next``: one entry per lane there, else empty).
-FRAME_COLUMNS = (*LANE_COLUMNS[:7], "prompt_tokens", "page_count", "pages", "score_next")
+# Every int64 column of a frame, in field order (the flat ones too, the scored
+# prefill's ``score_next``: one entry per lane there, else empty, and the
+# vision columns: ``image_base`` per image, ``feature_rows`` per prompt token).
+FRAME_COLUMNS = (
+    *LANE_COLUMNS[:7], "prompt_tokens", "page_count", "pages", "score_next", "image_base",
+    "feature_rows",
+)  # fmt: skip
 
 
 _PROGRAMS: dict[tuple, GraphDescriptor] = {}  # wire form -> descriptor (a catalog is small)
@@ -173,6 +183,18 @@ class Frame(FrameRules):
     position.  Every other program takes ``score_next`` empty and ``score_k``
     0.
 
+    Vision (protocol version 10; docs/vision.md, "Rank programs"): a VISION
+    program's frame encodes ``len(image_base)`` images (1..B) into the ranks'
+    feature store: image ``i``'s feature rows go to store rows ``image_base[i]
+    + 0..N-1`` (N the model's image tokens); ``pixels`` holds the images as
+    float32 (count, 3, H, W), C order, little-endian bytes (the ranks
+    know H and W and check the size).  It has no lanes, prompt tokens, pages,
+    sampling, copies, restores or releases, and commits nothing.  A prompt
+    frame (PREFILL, SCORED_PREFILL, MIXED) may carry ``feature_rows``, one
+    entry per prompt token (the order of ``prompt_tokens``): the store row
+    whose feature replaces that token's embedding, -1 for a text token; empty
+    when it reads no image.  The store bounds are the ranks'.
+
     Columns are ``array('q')``; a list or tuple of ints is converted.  Treat
     them as read-only once the frame is built.
     """
@@ -197,6 +219,9 @@ class Frame(FrameRules):
     restores: tuple[tuple[int, Restore], ...] = ()
     score_next: array = field(default_factory=_empty)
     score_k: int = 0
+    image_base: array = field(default_factory=_empty)
+    pixels: bytes = b""
+    feature_rows: array = field(default_factory=_empty)
 
     def __post_init__(self) -> None:
         check_int("fence", self.fence)
@@ -208,6 +233,8 @@ class Frame(FrameRules):
             for name in FRAME_COLUMNS:
                 set_field(self, name, as_column(name, getattr(self, name)))
         lanes = len(self.slot)
+        if lanes and program.kind is GraphKind.VISION:
+            raise ProtocolError("slot", f"a vision frame has no lanes, got {lanes}")
         if lanes > program.batch_capacity:
             raise ProtocolError(
                 "slot",
@@ -230,6 +257,7 @@ class Frame(FrameRules):
             self._check_sampling(prefill)
         self._check_roles(prefill)
         self._check_scores(prefill)
+        self._check_vision()
         released = check_ints("release_slots", self.release_slots, 0, MAX_SLOTS - 1, MAX_SLOTS)
         check_distinct("release_slots", released)
         if released and lanes:
@@ -295,6 +323,7 @@ class Frame(FrameRules):
         copies: Sequence[tuple[int, int]] = (),
         score_next: Sequence[int] = (),
         score_k: int = 0,
+        feature_rows: Sequence[int] = (),
     ) -> Frame:
         """The frame of per-lane views (tests and scripts); each lane's
         ``restore`` goes into ``restores``."""
@@ -327,6 +356,22 @@ class Frame(FrameRules):
             ),
             score_next=column(score_next),
             score_k=score_k,
+            feature_rows=column(feature_rows),
+        )
+
+    @classmethod
+    def vision(
+        cls,
+        fence: int,
+        program: GraphDescriptor,
+        image_base: Sequence[int],
+        pixels: bytes,
+        expected_ns: int = 0,
+    ) -> Frame:
+        """A vision frame: ``len(image_base)`` images (``pixels``: float32
+        (count, 3, H, W) bytes, C order) into the feature store at those rows."""
+        return cls(
+            fence, program, image_base=column(image_base), pixels=pixels, expected_ns=expected_ns
         )
 
     # ------------------------------------------------------------------ wire
@@ -353,6 +398,9 @@ class Frame(FrameRules):
             "restores": [[lane, restore.to_wire()] for lane, restore in self.restores],
             "score_next": column_to_wire(self.score_next),
             "score_k": self.score_k,
+            "image_base": column_to_wire(self.image_base),
+            "pixels": self.pixels,
+            "feature_rows": column_to_wire(self.feature_rows),
         }
 
     @classmethod

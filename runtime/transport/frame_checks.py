@@ -1,7 +1,7 @@
 """The rules a :class:`~runtime.transport.frame.Frame` obeys beyond its column
 types: lane ranges and phases, speculative rounds, the flat columns against
 the counts that cut them, the sampling entries and the mixed program's prompt
-row.  Each rule raises :class:`~runtime.transport.fields.ProtocolError` naming
+row, the vision columns.  Each rule raises :class:`~runtime.transport.fields.ProtocolError` naming
 the field; they run on every frame built or received, so each works on whole
 columns where it can.
 """
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from array import array
 from operator import attrgetter
+from typing import Any
 
-from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.catalog import PROMPT_KINDS, GraphDescriptor, GraphKind
 from runtime.transport.columns import (
     LaneRanges,
     all_equal,
@@ -37,6 +38,10 @@ from runtime.transport.frame_lane import (
     STATE_KINDS,
 )
 from runtime.transport.sampling import MAX_LOGPROBS, SamplingParams
+
+# A vision frame's pixels: float32 RGB images (the rank knows H and W).
+PIXEL_CHANNELS = 3
+PIXEL_BYTES = 4
 
 # Every lane's range rules, checked in one pass; the phase rules when a lane prefills.
 _LANE_RANGES = LaneRanges(
@@ -75,6 +80,12 @@ class FrameRules:
     prompt_row: int
     score_next: array
     score_k: int
+    copies: Any
+    restores: Any
+    release_slots: Any
+    image_base: array
+    pixels: bytes
+    feature_rows: array
 
     def _check_lanes(self) -> tuple[int, ...]:
         """Range and phase rules of the per-lane columns; the prefill lanes' indices."""
@@ -230,3 +241,41 @@ class FrameRules:
         if self.score_next:
             reason = f"only scored prefill frames have one, not {self.program.kind.value}"
             raise ProtocolError("score_next", reason)
+
+    def _check_vision(self) -> None:
+        """A vision frame: no lanes, nothing but ``image_base`` (1..B images, rows
+        >= 0) and ``pixels`` (a whole number of float32 (3, H, W) images per
+        image, the exact size is the rank's); every other frame: neither, and
+        ``feature_rows`` only on a prompt frame, one entry per prompt token in
+        [-1, INT32_MAX] (the store bound is the rank's)."""
+        kind, images = self.program.kind, len(self.image_base)
+        pixels = self.pixels
+        if type(pixels) is not bytes:
+            if not isinstance(pixels, (bytearray, memoryview)):
+                raise ProtocolError("pixels", f"must be bytes, got {type(pixels).__name__}")
+            set_field(self, "pixels", pixels := bytes(pixels))
+        if kind is GraphKind.VISION:
+            for name in ("copies", "restores", "release_slots", "feature_rows"):
+                if getattr(self, name):
+                    raise ProtocolError(name, "a vision frame carries none")
+            b = self.program.batch_capacity
+            if not 1 <= images <= b:
+                raise ProtocolError("image_base", f"{images} images for a vision program of B={b}")
+            check_range("image_base", self.image_base, 0, INT32_MAX)
+            if not pixels or len(pixels) % (images * PIXEL_CHANNELS * PIXEL_BYTES):
+                reason = f"{len(pixels)} bytes are not {images} float32 images of 3 x H x W"
+                raise ProtocolError("pixels", reason)
+            return
+        if images:
+            raise ProtocolError("image_base", f"only vision frames have one, not {kind.value}")
+        if pixels:
+            raise ProtocolError("pixels", f"only vision frames have them, not {kind.value}")
+        rows = self.feature_rows
+        if not rows:
+            return
+        if kind not in PROMPT_KINDS:
+            raise ProtocolError("feature_rows", f"only prompt frames have one, not {kind.value}")
+        if len(rows) != len(self.prompt_tokens):
+            reason = f"has {len(rows)} entries for {len(self.prompt_tokens)} prompt tokens"
+            raise ProtocolError("feature_rows", reason)
+        check_range("feature_rows", rows, -1, INT32_MAX)

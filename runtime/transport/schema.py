@@ -31,6 +31,10 @@ model digests, dtype, device type, code version, KV bytes per page).
 Protocol version 9 adds scored prefill (``frame.py``: the frame's
 ``score_next`` column and ``score_k``; ``completion.py``: the
 ``prompt_logprobs`` and ``prompt_logprob_token_ids`` sidecars).
+Protocol version 10 adds vision (``frame.py``: a VISION frame's
+``image_base`` column and ``pixels``, a prompt frame's ``feature_rows``;
+``catalog_report.py``: the feature store's ``vision_windows``,
+``window_rows`` and ``image_tokens``).
 Sequences are stored as
 tuples; sidecar tensors travel as raw little-endian bytes with dtype and shape.
 Integers on the wire are bounded so that a rank can copy them into int32/int64
@@ -47,7 +51,7 @@ from runtime.transport.inspection import RankStatus
 from runtime.transport.sampling import SamplingParams
 from runtime.transport.tensor import Tensor
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 Message = SamplingParams | Frame | Tensor | Completion | CatalogReport | Control | RankStatus
 MESSAGE_TYPES: dict[str, type[Message]] = {

@@ -231,6 +231,7 @@ def test_frames_compare_by_value_and_keep_their_field_order() -> None:
         "fence", "program", "slot", "generation", "phase", "position", "query_len", "commits",
         "prompt_start", "prompt_tokens", "page_count", "pages", "sampling", "prompt_row",
         "release_slots", "expected_ns", "copies", "restores", "score_next", "score_k",
+        "image_base", "pixels", "feature_rows",
     ]  # fmt: skip
     assert examples.frame() == examples.frame()
     assert examples.frame() != dataclasses.replace(examples.frame(), position=column([0, 18]))
