@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 from itertools import pairwise
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ from runtime.frontend.preprocess.image_tokens import (
 )
 from runtime.frontend.preprocess.preparer import Preparer
 from runtime.frontend.protocol.errors import RequestError
-from runtime.frontend.protocol.image_prompt import expand_images
+from runtime.frontend.protocol.image_prompt import check_hand_off, expand_images
 from runtime.frontend.protocol.images import IMAGE_PLACEHOLDER, NOT_ACCEPTED, ImageLimits
 from runtime.frontend.protocol.requests import ServingLimits
 from runtime.frontend.server.app import create_app
@@ -327,6 +328,13 @@ def test_truncation_keeps_images_whole(tmp_path):
     into = len(whole.prompt_token_ids) - span.start - 1  # cuts the image's first token
     error = refusal(preparer.run, "chat", {**body, "truncate_prompt_tokens": into})
     assert error.param == "truncate_prompt_tokens" and "images are kept whole" in error.message
+
+
+def test_images_that_would_not_fit_the_coordinator_link_are_a_400():
+    big = SimpleNamespace(pixels=bytes(30 << 20))  # 30 MiB of pixels each
+    check_hand_off([big], 4096)
+    error = refusal(check_hand_off, [big, big, big], 4096)
+    assert error.param == "messages" and "send fewer images" in error.message
 
 
 def test_tokenize_counts_the_image_tokens_without_decoding(tmp_path):

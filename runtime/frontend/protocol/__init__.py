@@ -70,7 +70,8 @@ Accepted fields (null means "not given"; unknown fields are ignored, as OpenAI d
   for a call, ``min_p`` other than 0. Their no-op forms pass: ``best_of`` <= n,
   ``suffix: ""``, ``use_beam_search: false``, ``response_format: {"type": "text"}``,
   ``tools: []``, ``tool_choice: "none"`` (or ``"auto"``, which with no tools calls none).
-  Likewise vLLM's ``prompt_logprobs`` -1 (the whole vocabulary), ``structural_tag``, ``allowed_token_ids``, ``bad_words`` (``[]`` passes),
+  Likewise vLLM's ``prompt_logprobs`` -1 (the whole vocabulary), ``structural_tag``,
+  ``allowed_token_ids``, ``bad_words`` (``[]`` passes),
   ``prompt_embeds``, ``logits_processors`` (``[]``), ``vllm_xargs`` (``{}``),
   ``kv_transfer_params`` (``{}``), ``priority`` (0), ``return_token_ids`` (false),
   ``stream_options.continuous_usage_stats`` (false), the repetition-pattern stop

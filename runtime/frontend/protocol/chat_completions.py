@@ -30,7 +30,7 @@ from runtime.frontend.protocol.build import (
 from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.fields import bool_field, flag_field, int_field, json_object, utf8
 from runtime.frontend.protocol.generation import generation_fields
-from runtime.frontend.protocol.image_prompt import expand_images, image_spans
+from runtime.frontend.protocol.image_prompt import check_hand_off, expand_images, image_spans
 from runtime.frontend.protocol.images import (
     IMAGE_PLACEHOLDER,
     ImageLimits,
@@ -95,6 +95,7 @@ def parse_chat(
         assert vision is not None  # _decoded refused images for a text-only model
         dropped = len(ids) - len(request.prompt_token_ids)
         spans = image_spans(starts, prepared, vision, dropped)
+        check_hand_off(prepared, len(request.prompt_token_ids))
         request = dataclasses.replace(request, images=prepared, image_spans=spans)
     if len(request.prompt_token_ids) < len(ids):
         return request  # truncated: the later turns' anchors would not be prefixes of it

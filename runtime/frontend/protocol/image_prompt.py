@@ -26,6 +26,10 @@ from runtime.frontend.protocol.errors import RequestError
 from runtime.frontend.protocol.images import IMAGE_PLACEHOLDER, PreparedImage
 from runtime.frontend.protocol.requests import Encoder
 from runtime.image_spans import ImageSpan
+from runtime.transport.codec import MAX_MESSAGE_BYTES
+
+SUBMIT_BYTES_PER_TOKEN = 5  # a msgpack int up to 2**31 - 1
+SUBMIT_OVERHEAD_BYTES = 64 << 10  # the other fields, each image's span and shape
 
 
 def expand_images(
@@ -118,3 +122,18 @@ def image_spans(
         ImageSpan(start - dropped, per, image.image_hash)
         for start, image in zip(starts, images, strict=True)
     )
+
+
+def check_hand_off(images: Sequence[PreparedImage], prompt_len: int) -> None:
+    """The request's Submit must fit the coordinator link's message limit: its
+    images' pixels travel in it (a 400 naming ``messages`` otherwise)."""
+    pixels = sum(len(image.pixels) for image in images)
+    need = pixels + SUBMIT_BYTES_PER_TOKEN * prompt_len + SUBMIT_OVERHEAD_BYTES
+    if need > MAX_MESSAGE_BYTES:
+        raise RequestError(
+            400,
+            f"messages: the request's {len(images)} images hold {pixels} bytes of "
+            f"preprocessed pixels; with its prompt that exceeds the {MAX_MESSAGE_BYTES} "
+            "bytes one request may carry to the scheduler (send fewer images)",
+            "messages",
+        )
