@@ -281,9 +281,11 @@ def test_refused_vision_and_prompt_frames_name_the_field_and_change_nothing(chec
             w.execute(frame)
         after, now = store_and_state(w)
         assert changed(before, after) == [] and torch.equal(features, now)
-    # The store's last row and the scratch row are legal and illegal ends.
+    # The store's last image rows are legal; a vision frame changes only its rows.
     w.execute(Frame.vision(3, vision(1), [w.store.rows - N], good))
-    assert not torch.equal(features, w.store.features)
+    assert changed(before, snapshot(w)) == ["frames"]
+    moved = (w.store.features != features).any(dim=1).nonzero().flatten().tolist()
+    assert moved == list(range(w.store.rows - N, w.store.rows))
 
 
 def test_the_wire_refuses_malformed_vision_fields():
@@ -371,3 +373,39 @@ def test_a_text_only_model_is_unchanged(tmp_path):
     with pytest.raises(ValueError, match="encodes no images"):
         RankWorker(load_model(tmp_path), CAPACITY, num_pages=8, page_size=PAGE,
                    catalog=[*w.catalog, vision(1)])  # fmt: skip
+
+
+def test_scored_and_mixed_frames_read_features_at_their_prompt_tokens(checkpoint):
+    """A scored prefill (its feature rows after score_next in the arena) and a
+    mixed frame (the prompt row's rows at its packed offset, after a decode
+    row) give the first tokens transformers gives."""
+    path, want = checkpoint
+    capacity = dataclasses.replace(CAPACITY, mixed_prefill=True, scored_prefill=True)
+    w = make_worker(path, capacity)
+    scored_program = GraphDescriptor(GraphKind.SCORED_PREFILL, 1, prompt_capacity=64)
+    mixed = GraphDescriptor(GraphKind.MIXED, 2, prompt_capacity=64)
+    assert w.programs[scored_program.key].store is w.store
+    assert w.programs[mixed.key].store is w.store
+    tokens: dict[int, list[int]] = {}
+    w.execute(encode(1, [0, 1], [0, 64]))
+    ids = PROMPTS[0][0]
+    frame = Frame.from_lanes(2, scored_program, [lane(0)], score_next=[-1], score_k=1,
+                             feature_rows=rows(ids, [0]))  # fmt: skip
+    collect(w.execute(frame), tokens)
+    collect(w.execute(Frame.from_lanes(3, prefill(1, 64), [lane(2)])), tokens)  # text only
+    decode_lane = FrameLane(2, 1, "decode", 0, (), len(PROMPTS[2][0]), (), 1)
+    frame = Frame.from_lanes(4, mixed, [decode_lane, lane(1)], prompt_row=1,
+                             feature_rows=rows(PROMPTS[1][0], [64]))  # fmt: skip
+    collect(w.execute(frame), tokens)
+    assert tokens[0] == want[0][:1] and tokens[1] == want[1][:1] and tokens[2] == want[2][:2]
+
+
+def test_vision_frames_cross_the_codec():
+    from runtime.transport.codec import decode as unwire
+    from runtime.transport.codec import encode as wire
+
+    data = pixels()[[0, 1]].numpy().astype("<f4").tobytes()
+    frame = Frame.vision(7, vision(2), [0, 16], data, expected_ns=5)
+    assert unwire(wire(frame)) == frame
+    prompt = Frame.from_lanes(8, prefill(1, 64), [lane(0)], feature_rows=rows(PROMPTS[0][0], [3]))
+    assert unwire(wire(prompt)) == prompt
