@@ -7,9 +7,10 @@ that happen to be active in one execution never changes that identity (spec,
 
 Extents, in the spec's letters:
 
-* ``batch_capacity``  B: request rows.  A prefill program of B > 1 is packed:
-  up to B prompt rows share its ``prompt_capacity`` tokens, each with its own
-  query length (their offsets are the prefix sums, as in mixed programs).
+* ``batch_capacity``  B: request rows (vision: images per frame, a power of
+  two).  A prefill program of B > 1 is packed: up to B prompt rows share
+  its ``prompt_capacity`` tokens, each with its own query length (their
+  offsets are the prefix sums, as in mixed programs).
   Scored prefill programs (a prefill that also returns every prompt
   position's log probabilities, docs/scored-prefill.md) are packed the same
   way.
@@ -158,6 +159,12 @@ class GraphDescriptor:
                 raise CatalogError(
                     f"target_capacity must lie in [B, B*W] = [{b}, {b * w}], got {p}"
                 )
+        elif kind is GraphKind.VISION:
+            # B: images per frame, in power-of-two image-count buckets (docs/vision.md).
+            if not _is_power_of_two(b):
+                raise CatalogError(f"batch_capacity must be a power of two for vision, got {b}")
+            if w != 1 or d != 0:
+                raise CatalogError("vision takes token_capacity=1 and proposal_depth=0")
         elif kind is GraphKind.MIXED:
             if not _is_power_of_two(b) or b < 2:
                 raise CatalogError(

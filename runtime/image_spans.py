@@ -50,7 +50,9 @@ class ImageSpan:
             or len(digest) != DIGEST_HEX
             or any(c not in "0123456789abcdef" for c in digest)
         ):
-            raise ImageSpanError(f"digest must be {DIGEST_HEX} lowercase hex digits, got {digest!r}")
+            raise ImageSpanError(
+                f"digest must be {DIGEST_HEX} lowercase hex digits, got {digest!r}"
+            )
 
     @property
     def end(self) -> int:
@@ -99,3 +101,77 @@ def windows(spans: Sequence[ImageSpan], capacity: int) -> tuple[tuple[int, int],
     if spans:
         out.append((first, len(spans)))
     return tuple(out)
+
+
+def fit_chunk(spans: Sequence[ImageSpan], position: int, tokens: int) -> int:
+    """The most of ``tokens`` a prefill chunk starting at ``position`` may take
+    without splitting an image span (atomic: whole or not at all): a chunk
+    whose end falls strictly inside a span stops at that span's start (0 when
+    the chunk starts at it and cannot hold it whole)."""
+    end = position + tokens
+    for span in spans:
+        if span.start >= end:
+            break
+        if span.start < end < span.end:
+            return max(0, span.start - position)
+    return tokens
+
+
+# A page key's value for an image position: above every token id, so that the
+# same prompt tokens with different images never share a cached page.
+_IMAGE_KEY_BASE = 1 << 256
+
+
+def image_key(digest: str) -> int:
+    """The prefix-cache content key of a position inside an image span: the
+    span's whole sha256 digest (never a token id)."""
+    return _IMAGE_KEY_BASE + int(digest, 16)
+
+
+def keyed_tokens(tokens: Sequence[int], spans: Sequence[ImageSpan]) -> tuple[int, ...]:
+    """``tokens`` with every position inside an image span replaced by
+    :func:`image_key` of its digest: the content key of the prompt's pages
+    (a page touching an image's positions hashes in its digest)."""
+    if not spans:
+        return tuple(tokens)
+    out = list(tokens)
+    for span in spans:
+        key = image_key(span.digest)
+        for p in range(span.start, min(span.end, len(out))):
+            out[p] = key
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class VisionStorage:
+    """The prepared image-feature storage, sized at start-up and reported with
+    the catalog: ``window_slots`` windows, each holding ``window_rows`` feature
+    rows (a request's active window occupies one slot; a vision frame writes
+    each image into its request's slot at compact offsets from zero);
+    ``snapshot_rows`` private snapshot rows for requests whose images span
+    several windows (0: one per request slot)."""
+
+    window_slots: int
+    window_rows: int
+    snapshot_rows: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("window_slots", "window_rows", "snapshot_rows"):
+            value = getattr(self, name)
+            least = 0 if name == "snapshot_rows" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ImageSpanError(f"{name} must be an integer >= {least}, got {value!r}")
+
+    def to_wire(self) -> dict[str, int]:
+        return {
+            "window_slots": self.window_slots,
+            "window_rows": self.window_rows,
+            "snapshot_rows": self.snapshot_rows,
+        }
+
+    def describe(self) -> str:
+        rows = self.snapshot_rows or "one per slot"
+        return (
+            f"vision storage: {self.window_slots} windows x {self.window_rows} feature rows, "
+            f"snapshot rows {rows}"
+        )

@@ -28,6 +28,8 @@ from runtime.coordinator.refresh import timing_ledger
 from runtime.coordinator.requests import Request, RequestHandle, RequestSpec
 from runtime.coordinator.residency import Residency
 from runtime.coordinator.speculation import SpeculationModel
+from runtime.coordinator.vision import VisionState, WindowStore
+from runtime.image_spans import ImageSpanError, windows
 
 
 class SchedulerAdmission:
@@ -86,6 +88,12 @@ class SchedulerAdmission:
         )
         self.speculation = SpeculationModel(depth) if depth > 0 else None
         self._fixed_width = self.config.fixed_speculative_width
+        # Image windows (runtime.coordinator.vision): with vision programs and
+        # the prepared feature storage.
+        storage = self.config.vision
+        self._windows: WindowStore | None = None
+        if storage is not None and GraphKind.VISION in kinds:
+            self._windows = WindowStore(storage, config.max_slots)
 
     # ------------------------------------------------------------------ setup
     def configure_policy(self, policy: PolicyConfig) -> None:
@@ -118,9 +126,11 @@ class SchedulerAdmission:
                 f"request needs {needed} KV pages (prompt_len + max_output_tokens), "
                 f"the pool has {self.config.num_pages}"
             )
+        vision = self._vision_state(spec) if spec.images else None
         handle = RequestHandle(self._next_handle)
         self._next_handle += 1
         request = Request(handle, spec, self.now_ns)
+        request.vision = vision
         if self.speculation is not None:
             request.speculation = self.speculation.new_request()
         self._requests[handle.id] = request
@@ -128,6 +138,28 @@ class SchedulerAdmission:
         self._admitted_any = True
         self._settle_memory()
         return handle
+
+    def _vision_state(self, spec: RequestSpec) -> VisionState:
+        """A request's windows, or SchedulerError when it cannot run: no vision
+        programs or storage, an image larger than a window, several windows
+        without snapshot and restore programs."""
+        store = self._windows
+        if store is None:
+            raise SchedulerError(
+                "images: the catalog has no vision programs or no image-feature storage"
+            )
+        rows = store.storage.window_rows
+        try:
+            count = len(windows(spec.images, rows))
+        except ImageSpanError as exc:
+            raise SchedulerError(str(exc)) from None
+        kinds = (GraphKind.SNAPSHOT, GraphKind.RESTORE)
+        if count > 1 and not all(self.catalog.entries(k) for k in kinds):
+            raise SchedulerError(
+                f"images span {count} windows of {rows} feature rows: window transitions "
+                "need snapshot and restore programs"
+            )
+        return VisionState(spec.images, rows)
 
     def cancel(self, handle: RequestHandle) -> bool:
         """Stop selecting ``handle`` now; resources stay owned through its last fence."""
@@ -151,6 +183,8 @@ class SchedulerAdmission:
         snapshot (``snapshot``: it just completed); cancellation never waits."""
         if request.runnable or request.inflight_fences or not request.resident:
             return
+        if request.window_waiting:
+            return  # between two image windows: its snapshot and restore rows run first
         if not request.cancelled and not snapshot:
             if request.restore_pending:
                 return  # resumed: its restore row is still to run
@@ -158,6 +192,8 @@ class SchedulerAdmission:
                 return  # terminal: awaits its snapshot (state_ops); an unstarted
                 # generation has nothing on the ranks to snapshot
         self._res.retire(request)
+        if request.vision is not None and self._windows is not None:
+            self._windows.release(request.vision)  # its window slot and snapshot row
         if not request.preempted or request.cancelled or request.finished:
             self._requests.pop(request.handle.id, None)
 
@@ -183,7 +219,13 @@ class SchedulerAdmission:
             self._retire_if_done(victim)
         else:
             return
-        if res.admit_waiting():
+        resident = res.admit_waiting()
+        for r in resident:
+            if r.vision is not None and self._windows is not None:
+                r.vision.reset(r.consumed_prompt)  # its windows from what it attached
+                if r.vision.windows_left > 1:
+                    self._windows.reserve_row(r.vision)  # (else at its first boundary)
+        if resident:
             res.provision()
 
     def _victim(self) -> Request | None:
@@ -226,7 +268,7 @@ class SchedulerAdmission:
         restore, or its terminal snapshot."""
         if not r.resident or r.cancelled or r.inflight_fences:
             return False
-        if r.restore_pending:
+        if r.restore_pending or r.window_waiting:
             return True
         return self._snapshots and (r.finished or r.preempted) and not self._res.unstarted(r)
 
@@ -235,9 +277,15 @@ class SchedulerAdmission:
         runnable: list[Request] = []
         terminal: list[Request] = []
         restoring: list[Request] = []
+        windowing: list[Request] = []
         for r in self._resident.values():
+            if r.vision is not None and r.runnable and not r.inflight_fences:
+                r.vision.sync(r.consumed_prompt)
             if r.runnable:
                 runnable.append(r)
+            elif r.window_waiting:
+                if not r.inflight_fences:
+                    windowing.append(r)
             elif self._awaits_state_program(r):
                 (restoring if r.restore_pending else terminal).append(r)
         terminal.sort(key=lambda r: (r.terminal_since_ns or 0, r.handle.id))
@@ -251,4 +299,6 @@ class SchedulerAdmission:
             self.config.page_size,
             terminal,
             restoring,
+            windowing,
+            self._windows,
         )

@@ -31,6 +31,7 @@ from runtime.coordinator.records import (
 from runtime.coordinator.requests import Request, RequestHandle
 from runtime.coordinator.service import account_interval, starting_rate
 from runtime.coordinator.sidecars import check_confidence, check_survival, round_offers
+from runtime.coordinator.vision_checks import IMAGE_PHASES, after_prefill, complete_image_lane
 
 # Bursts kept per request awaiting publication (oldest dropped beyond this).
 MAX_UNPUBLISHED = 64
@@ -180,6 +181,9 @@ class SchedulerCompletion(SchedulerPlanning):
         self.prompt_tokens_computed += lane.prompt_tokens
         r.inflight_output -= lane.max_tokens
         self._res.copied(r, fence)
+        if lane.phase in IMAGE_PHASES:  # a vision or window row: no token
+            complete_image_lane(lane, r, self._res.slots)
+            return None
         if lane.phase is LanePhase.RESTORE:
             r.restore_pending = False
             if r.consumed_prompt == r.prefill_target - 1:
@@ -206,6 +210,8 @@ class SchedulerCompletion(SchedulerPlanning):
             if r.consumed_prompt >= r.prefill_target and r.became_decoder_ns is None:
                 r.became_decoder_ns = now
             self._res.publish_computed(r)  # its full pages, for requests sharing them
+            if r.vision is not None:
+                after_prefill(r, self._windows)
         tokens = tuple(record.tokens)
         if r.speculation is not None and tokens:
             i, offers, joint, rows, reach = sidecars

@@ -8,6 +8,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from runtime.image_spans import VisionStorage
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -132,8 +134,13 @@ class SchedulerConfig:
     speculative_token_capacity: int = 0
     enable_prefix_caching: bool = True
     debug_page_accounting: bool = False
+    # The prepared image-feature storage (runtime.image_spans.VisionStorage);
+    # None: no image windows (requests with images are refused).
+    vision: VisionStorage | None = None
 
     def __post_init__(self) -> None:
+        if self.vision is not None and not isinstance(self.vision, VisionStorage):
+            raise ConfigError(f"vision must be a VisionStorage or None, got {self.vision!r}")
         for name in ("max_slots", "page_size", "num_pages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

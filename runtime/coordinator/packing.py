@@ -60,7 +60,13 @@ from bisect import bisect_left, bisect_right
 from itertools import accumulate
 
 from runtime.catalog import GraphKind
-from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
+from runtime.coordinator.policy import (
+    Candidate,
+    LaneView,
+    SelectionContext,
+    fit_tokens,
+    prompt_lane_value,
+)
 
 
 class PromptRows:
@@ -89,10 +95,11 @@ class PromptRows:
         if held is not None:
             return held
         values = list(self.values)
+        fit = [min(size, capacity) for size in sizes]
         for i, size in enumerate(sizes):
             if size > capacity:  # ranked by what the capacity holds of it
-                values[i] = prompt_lane_value(self.lanes[i], capacity, self.beta)
-        fit = [min(size, capacity) for size in sizes]
+                fit[i] = max(1, fit_tokens(self.lanes[i], capacity))  # (image spans atomic)
+                values[i] = prompt_lane_value(self.lanes[i], fit[i], self.beta)
         ties, price = self.ties, self.price
         keys = (
             lambda i: (-values[i], ties[i]),  # total row value
@@ -124,6 +131,8 @@ class PromptRows:
                 whole = top
             value = values[whole]
             left = capacity - sizes[whole]
+            if whole < top and left > 0:  # (a partial chunk splits no image span)
+                left = fit_tokens(self.lanes[order[whole]], left)
             partial = whole < top and left > 0  # the next row takes what is left over
             if partial:
                 value += prompt_lane_value(self.lanes[order[whole]], left, self.beta)

@@ -29,6 +29,40 @@ class LanePhase(str, Enum):
     # restore, and a terminal request's retirement (its snapshot).
     RESTORE = "restore"
     TERMINAL = "terminal"
+    # Image rows (runtime.coordinator.vision): a vision frame's request (its
+    # images in ScheduledPlan.vision_images), and the two rows of a window
+    # transition on SNAPSHOT and RESTORE programs (private: nothing published).
+    VISION = "vision"
+    WINDOW_SNAPSHOT = "window-snapshot"
+    WINDOW_RESTORE = "window-restore"
+
+
+@dataclass(frozen=True)
+class VisionImage:
+    """One image a vision frame encodes: request ``handle``'s span ``span``
+    (``rows`` feature rows) written into window slot ``window_slot`` at feature
+    offset ``offset`` (compact from zero within the request's window)."""
+
+    handle: RequestHandle
+    span: int
+    window_slot: int
+    offset: int
+    rows: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class ImageRead:
+    """An image a prefill chunk reads: lane ``lane``'s span ``span`` at prompt
+    positions ``[position, position + rows)``, its features in window slot
+    ``window_slot`` from feature offset ``offset``."""
+
+    lane: int
+    span: int
+    position: int
+    rows: int
+    window_slot: int
+    offset: int
 
 
 @dataclass(frozen=True, init=False)
@@ -87,6 +121,10 @@ class ScheduledPlan:
     log_scale: float  # natural log of that positive factor
     useful_value: float  # unscaled expected useful value (priced service + age value)
     catalog_version: int
+    # Vision frames: the images encoded, each into its window slot and offset;
+    # prefill frames: the image spans their chunks read (runtime.coordinator.vision).
+    vision_images: tuple[VisionImage, ...] = ()
+    image_reads: tuple[ImageRead, ...] = ()
 
     def selection_value_rate(self) -> float:
         """The scaled selection score (value/ms for measured graphs, value if unknown)."""
@@ -111,6 +149,8 @@ class ScheduledPlan:
 
     @property
     def padding(self) -> int:
+        if self.vision_images:
+            return self.graph.batch_capacity - len(self.vision_images)
         if self.graph.prompt_capacity:
             used = sum(lane.prompt_tokens for lane in self.lanes)
             return self.graph.prompt_capacity - used

@@ -25,10 +25,12 @@ from runtime.coordinator.lanes import complete_prefix_value
 from runtime.coordinator.learning import choose_probe
 from runtime.coordinator.packing import packed_prefill_candidates
 from runtime.coordinator.plan import (
+    ImageRead,
     LanePhase,
     LaneWork,
     ScheduledPlan,
     SelectionReason,
+    VisionImage,
     commit_record,
 )
 from runtime.coordinator.policy import (
@@ -46,6 +48,14 @@ from runtime.coordinator.rounds import expected_tokens, round_candidates, specul
 from runtime.coordinator.state_ops import RESTORE as RESTORE_ROLE
 from runtime.coordinator.state_ops import state_candidates
 from runtime.coordinator.utility import log_scale_for
+from runtime.coordinator.vision import image_reads
+from runtime.coordinator.vision_checks import WINDOW_PHASES, check_image_plan, commit_windows
+from runtime.coordinator.vision_select import (
+    WINDOW_RESTORE,
+    WINDOW_SNAPSHOT,
+    VisionCandidate,
+    vision_candidates,
+)
 
 
 class SchedulerPlanning(SchedulerAdmission):
@@ -86,6 +96,8 @@ class SchedulerPlanning(SchedulerAdmission):
         for kind in PREFILL_KINDS:
             packed_prefill_candidates(ctx, cands, kind)
         fixed = self._fixed_width
+        if ctx.vision is not None:
+            vision_candidates(ctx, cands)
         if ctx.states is not None:
             rounds = self.speculation is not None and fixed != 1
             state_candidates(
@@ -158,6 +170,12 @@ class SchedulerPlanning(SchedulerAdmission):
     ) -> ScheduledPlan:
         desc = winner.entry.descriptor
         lanes = [self._lane_work(winner, i, view, ctx) for i, view in enumerate(winner.lanes)]
+        images: tuple[VisionImage, ...] = ()
+        reads: tuple[ImageRead, ...] = ()
+        if isinstance(winner, VisionCandidate):
+            images = tuple(winner.images)
+        elif any(view.request.vision is not None for view in winner.lanes):
+            reads = image_reads(tuple(lanes), [view.request for view in winner.lanes])
         self._next_plan += 1
         return ScheduledPlan(
             plan_id=self._next_plan,
@@ -172,6 +190,8 @@ class SchedulerPlanning(SchedulerAdmission):
             log_scale=log_scale,
             useful_value=winner.value + winner.age_slope * winner.t_ms,
             catalog_version=self.catalog.version,
+            vision_images=images,
+            image_reads=reads,
         )
 
     def _lane_work(
@@ -182,8 +202,8 @@ class SchedulerPlanning(SchedulerAdmission):
         if winner.chunks is not None:  # a packed prefill's row
             return _prompt_work(view, winner.chunks[i], ctx.beta)
         roles = winner.roles or ()
-        if roles:  # a state program's row: it feeds and commits nothing
-            phase = LanePhase.RESTORE if roles[i] == RESTORE_ROLE else LanePhase.TERMINAL
+        if roles or isinstance(winner, VisionCandidate):  # feeds and commits no token
+            phase = _ROLES.get(roles[i], LanePhase.TERMINAL) if roles else LanePhase.VISION
             return LaneWork(
                 r.handle, r.slot, r.generation, phase, r.consumed_prompt, 0,
                 r.committed_output, 0, 0.0, 0.0, 0.0,
@@ -245,6 +265,8 @@ class SchedulerPlanning(SchedulerAdmission):
         participants = [
             Participant(r, r.decoding) for r in self._resident.values() if r.participates
         ]
+        if self._windows is not None:
+            commit_windows(plan, lane_requests, self._windows)
         for lane, r in zip(plan.lanes, lane_requests):
             r.inflight_prompt += lane.prompt_tokens
             r.inflight_output += lane.max_tokens
@@ -294,6 +316,10 @@ class SchedulerPlanning(SchedulerAdmission):
         ):
             raise CommitError("acceptance probe plan without full learning credit")
         check_shape(plan)
+        if plan.graph.kind is GraphKind.VISION or any(
+            lane.phase in WINDOW_PHASES for lane in plan.lanes
+        ):
+            return check_image_plan(plan, self._requests, self._windows)
         state_kind = plan.graph.kind in STATE_KINDS
         seen: set[int] = set()
         out: list[Request] = []
@@ -314,6 +340,14 @@ class SchedulerPlanning(SchedulerAdmission):
                 capacity = 0 if r is None else self._res.capacity(r)
                 out.append(check_lane(lane, r, plan.graph, capacity))
         return out
+
+
+# State and window rows by their candidate role (state_ops, vision_select).
+_ROLES = {
+    RESTORE_ROLE: LanePhase.RESTORE,
+    WINDOW_SNAPSHOT: LanePhase.WINDOW_SNAPSHOT,
+    WINDOW_RESTORE: LanePhase.WINDOW_RESTORE,
+}
 
 
 def _prompt_work(view: LaneView, tokens: int, beta: float) -> LaneWork:

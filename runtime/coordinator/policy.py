@@ -35,8 +35,10 @@ from typing import Any
 
 from runtime.catalog import PREFILL_KINDS, GraphKind
 from runtime.coordinator.cost import CostCatalog, CostEntry
+from runtime.coordinator.mixed_layout import MixedLayout
 from runtime.coordinator.requests import Request
 from runtime.coordinator.utility import prompt_chunk_value, value_rate
+from runtime.image_spans import fit_chunk
 
 
 @dataclass(slots=True)
@@ -81,11 +83,17 @@ class SelectionContext:
     # Prompt rows of requests whose prompt is scored (RequestSpec.score_prompt):
     # they run on SCORED_PREFILL programs only (docs/scored-prefill.md).
     scored: list[LaneView] = field(default_factory=list)
+    # Unscored prompt rows of requests with images: prefill programs only, never
+    # a mixed prompt row; the vision population (runtime.coordinator.vision_select).
+    imaged: list[LaneView] = field(default_factory=list)
+    vision: Any = None
 
     def prompt_rows(self, kind: GraphKind) -> list[LaneView]:
         """The prompt rows a prefill program of ``kind`` serves: the scored rows on
         SCORED_PREFILL programs, every other one on PREFILL programs."""
-        return self.scored if kind is GraphKind.SCORED_PREFILL else self.prefill
+        if kind is GraphKind.SCORED_PREFILL:
+            return self.scored
+        return self.prefill + self.imaged if self.imaged else self.prefill
 
     def sort_decoders(self) -> tuple[list[float], list[int]]:
         if self.prefix_value is None or self.prefix_lru is None:
@@ -205,6 +213,10 @@ def prefill_options(
             previous = capacity
             continue
         tokens = capacity if capacity < avail else avail
+        if getattr(lane.request, "vision", None) is not None:  # an image span is atomic
+            tokens = fit_chunk(lane.request.spec.images, lane.prompt_pos, tokens)
+            if not tokens:
+                continue  # the span at its position does not fit this capacity
         yield entry, index, prompt_lane_value(lane, tokens, ctx.beta), capacity - tokens, tokens
         included = previous = capacity
 
@@ -275,7 +287,9 @@ def prefill_candidates(
             if bound + 1e-9 * abs(bound) < floor:
                 k = min(bisect_left(ladder.capacities, lane.available), len(ladder.items) - 1)
                 index, entry = ladder.items[k]
-                tokens = min(ladder.capacities[k], lane.available)
+                tokens = fit_tokens(lane, min(ladder.capacities[k], lane.available))
+                if not tokens:
+                    continue  # (its span fits no capacity there: nothing to offer)
                 value = prompt_lane_value(lane, tokens, ctx.beta)
                 option = (entry, index, value, ladder.capacities[k] - tokens, tokens)
                 out.append(_prompt_candidate(ctx, lane, option))  # the scale's candidate
@@ -302,6 +316,13 @@ def prefill_candidates(
 def _prompt_candidate(ctx: SelectionContext, lane: LaneView, option: tuple) -> Candidate:
     entry, index, value, padding, tokens = option
     return Candidate(entry, index, [lane], value, 0.0, padding, lane.lru, tokens, ctx, 0)
+
+
+def fit_tokens(lane: LaneView, tokens: int) -> int:
+    """``tokens`` of ``lane``'s chunk, short of any image span it would split."""
+    if getattr(lane.request, "vision", None) is None:  # (test doubles carry none)
+        return tokens
+    return fit_chunk(lane.request.spec.images, lane.prompt_pos, tokens)
 
 
 def decode_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
@@ -361,7 +382,7 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
     an unmeasured capacity is skipped when a smaller capacity of that batch
     already reaches the row's next endpoint.
     """
-    layout = ctx.catalog.derived("mixed", lambda: _MixedLayout(ctx.catalog), per_version=False)
+    layout = ctx.catalog.derived("mixed", lambda: MixedLayout(ctx.catalog), per_version=False)
     if not layout.batches or not (ctx.decode or ctx.prefill):
         return
     prefix_value, prefix_lru = ctx.sort_decoders()
@@ -426,32 +447,6 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
                     max(lane.lru, prefix_lru[n]), tokens, ctx, 0,
                 )
             )  # fmt: skip
-
-
-class _MixedLayout:
-    """The width-one mixed shapes by batch, each batch's prompt ladder ascending
-    (fixed with the catalog), and each ladder's signature: its capacities and
-    which are measured (per estimate change)."""
-
-    def __init__(self, catalog: CostCatalog) -> None:
-        entries = [e for e in catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity == 1]
-        self.by_batch: dict[int, list[tuple[int, CostEntry]]] = {}
-        for index, entry in enumerate(entries):
-            self.by_batch.setdefault(entry.descriptor.batch_capacity, []).append((index, entry))
-        for ladder in self.by_batch.values():
-            ladder.sort(key=lambda item: item[1].descriptor.prompt_capacity)
-        self.batches = sorted(self.by_batch)
-        self.capacities = {
-            b: tuple(e.descriptor.prompt_capacity for _, e in ladder)
-            for b, ladder in self.by_batch.items()
-        }
-
-    def signature(self) -> dict[int, tuple]:
-        """Per batch: its capacities and which are measured (estimate > 0)."""
-        return {
-            b: (self.capacities[b], tuple(e.estimate_ns > 0 for _, e in ladder))
-            for b, ladder in self.by_batch.items()
-        }
 
 
 def _best_rows(

@@ -26,6 +26,9 @@ from runtime.coordinator.service import (
 )
 from runtime.coordinator.state_ops import StateViews, snapshot_sigma_ms
 from runtime.coordinator.utility import decode_lane_value, reference_interval_ms
+from runtime.coordinator.vision import WindowStore
+from runtime.coordinator.vision_select import window_views
+from runtime.image_spans import fit_chunk
 
 
 class CatalogView:
@@ -102,6 +105,8 @@ def build_context(
     page_size: int = 0,
     terminal: list[Request] | None = None,
     restoring: list[Request] | None = None,
+    windowing: list[Request] | None = None,
+    window_store: WindowStore | None = None,
 ) -> SelectionContext | None:
     """The selection context of ``runnable`` at the planning start.  With
     ``page_size``, each lane's work is capped by the KV pages it holds (a
@@ -111,15 +116,20 @@ def build_context(
     awaiting their restore; both go to ``ctx.states`` (runtime.coordinator.state_ops)."""
     terminal = terminal or []
     restoring = restoring or []
-    if not (runnable or terminal or restoring):
+    windowing = windowing or []
+    if not (runnable or terminal or restoring or windowing):
         return None
     start = queue.expected_end_ns(now_ns)
     c = policy.decode_age_price
     beta = policy.output_token_value
-    state = _projected_state(runnable, restoring, queue, policy, view, start)
+    state = _projected_state(runnable, [*restoring, *windowing], queue, policy, view, start)
     n_decoders = sum(1 for r in runnable if r.consumed_prompt >= r.prefill_target)
     slope = c * view.decode_sigma_ms(n_decoders) if n_decoders else 0.0
-    prefill, decode, scored = _lane_views(runnable, state, policy, page_size, start, slope)
+    imaged: list[LaneView] = []
+    vision_rows: list[LaneView] = []
+    prefill, decode, scored = _lane_views(
+        runnable, state, policy, page_size, start, slope, (imaged, vision_rows)
+    )
     ctx = SelectionContext(
         now_ns=now_ns,
         start_ns=start,
@@ -131,7 +141,11 @@ def build_context(
         decode_age_slope=slope,
         active_age_price=c * n_decoders + policy.terminal_age_price * len(terminal),
         scored=scored,
+        imaged=imaged,
     )
+    if window_store is not None and (vision_rows or windowing):
+        views = [_window_view(r, state, policy) for r in windowing]
+        ctx.vision = window_views(vision_rows, views, window_store, page_size)
     if terminal or restoring:
         ctx.states = _state_views(ctx, state, terminal, restoring, policy, slope, start)
     return ctx
@@ -171,9 +185,11 @@ def _lane_views(
     page_size: int,
     start: int,
     slope: float,
+    images: tuple[list[LaneView], list[LaneView]],
 ) -> tuple[list[LaneView], list[LaneView], list[LaneView]]:
     """The prompt rows, decode lanes and scored prompt rows (RequestSpec.score_prompt)
-    ``runnable`` may offer at ``start``."""
+    ``runnable`` may offer at ``start``; ``images`` receives the unscored prompt
+    rows of requests with images and the rows with images still to encode."""
     f, g = policy.token_fairness, policy.delivery_fairness
     beta = policy.output_token_value
     prefill: list[LaneView] = []
@@ -189,7 +205,11 @@ def _lane_views(
             if r.inflight_fences:
                 continue  # one prefill chunk at a time; its completion is feedback
             available = min(r.prefill_available(pos), held - pos)
-            if available <= 0:
+            if r.vision is not None:  # image spans atomic; rows awaiting vision kept
+                available = fit_chunk(r.spec.images, pos, max(0, available))
+                if available <= 0 and not r.vision.pending():
+                    continue
+            elif available <= 0:
                 continue
             finish = beta + token_price
             if not r.spec.max_output_tokens:  # a scored prompt of no output: none to commit
@@ -197,8 +217,14 @@ def _lane_views(
             elif r.committed_output:  # a resumed decoder: its final chunk is its next step
                 age_ms = max(0, start - last_visible) / 1e6
                 finish = decode_lane_value(1.0, 1.0, token_price, g / z, beta) + slope * age_ms
-            rows = scored if r.spec.score_prompt else prefill
-            rows.append(_prompt_view(r, token_price, pos, available, finish))
+            row = _prompt_view(r, token_price, pos, available, finish)
+            if r.vision is not None:
+                if r.vision.pending():
+                    images[1].append(row)
+                if available <= 0:
+                    continue
+            rows = scored if r.spec.score_prompt else (prefill if r.vision is None else images[0])
+            rows.append(row)
             continue
         spec = r.spec
         inflight = r.inflight_output
@@ -288,3 +314,12 @@ def _state_views(
             available = r.prefill_available(pos)
             prompt_ready.append(_prompt_view(r, token_price, pos, available, value))
     return StateViews(ages, decode_ready, prompt_ready, snapshot_sigma_ms(ctx, len(terminal)))
+
+
+def _window_view(r: Request, state: dict[int, list], policy: PolicyConfig) -> LaneView:
+    """A request between two image windows, as the prompt row its next window
+    makes ready (its price now; ``available`` is filled by the window views)."""
+    x = state[r.handle.id][0]
+    token_price = policy.token_fairness / x
+    finish = policy.output_token_value + token_price if r.spec.max_output_tokens else 0.0
+    return _prompt_view(r, token_price, r.consumed_prompt, 0, finish)

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from runtime.coordinator.speculation import SpeculationState
+from runtime.image_spans import ImageSpan, ImageSpanError, check_spans, keyed_tokens
+
+if TYPE_CHECKING:
+    from runtime.coordinator.vision import VisionState
 
 
 class AdmissionError(ValueError):
@@ -61,6 +66,12 @@ class RequestSpec:
       cached prefix (the cache holds no scores; it recomputes them and may
       still publish) and its ``max_output_tokens`` may be 0 (it finishes when
       its prompt completes).  docs/scored-prefill.md.
+    * ``images``: the prompt's image spans (positions of each image's feature
+      rows and the digest of its pixels), in prompt order, disjoint: each is
+      atomic (a prefill chunk holds it whole or not at all), its features are
+      encoded by a vision frame before a prefill chunk may consume it, and its
+      digest enters the content key of every page it touches
+      (docs/vision.md, "Scheduling").
     * ``group``: the admission group (the frontend's HTTP request: every choice
       of one request shares it).  Residency goes round-robin across groups,
       first come first served within one; None is a group of its own.
@@ -76,6 +87,7 @@ class RequestSpec:
     prompt_tokens: tuple[int, ...] = ()
     cache_salt: str = ""
     score_prompt: bool = False
+    images: tuple[ImageSpan, ...] = ()
 
     @property
     def step_feedback(self) -> bool:
@@ -112,6 +124,10 @@ class RequestSpec:
                         f"{name} must hold integers in (0, prompt_len={self.prompt_len}], got {p!r}"
                     )
             object.__setattr__(self, name, tuple(sorted(set(points))))
+        try:
+            object.__setattr__(self, "images", check_spans(self.images, self.prompt_len))
+        except ImageSpanError as exc:
+            raise AdmissionError(str(exc)) from None
 
 
 def _next_point(points: tuple[int, ...], position: int, end: int) -> int:
@@ -160,6 +176,7 @@ class Request:
         "terminal_since_ns",
         "token_rate",
         "unpublished",
+        "vision",
     )
 
     def __init__(self, handle: RequestHandle, spec: RequestSpec, arrival_ns: int) -> None:
@@ -217,6 +234,9 @@ class Request:
         # Acceptance and confidence estimates (runtime.coordinator.speculation),
         # set at admission when the catalog has speculative programs.
         self.speculation: SpeculationState | None = None
+        # Image windows (runtime.coordinator.vision), set at admission for a
+        # request with images: its active window, what is encoded, its stage.
+        self.vision: VisionState | None = None
 
     # -- derived phase -------------------------------------------------------
     @property
@@ -245,11 +265,26 @@ class Request:
 
     @property
     def runnable(self) -> bool:
-        return self.resident and not (
-            self.finish_reason is not None
-            or self.cancelled
-            or self.preempted
-            or self.restore_pending
+        return (
+            self.resident
+            and not (
+                self.finish_reason is not None
+                or self.cancelled
+                or self.preempted
+                or self.restore_pending
+            )
+            and (self.vision is None or not self.vision.transition)
+        )
+
+    @property
+    def window_waiting(self) -> bool:
+        """Resident, alive, and between two image windows: its next row is a
+        window snapshot or restore (runtime.coordinator.vision)."""
+        return (
+            self.vision is not None
+            and self.vision.transition
+            and self.resident
+            and not (self.finish_reason is not None or self.cancelled or self.preempted)
         )
 
     @property
@@ -273,7 +308,19 @@ class Request:
     def prefill_available(self, position: int) -> int:
         """Tokens a chunk starting at ``position`` may consume (up to a hard boundary)."""
         end = _next_point(self.spec.boundaries, position, self.prefill_target)
+        if self.vision is not None:  # up to the first image not yet encoded
+            end = min(end, self.vision.stop(position))
+            return max(0, min(end, self.prefill_target) - position)
         return min(end, self.prefill_target) - position
+
+    def prefill_reach(self, position: int) -> int:
+        """:meth:`prefill_available` once the active image window is encoded
+        (what the pages of its next chunks should cover)."""
+        if self.vision is None:
+            return self.prefill_available(position)
+        end = _next_point(self.spec.boundaries, position, self.prefill_target)
+        end = min(end, self.vision.window_stop())
+        return max(0, min(end, self.prefill_target) - position)
 
     def distance_to_endpoint(self, position: int) -> int:
         """Tokens from ``position`` to the next message endpoint, boundary or prompt end."""
@@ -297,6 +344,14 @@ class Request:
         if not self.spec.prompt_tokens:
             return ()
         return self.spec.prompt_tokens + tuple(self.output_tokens)
+
+    def cache_tokens(self) -> tuple[int, ...]:
+        """The content key of its pages in the prefix cache: its known tokens,
+        with every image position keyed by the image's digest."""
+        tokens = self.known_tokens()
+        if not self.spec.images or not tokens:
+            return tokens
+        return keyed_tokens(tokens, self.spec.images)
 
 
 @dataclass(frozen=True)

@@ -123,13 +123,29 @@ class Residency:
             return min(r.prefill_target - 1, r.scored_through)
         return r.prefill_target - 1
 
+    def _match(self, r: Request) -> Match:
+        """What the cache holds of ``r``'s content key (image positions keyed by
+        their digests), never ending inside an image span: a prefix that would
+        is cut back to the span's start (its image is encoded again)."""
+        found = self.cache.match(r.spec.cache_salt, r.cache_tokens(), self._limit(r))
+        if not r.spec.images:
+            return found
+        size = self.page_size
+        end = found.tokens(size)
+        cut = next((s.start for s in r.spec.images if s.start < end < s.end), end)
+        if cut == end:
+            return found
+        pages = found.pages + ((found.partial[0],) if found.partial else ())
+        whole, rest = divmod(cut, size)
+        return Match(pages[:whole], (pages[whole], rest) if rest else None)
+
     def _reside(self, r: Request) -> bool:
         """Attach ``r``'s cached prefix and its first chunk's pages, or nothing."""
         size = self.page_size
         cache = self.cache
         tokens = r.known_tokens()
         target = r.prefill_target
-        found = cache.match(r.spec.cache_salt, tokens, self._limit(r)) if tokens else Match()
+        found = self._match(r) if tokens else Match()
         # The cached chain's idle pages count as available but stop being so once
         # attached: when the whole match does not fit, try it without its partial
         # page, then without any (a chain that fills the pool must not block it).
@@ -138,7 +154,7 @@ class Residency:
             if not tokens:  # not preemptible (no tokens to recompute): its worst case now
                 first = r.spec.prompt_len + r.spec.max_output_tokens
             else:
-                first = min(self.max_chunk, r.prefill_available(cached))
+                first = min(self.max_chunk, r.prefill_reach(cached))
             need = -(-(cached + first) // size) - len(match.pages)
             if need + len(self.resident) > cache.available - cache.idle_among(match):
                 continue
@@ -200,7 +216,7 @@ class Residency:
         if full <= self._published.get(r.handle.id, 0):
             return
         ends = [e for e in r.spec.message_endpoints if e <= full]
-        self.cache.publish(r.spec.cache_salt, r.known_tokens()[:full], r.pages, ends)
+        self.cache.publish(r.spec.cache_salt, r.cache_tokens()[:full], r.pages, ends)
         self._published[r.handle.id] = full
 
     def refresh_unstarted(self) -> None:
@@ -219,12 +235,12 @@ class Residency:
         tokens = r.known_tokens()
         if not tokens or not cache.enabled:
             return
-        match = cache.match(r.spec.cache_salt, tokens, self._limit(r))
+        match = self._match(r)
         cached = match.tokens(size)
         if cached <= r.consumed_prompt:
             return
         held = cache.attach(match)
-        first = min(self.max_chunk, r.prefill_available(cached))
+        first = min(self.max_chunk, r.prefill_reach(cached))
         fresh = cache.allocate(-(-(cached + first) // size) - len(match.pages))
         if fresh is None:  # no room for both while swapping: keep what it has
             cache.release(held + ([match.partial[0]] if match.partial else []))
@@ -250,7 +266,7 @@ class Residency:
         """(context its largest next frame writes to, the least it needs to run)."""
         if r.consumed_prompt < r.prefill_target:
             pos = r.consumed_prompt
-            chunk = min(self.max_chunk, r.prefill_available(pos))
+            chunk = min(self.max_chunk, r.prefill_reach(pos))
             return pos + chunk, pos + 1
         start = r.spec.prompt_len + r.committed_output + r.inflight_output - 1
         rows = min(self.max_width, r.remaining_output - r.inflight_output)
@@ -292,7 +308,7 @@ class Residency:
         filled = r.kv_filled
         # An unstarted generation computed nothing (its copies never ran either):
         # what it attached is in the cache already, and nothing else is valid.
-        tokens = () if self.unstarted(r) else r.known_tokens()[:filled]
+        tokens = () if self.unstarted(r) else r.cache_tokens()[:filled]
         if tokens:
             anchors = [e for e in r.spec.message_endpoints if e <= filled] + [filled]
             self.cache.publish(r.spec.cache_salt, tokens, r.pages, anchors)

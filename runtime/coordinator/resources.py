@@ -31,6 +31,13 @@ class SlotPool:
         self.generations[slot] += 1
         return slot, self.generations[slot]
 
+    def renew(self, slot: int) -> int:
+        """A fresh generation of a held slot (an image window's restore)."""
+        if slot in self._free:
+            raise ResourceError(f"slot {slot} is free: it has no tenant to renew")
+        self.generations[slot] += 1
+        return self.generations[slot]
+
     def release(self, slot: int) -> None:
         if slot in self._free:
             raise ResourceError(f"slot {slot} released twice")

@@ -1,0 +1,393 @@
+"""Vision candidates: the pair search of a vision frame and the prefill it
+enables, and the window transition rows (spec, "Prerequisites and
+completion"; docs/vision.md, "Scheduling").
+
+* **Vision pairs.**  A vision frame is a prerequisite that immediately enables
+  inference: for every pair of a VISION shape (``B_v`` images, ``T`` ms) and a
+  following prefill shape (PREFILL or SCORED_PREFILL, single or packed, ``B_f``
+  rows, ``C`` tokens, ``F`` ms) the cohorts are chosen jointly.  A prompt row
+  with images still to encode in its active window offers, per ``j`` more
+  images, the chunk its prefill may then take on ``C`` (up to the next image
+  not encoded, a hard boundary, the pages it holds, never splitting a span),
+  worth :func:`~runtime.coordinator.policy.prompt_lane_value`.  The newly
+  ready rows are chosen by :func:`choose_cohort`, exact over the image budget
+  and the following rows (a multiple-choice knapsack by dynamic programming:
+  at most one option per row, ``sum j <= B_v``, at most ``B_f`` rows, at least
+  one); on a packed shape the already ready prompt rows join them through the
+  packing search (runtime.coordinator.packing: ``C`` shared), which must keep
+  a newly ready row.  Spare image rows advance further images at no extra
+  physical cost.  The sequence scores ``total / (T + F) - (T + F)/2 * sum c``
+  (no decoder rides a prefill); unknown durations score the value.  Per vision
+  shape the best pair is its candidate; only the vision frame executes.
+* **Window transitions.**  A request between two windows needs a window
+  snapshot row (SNAPSHOT program), then a window restore row (RESTORE
+  program), then the next window's vision before its prefill produces value:
+  a longer chain, ranked by the continuation index ``V * T / (T + F)`` with
+  ``F`` the remaining operations (restore, the next window's vision frames,
+  the prefill) and ``V`` that prefill chunk's value
+  (:func:`~runtime.coordinator.prerequisites.chain_score`).  Unknown
+  durations compare optimistically (``V``).
+
+Pure Python: no torch, sockets or clocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from runtime.catalog import PREFILL_KINDS, GraphKind
+from runtime.coordinator.cost import CostEntry
+from runtime.coordinator.packing import PromptRows
+from runtime.coordinator.plan import VisionImage
+from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
+from runtime.coordinator.prerequisites import chain_score, continuation_contribution, sequence_rate
+from runtime.coordinator.requests import Request
+from runtime.coordinator.vision import VisionState, WindowStore, WindowViews
+from runtime.image_spans import fit_chunk
+
+WINDOW_SNAPSHOT = "window-snapshot"
+WINDOW_RESTORE = "window-restore"
+_FAR = 1 << 62
+
+
+@dataclass(slots=True)
+class VisionRow:
+    """A prompt row with images to encode: ``reach[j]`` tokens its chunk may
+    take after its next ``j`` images (``images``: their span indices)."""
+
+    view: LaneView
+    reach: list[int]
+    images: list[int]
+
+    @property
+    def kind(self) -> GraphKind:
+        scored = self.view.request.spec.score_prompt
+        return GraphKind.SCORED_PREFILL if scored else GraphKind.PREFILL
+
+
+class VisionCandidate(Candidate):
+    """A vision frame's candidate: its images, each in its window slot and offset."""
+
+    __slots__ = ("images",)
+    images: list[VisionImage]
+
+
+def _base_limit(r: Request, pos: int, page_size: int) -> int:
+    """Where ``r``'s prefill from ``pos`` stops but for images: a hard boundary,
+    its prefill target, the pages it holds."""
+    bound = next((p for p in r.spec.boundaries if p > pos), r.prefill_target)
+    held = len(r.pages) * page_size if page_size else _FAR
+    return min(bound, r.prefill_target, held)
+
+
+def _reach(r: Request, pos: int, stop: int, page_size: int) -> int:
+    end = min(_base_limit(r, pos, page_size), stop)
+    return fit_chunk(r.spec.images, pos, max(0, end - pos))
+
+
+def window_views(
+    rows: list[LaneView], windowing: list[LaneView], store: WindowStore, page_size: int
+) -> WindowViews:
+    """The decision's vision population (vision.WindowViews)."""
+    out: list[VisionRow] = []
+    for view in rows:
+        r, pos = view.request, view.prompt_pos
+        state = r.vision
+        assert state is not None
+        images = list(state.pending())
+        spans = state.spans
+        reach = [
+            _reach(r, pos, spans[i].start if i < len(spans) else _FAR, page_size)
+            for i in range(state.encoded, state.encoded + len(images) + 1)
+        ]
+        out.append(VisionRow(view, reach, images))
+    snapshot: list[tuple[LaneView, int]] = []
+    restore: list[tuple[LaneView, int]] = []
+    for view in windowing:
+        r = view.request
+        state = r.vision
+        assert state is not None
+        first = state.end  # the next window's
+        end = state._window_end(first)
+        stop = state.spans[end].start if end < len(state.spans) else _FAR
+        ready = replace(view, available=_reach(r, view.prompt_pos, stop, page_size))
+        (snapshot if state.stage.value == "snapshot" else restore).append((ready, end - first))
+    return WindowViews(out, snapshot, restore, list(store.free_windows), len(store.free_rows))
+
+
+# ---------------------------------------------------------------------------
+# The exact cohort choice over the image budget
+
+
+def choose_cohort(
+    groups: list[list[tuple[int, float]]], budget: int, rows: int
+) -> tuple[float, list[tuple[int, int]]] | None:
+    """At most one option ``(images, value)`` per group, ``sum images <= budget``,
+    at most ``rows`` groups, at least one: the greatest total value, as
+    ``(value, [(group, option), ...])``; ties prefer more groups, then fewer
+    images.  Exact (dynamic programming over (groups taken, images used));
+    None when no option fits."""
+    states: dict[tuple[int, int], tuple[float, tuple[tuple[int, int], ...]]] = {(0, 0): (0.0, ())}
+    for g, options in enumerate(groups):
+        nxt = dict(states)
+        for (count, used), (value, picks) in states.items():
+            if count >= rows:
+                continue
+            for o, (images, gain) in enumerate(options):
+                if used + images > budget:
+                    continue
+                key = (count + 1, used + images)
+                held = nxt.get(key)
+                if held is None or value + gain > held[0]:
+                    nxt[key] = (value + gain, (*picks, (g, o)))
+        states = nxt
+    best: tuple[tuple[float, int, int], float, list[tuple[int, int]]] | None = None
+    for (count, used), (value, picks) in states.items():
+        if count < 1:
+            continue
+        rank = (value, count, -used)
+        if best is None or rank > best[0]:
+            best = (rank, value, list(picks))
+    return None if best is None else (best[1], best[2])
+
+
+def _options(row: VisionRow, batch: int, capacity: int, beta: float) -> list[tuple[int, float]]:
+    """(images, value) per useful number of images on a capacity: only counts
+    that lengthen the chunk."""
+    out: list[tuple[int, float]] = []
+    pos = row.view.prompt_pos
+    spans = row.view.request.spec.images
+    last = fit_chunk(spans, pos, min(capacity, row.reach[0]))
+    for j in range(1, min(len(row.images), batch) + 1):
+        tokens = fit_chunk(spans, pos, min(capacity, row.reach[j]))
+        if tokens <= last:
+            break
+        out.append((j, prompt_lane_value(row.view, tokens, beta)))
+        last = tokens
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Vision pairs
+
+
+def _ms(entry: CostEntry) -> float:
+    return entry.estimate_ns / 1e6 if entry.known else 0.0
+
+
+def vision_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
+    """Per vision shape, its best pair with a following prefill shape
+    (module docstring); then the window transition candidates."""
+    views: WindowViews | None = ctx.vision
+    if views is None:
+        return
+    if views.rows:
+        follows = [
+            (kind, entry) for kind in PREFILL_KINDS for entry in ctx.catalog.entries(kind)
+        ]
+        for index, entry in enumerate(ctx.catalog.entries(GraphKind.VISION)):
+            rows = _eligible(views, entry.descriptor.batch_capacity, ctx.beta)
+            best: VisionCandidate | None = None
+            for kind, follow in follows:
+                cand = _pair(ctx, views, rows, entry, index, kind, follow)
+                if cand is not None and (best is None or cand.rank_key() > best.rank_key()):
+                    best = cand
+            if best is not None:
+                out.append(best)
+    window_candidates(ctx, views, out)
+
+
+def _eligible(views: WindowViews, batch: int, beta: float) -> list[VisionRow]:
+    """The rows a vision frame may serve: those holding a window slot, and as
+    many others as slots are free (the most valuable first: what their whole
+    reach after ``batch`` images is worth; ties the less recently served)."""
+    held = [row for row in views.rows if _slot(row) >= 0]
+    others = [row for row in views.rows if _slot(row) < 0]
+    if len(others) > len(views.free_windows):
+        def worth(row: VisionRow) -> tuple[float, int]:
+            tokens = row.reach[min(len(row.images), batch)]
+            return (-prompt_lane_value(row.view, tokens, beta), row.view.lru)
+
+        others = sorted(others, key=worth)[: len(views.free_windows)]
+    return held + others
+
+
+def _slot(row: VisionRow) -> int:
+    state = row.view.request.vision
+    assert state is not None
+    return state.window_slot
+
+
+def _pair(
+    ctx: SelectionContext,
+    views: WindowViews,
+    rows: list[VisionRow],
+    entry: CostEntry,
+    index: int,
+    kind: GraphKind,
+    follow: CostEntry,
+) -> VisionCandidate | None:
+    """The exact joint cohorts of vision shape ``entry`` and following prefill
+    shape ``follow`` (module docstring), as the vision frame's candidate."""
+    budget = entry.descriptor.batch_capacity
+    rows_f, capacity = follow.descriptor.batch_capacity, follow.descriptor.prompt_capacity
+    served = [row for row in rows if row.kind is kind]
+    groups = [_options(row, budget, capacity, ctx.beta) for row in served]
+    choice = choose_cohort(groups, budget, rows_f)
+    if choice is None:
+        return None
+    total, picks = choice
+    chosen = [(served[g], groups[g][o][0]) for g, o in picks]
+    if rows_f > 1:  # packed: the ready rows share C with the newly ready ones
+        packed = _packed(ctx, kind, chosen, rows_f, capacity)
+        if packed is None:
+            return None
+        total, chosen = packed
+    images, lanes = _assign(views, rows, chosen, budget)
+    lru = max(v.lru for v in lanes)
+    cand = VisionCandidate(entry, index, lanes, total, 0.0, budget - len(images), lru, 0, ctx)
+    cand.images = images
+    t_ms, f_ms = _ms(entry), _ms(follow)
+    if t_ms <= 0.0 or f_ms <= 0.0:
+        cand.unknown, cand.score = True, total  # unknown durations: by useful value
+    else:
+        cand.unknown = False
+        cand.score = sequence_rate(total, t_ms, f_ms, ctx.active_age_price)
+    return cand
+
+
+def _packed(
+    ctx: SelectionContext,
+    kind: GraphKind,
+    chosen: list[tuple[VisionRow, int]],
+    batch: int,
+    capacity: int,
+) -> tuple[float, list[tuple[VisionRow, int]]] | None:
+    """The newly ready rows (at their reach after their images) and the ready
+    prompt rows of ``kind`` packed on (``batch``, ``capacity``); None unless a
+    newly ready row keeps a chunk longer than it had without the vision frame."""
+    newly = [replace(row.view, available=row.reach[j]) for row, j in chosen]
+    taken = {row.view.request.handle.id for row, _ in chosen}
+    ready = [v for v in ctx.prompt_rows(kind) if v.request.handle.id not in taken]
+    value, cohort, chunks = PromptRows(newly + ready, ctx.beta).best(batch, capacity)
+    kept = [
+        chosen[i] for i, chunk in zip(cohort, chunks)
+        if i < len(newly) and chunk > chosen[i][0].reach[0]
+    ]  # fmt: skip
+    return (value, kept) if kept else None
+
+
+def _assign(
+    views: WindowViews, rows: list[VisionRow], chosen: list[tuple[VisionRow, int]], budget: int
+) -> tuple[list[VisionImage], list[LaneView]]:
+    """The frame's images: the chosen rows' first, then spare rows advancing
+    other rows' images, then the chosen rows' further ones; each request's
+    images in order into its window slot (held, or the next free one) at their
+    compact offsets."""
+    counts: dict[int, int] = {}
+    order: list[VisionRow] = []
+    for row, j in chosen:
+        counts[id(row)] = j
+        order.append(row)
+    left = budget - sum(counts.values())
+    for row in [r for r in rows if id(r) not in counts] + [row for row, _ in chosen]:
+        if left <= 0:
+            break
+        extra = min(left, len(row.images) - counts.get(id(row), 0))
+        if extra > 0:
+            if id(row) not in counts:
+                order.append(row)
+            counts[id(row)] = counts.get(id(row), 0) + extra
+            left -= extra
+    free = iter(views.free_windows)
+    images: list[VisionImage] = []
+    lanes: list[LaneView] = []
+    for row in order:
+        r = row.view.request
+        state = r.vision
+        assert state is not None
+        slot = state.window_slot if state.window_slot >= 0 else next(free)
+        for index in row.images[: counts[id(row)]]:
+            span = state.spans[index]
+            images.append(
+                VisionImage(r.handle, index, slot, state.offset(index), span.length, span.digest)
+            )
+        lanes.append(row.view)
+    return images, lanes
+
+
+# ---------------------------------------------------------------------------
+# Window transitions
+
+
+def window_candidates(ctx: SelectionContext, views: WindowViews, out: list[Candidate]) -> None:
+    """Window snapshot candidates (SNAPSHOT programs) and window restore
+    candidates (RESTORE programs): per shape, the B requests of the stage with
+    the largest continuation contributions (module docstring)."""
+    stages = (
+        (GraphKind.SNAPSHOT, WINDOW_SNAPSHOT, _with_rows(views)),
+        (GraphKind.RESTORE, WINDOW_RESTORE, views.restore),
+    )
+    for kind, role, cohort in stages:
+        if not cohort:
+            continue
+        chains = [(view, *_chain(ctx, view, n, kind)) for view, n in cohort]
+        for index, entry in enumerate(ctx.catalog.entries(kind)):
+            t_ms = _ms(entry)
+            scored = sorted(
+                ((continuation_contribution(v, t_ms, f), view) for view, v, f in chains),
+                key=lambda item: (-item[0], item[1].lru, item[1].request.handle.id),
+            )[: entry.descriptor.batch_capacity]
+            lanes = [view for _, view in scored]
+            value = sum(c for c, _ in scored)
+            cand = Candidate(
+                entry, index, lanes, value, 0.0, entry.descriptor.batch_capacity - len(lanes),
+                max(v.lru for v in lanes), 0, ctx,
+            )  # fmt: skip
+            cand.roles = [role] * len(lanes)
+            score = chain_score([c for c, _ in scored], t_ms, ctx.active_age_price)
+            cand.unknown, cand.score = score.unknown, score.score
+            out.append(cand)
+
+
+def _with_rows(views: WindowViews) -> list[tuple[LaneView, int]]:
+    """The requests awaiting a window snapshot that hold a private snapshot row,
+    and as many others as rows are free."""
+    held = [item for item in views.snapshot if _row(item[0].request.vision) >= 0]
+    others = [item for item in views.snapshot if _row(item[0].request.vision) < 0]
+    return held + others[: views.rows_free]
+
+
+def _row(state: VisionState | None) -> int:
+    assert state is not None
+    return state.snapshot_row
+
+
+def _chain(
+    ctx: SelectionContext, view: LaneView, images: int, kind: GraphKind
+) -> tuple[float, float]:
+    """(V, T_further) of a window transition's continuation: the value of the
+    prefill chunk its next window enables, and the time of the operations
+    still to run after this stage (0: some duration unknown)."""
+    r = view.request
+    pkind = GraphKind.SCORED_PREFILL if r.spec.score_prompt else GraphKind.PREFILL
+    singles = [e for e in ctx.catalog.entries(pkind) if e.descriptor.batch_capacity == 1]
+    fits = [e for e in singles if e.descriptor.prompt_capacity >= view.available]
+    prefill = fits[0] if fits else (singles[-1] if singles else None)
+    if prefill is None or view.available <= 0:
+        return 0.0, 0.0
+    capacity = prefill.descriptor.prompt_capacity
+    tokens = fit_chunk(r.spec.images, view.prompt_pos, min(capacity, view.available))
+    value = prompt_lane_value(view, tokens, ctx.beta)
+    parts = [_ms(prefill)]
+    if kind is GraphKind.SNAPSHOT:  # the restore is still to run
+        restores = [_ms(e) for e in ctx.catalog.entries(GraphKind.RESTORE)]
+        parts.append(min(restores) if restores and min(restores) > 0 else 0.0)
+    visions = [e for e in ctx.catalog.entries(GraphKind.VISION)]
+    if images and visions:
+        largest = visions[-1]
+        frames = -(-images // largest.descriptor.batch_capacity)
+        parts.append(frames * _ms(largest))
+    if any(p <= 0.0 for p in parts):
+        return value, 0.0
+    return value, sum(parts)
