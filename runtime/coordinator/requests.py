@@ -16,7 +16,7 @@ from runtime.coordinator.speculation import SpeculationState
 from runtime.image_spans import ImageSpan, ImageSpanError, check_spans, keyed_tokens
 
 if TYPE_CHECKING:
-    from runtime.coordinator.vision import VisionState
+    from runtime.coordinator.windows import VisionState
 
 
 class AdmissionError(ValueError):

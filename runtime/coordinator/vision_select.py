@@ -182,9 +182,7 @@ def vision_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
     if views is None:
         return
     if views.rows:
-        follows = [
-            (kind, entry) for kind in PREFILL_KINDS for entry in ctx.catalog.entries(kind)
-        ]
+        follows = [(kind, entry) for kind in PREFILL_KINDS for entry in ctx.catalog.entries(kind)]
         for index, entry in enumerate(ctx.catalog.entries(GraphKind.VISION)):
             rows = _eligible(views, entry.descriptor.batch_capacity, ctx.beta)
             best: VisionCandidate | None = None
@@ -204,6 +202,7 @@ def _eligible(views: WindowViews, batch: int, beta: float) -> list[VisionRow]:
     held = [row for row in views.rows if _slot(row) >= 0]
     others = [row for row in views.rows if _slot(row) < 0]
     if len(others) > len(views.free_windows):
+
         def worth(row: VisionRow) -> tuple[float, int]:
             tokens = row.reach[min(len(row.images), batch)]
             return (-prompt_lane_value(row.view, tokens, beta), row.view.lru)

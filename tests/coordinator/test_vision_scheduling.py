@@ -9,6 +9,7 @@ and image digests in the prefix cache's page keys."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import random
 
@@ -18,6 +19,7 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.errors import CommitError, SchedulerError
 from runtime.coordinator.plan import LanePhase, ScheduledPlan
+from runtime.coordinator.policy import prompt_lane_value
 from runtime.coordinator.prerequisites import sequence_rate
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import RequestSpec
@@ -53,7 +55,8 @@ COST_MS = {
 
 
 def cost_ms(desc: GraphDescriptor) -> float:
-    return COST_MS[(desc.kind, desc.batch_capacity, desc.prompt_capacity)]
+    key = (desc.kind, desc.batch_capacity, desc.prompt_capacity)
+    return COST_MS[key] if key in COST_MS else 1.0 + desc.prompt_capacity / 64
 
 
 def digest(n: int) -> str:
@@ -123,9 +126,9 @@ class Sim:
 
     def run(self, limit: int = 2000) -> None:
         for _ in range(limit):
-            if self.step() is None and not self.s.waiting and not self.s.running:
-                if not self.s._res.resident:
-                    return
+            idle = self.step() is None and not self.s.waiting and not self.s.running
+            if idle and not self.s._res.resident:
+                return
         raise AssertionError("the run did not finish")
 
     def prompt_chunks(self, handle) -> list[tuple[int, int]]:
@@ -229,7 +232,7 @@ def test_window_transition_stages_and_checks():
         (GraphKind.SNAPSHOT, LanePhase.WINDOW_SNAPSHOT),
         (GraphKind.RESTORE, LanePhase.WINDOW_RESTORE),
     ]
-    assert (GraphKind.VISION, LanePhase.VISION) == seen[4]
+    assert seen[4] == (GraphKind.VISION, LanePhase.VISION)
 
 
 def test_admission_refuses_what_cannot_run():
@@ -244,3 +247,239 @@ def test_admission_refuses_what_cannot_run():
     with pytest.raises(SchedulerError, match="snapshot and restore programs"):
         s.admit(RequestSpec(200, 2, images=spans(20, 80)))
     s.admit(RequestSpec(200, 2, images=spans(20)))  # one window needs no transition
+
+
+# ---------------------------------------------------------------------------
+# (2) vision/prefill pairs against running decoders: the crossover
+
+
+PAIR_CATALOG = (
+    GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
+    GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=256),
+    GraphDescriptor(GraphKind.DECODE, 1),
+    GraphDescriptor(GraphKind.DECODE, 4),
+    GraphDescriptor(GraphKind.VISION, 1),
+    GraphDescriptor(GraphKind.SNAPSHOT, 1),
+    GraphDescriptor(GraphKind.RESTORE, 1),
+)
+
+
+def drive_to_vision() -> tuple[Sim, list, object]:
+    """Three decoders streaming, then a request whose prompt opens with an
+    image: nothing of it can run before a vision frame."""
+    sim = Sim(window_rows=64)
+    sim.s = Scheduler(list(PAIR_CATALOG), sim.s.config)
+    for desc in PAIR_CATALOG:
+        if desc.kind is not GraphKind.VISION:
+            sim.s.catalog.observe(desc, int(cost_ms(desc) * MS), 0)
+    decoders = [sim.admit(30, 400, seed=10 + i) for i in range(3)]
+    while any(len(sim.out[h.id]) < 3 for h in decoders):
+        sim.step()
+    image = sim.admit(120, 8, spans(0, length=48), seed=20)
+    return sim, decoders, image
+
+
+def test_a_vision_pair_wins_only_with_enough_value_per_time():
+    """The snapshot-cost check's counterpart for vision: sweep the vision
+    frame's measured cost T; the vision frame (followed by the prefill it
+    enables) is chosen exactly when that sequence's value per time, with the
+    decoders' waiting cost over T + F, beats the decoders' own round; a chosen
+    vision frame does enable that prefill, which reads the image from its slot."""
+    sim, _, image = drive_to_vision()
+    chosen = []
+    for t_ms in (0.05, 0.5, 2.0, 5.0, 10.0, 20.0, 40.0, 80.0, 200.0):
+        trial = copy.deepcopy(sim)
+        s = trial.s
+        vision = next(d for d in PAIR_CATALOG if d.kind is GraphKind.VISION)
+        s.catalog.observe(vision, int(t_ms * MS), trial.now)
+        ctx = s._context()
+        cands = s._candidates(ctx)
+        assert ctx.decode and not ctx.prefill and not ctx.imaged  # the image blocks it
+        others = [c for c in cands if c.entry.descriptor.kind is not GraphKind.VISION]
+        alternative = max(c.score for c in others)
+        # The pair, computed from the lane: the best following prefill shape.
+        (row,) = ctx.vision.rows
+        pair = max(
+            sequence_rate(
+                prompt_value(row.view, fit_chunk(row.view.request.spec.images, 0,
+                             min(e.descriptor.prompt_capacity, row.reach[1])), ctx.beta),
+                t_ms, e.estimate_ns / 1e6, ctx.active_age_price,
+            )
+            for e in s.catalog.entries(GraphKind.PREFILL)
+        )  # fmt: skip
+        plan = s.plan()
+        wins = plan.graph.kind is GraphKind.VISION
+        assert wins == (pair > alternative), (t_ms, pair, alternative)
+        if wins:
+            assert plan.estimated_duration_ns == int(t_ms * MS)  # T only: no lookahead time
+            assert [(im.handle, im.span, im.window_slot, im.offset) for im in plan.vision_images] \
+                == [(image, 0, 0, 0)]  # fmt: skip
+            trial.execute(plan, int(t_ms * MS))
+            following = s.plan()
+            assert following.graph.kind is GraphKind.PREFILL
+            assert [lane.handle for lane in following.lanes] == [image]
+            assert [(x.span, x.window_slot, x.offset) for x in following.image_reads] == [(0, 0, 0)]
+        chosen.append(wins)
+    assert True in chosen and False in chosen  # both sides of the crossover were seen
+    assert chosen == sorted(chosen, reverse=True)  # cheaper vision wins, dearer loses
+
+
+def prompt_value(view, tokens, beta):
+    return prompt_lane_value(view, tokens, beta)
+
+
+def test_vision_frames_drain_the_window_and_commit_no_token():
+    sim, _, image = drive_to_vision()
+    vision = next(d for d in PAIR_CATALOG if d.kind is GraphKind.VISION)
+    sim.s.catalog.observe(vision, int(0.5 * MS), sim.now)
+    plan = sim.s.plan()
+    assert plan.graph.kind is GraphKind.VISION and plan.requires_empty_window
+    assert all(lane.max_tokens == 0 and lane.prompt_tokens == 0 for lane in plan.lanes)
+    fence = sim.fence + 1
+    sim.s.commit(plan, fence)
+    record = CompletionRecord(plan.lanes[0].slot, plan.lanes[0].generation, (5,))
+    with pytest.raises(Exception, match="tokens"):
+        sim.s.complete(fence, [record], ExecutionTiming((MS,), host_wall_ns=MS))
+    record = CompletionRecord(plan.lanes[0].slot, plan.lanes[0].generation, ())
+    assert sim.s.complete(fence, [record], ExecutionTiming((MS,), host_wall_ns=MS)) == []
+    r = sim.s.request(image)
+    assert r is not None and r.vision is not None and r.vision.encoded == 1
+
+
+def test_commit_refuses_stale_or_foreign_image_plans():
+    sim, _, _ = drive_to_vision()
+    vision = next(d for d in PAIR_CATALOG if d.kind is GraphKind.VISION)
+    sim.s.catalog.observe(vision, int(0.5 * MS), sim.now)
+    plan = sim.s.plan()
+    assert plan.graph.kind is GraphKind.VISION
+    im = plan.vision_images[0]
+    bad = dataclasses.replace(plan, vision_images=(dataclasses.replace(im, offset=8),))
+    with pytest.raises(CommitError, match="offset"):
+        sim.s.commit(bad, sim.fence + 1)
+    bad = dataclasses.replace(plan, vision_images=(dataclasses.replace(im, window_slot=99),))
+    with pytest.raises(CommitError, match="window slot"):
+        sim.s.commit(bad, sim.fence + 1)
+    bad = dataclasses.replace(plan, vision_images=())
+    with pytest.raises(CommitError, match="images"):
+        sim.s.commit(bad, sim.fence + 1)
+
+
+# ---------------------------------------------------------------------------
+# (3) atomic spans and populated windows, under load
+
+
+STRESS_CATALOG = (
+    *CATALOG,
+    GraphDescriptor(GraphKind.MIXED, 2, prompt_capacity=64),
+    GraphDescriptor(GraphKind.DECODE, 2),
+)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_chunk_splits_a_span_or_reads_an_unpopulated_window(seed):
+    """Random prompts with random images (several windows each), text requests
+    beside them, a mixed shape in the catalog: every plan passes
+    ``check_image_plan`` (no chunk splits a span, reads only encoded images of
+    the active window, never on a mixed row), every request completes, and each
+    prompt is consumed exactly once."""
+    rng = random.Random(seed)
+    sim = Sim(window_rows=64, window_slots=2, measured=False)
+    sim.s = Scheduler(list(STRESS_CATALOG), sim.s.config)
+    handles = []
+    for i in range(6):
+        prompt = rng.randrange(80, 400)
+        starts, pos = [], rng.randrange(0, 20)
+        while True:
+            length = rng.randrange(8, 49)
+            if pos + length > prompt:
+                break
+            starts.append((pos, length))
+            pos += length + rng.randrange(0, 30)
+        images = [ImageSpan(s, n, digest(100 * i + k)) for k, (s, n) in enumerate(starts)]
+        handles.append(sim.admit(prompt, rng.randrange(1, 6), images if i % 3 else (), seed=i))
+    sim.run()
+    for h in handles:
+        assert len(sim.out[h.id]) >= 1
+        chunks = sim.prompt_chunks(h)
+        starts = list(itertools.accumulate([0] + [t for _, t in chunks]))[:-1]
+        assert [s for s, _ in chunks] == starts
+    assert len(sim.s._windows.free_windows) == 2
+    assert len(sim.s._windows.free_rows) == sim.s._windows.snapshot_rows
+    assert any(p.graph.kind is GraphKind.VISION for p in sim.plans)
+
+
+# ---------------------------------------------------------------------------
+# (4) image digests in the prefix cache's page keys
+
+
+def test_the_same_tokens_with_different_images_share_no_cached_page():
+    tokens = tuple(random.Random(1).randrange(50_000) for _ in range(100))
+    sim = Sim(window_rows=64)
+    first = sim.admit(100, 2, spans(32, length=40, first_digest=1), tokens=tokens)
+    sim.run()
+    assert sim.s.request(first) is None  # retired: its pages are published
+    other = sim.admit(100, 2, spans(32, length=40, first_digest=2), tokens=tokens)
+    r = sim.s.request(other)
+    assert r is not None and r.consumed_prompt == 32  # the two pages before the image only
+    assert r.vision is not None and r.vision.first == 0  # its own image is encoded
+    sim.run()
+    same = sim.admit(100, 2, spans(32, length=40, first_digest=1), tokens=tokens)
+    r = sim.s.request(same)
+    assert r is not None and r.consumed_prompt == 99  # everything but its last token
+    assert r.vision is not None and r.vision.first == 1  # no image left to encode
+    sim.run()
+
+
+def test_a_cached_prefix_never_ends_inside_an_image_span():
+    """A sibling's full pages published mid-flight end inside an image span:
+    the match is cut back to the span's start, and the image is encoded again."""
+    tokens = tuple(random.Random(2).randrange(50_000) for _ in range(120))
+    sim = Sim(window_rows=64)
+    images = (ImageSpan(16, 40, digest(7)), ImageSpan(60, 30, digest(8)))
+    first = sim.admit(120, 4, images, tokens=tokens)
+    r = sim.s.request(first)
+    while r.consumed_prompt < 56:
+        sim.step()
+    published = r.consumed_prompt // 16 * 16
+    assert any(s.start < published < s.end for s in images)  # (the case under test)
+    sibling = sim.admit(120, 4, images, tokens=tokens)
+    q = sim.s.request(sibling)
+    cut = next(s.start for s in images if s.start < published < s.end)
+    assert q is not None and q.consumed_prompt == cut
+    assert q.vision is not None and q.vision.spans[q.vision.first].start == cut
+    sim.run()
+
+
+# ---------------------------------------------------------------------------
+# (5) the cohort choice against brute force
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choose_cohort_is_exact(seed):
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(rng.randrange(1, 6)):
+        options, images = [], 0
+        for _ in range(rng.randrange(1, 4)):
+            images += rng.randrange(1, 3)
+            options.append((images, round(rng.uniform(0.5, 50.0), 3)))
+        groups.append(options)
+    budget, rows = rng.randrange(1, 7), rng.randrange(1, 4)
+    best = None
+    for choice in itertools.product(*[[None, *range(len(g))] for g in groups]):
+        picked = [(g, o) for g, o in enumerate(choice) if o is not None]
+        images = sum(groups[g][o][0] for g, o in picked)
+        if not picked or len(picked) > rows or images > budget:
+            continue
+        value = sum(groups[g][o][1] for g, o in picked)
+        best = value if best is None else max(best, value)
+    got = choose_cohort(groups, budget, rows)
+    if best is None:
+        assert got is None
+        return
+    assert got is not None
+    value, picks = got
+    assert value == pytest.approx(best)
+    assert len(picks) <= rows and len({g for g, _ in picks}) == len(picks)
+    assert sum(groups[g][o][0] for g, o in picks) <= budget
+    assert value == pytest.approx(sum(groups[g][o][1] for g, o in picks))
