@@ -312,6 +312,8 @@ def _state_views(
             )
         else:
             available = r.prefill_available(pos)
+            if r.vision is not None:  # its reach once its window's images are encoded
+                available = fit_chunk(r.spec.images, pos, r.prefill_reach(pos))
             prompt_ready.append(_prompt_view(r, token_price, pos, available, value))
     return StateViews(ages, decode_ready, prompt_ready, snapshot_sigma_ms(ctx, len(terminal)))
 

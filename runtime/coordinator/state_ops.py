@@ -45,7 +45,13 @@ from dataclasses import dataclass
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.cost import CostEntry
-from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
+from runtime.coordinator.policy import (
+    Candidate,
+    LaneView,
+    SelectionContext,
+    fit_tokens,
+    prompt_lane_value,
+)
 from runtime.coordinator.prerequisites import (
     PairChoice,
     best_pair,
@@ -173,7 +179,8 @@ def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed
         if ready is not None:  # the best already ready prompt row
             yield _Follow(entry, rows, decoders, ready, rounds=wide)
         for lane in states.prompt_ready:  # a prompt row the restore enables
-            yield _Follow(entry, rows, decoders, lane, True, rounds=wide)
+            if getattr(lane.request, "vision", None) is None:  # (images: prefill only)
+                yield _Follow(entry, rows, decoders, lane, True, rounds=wide)
     if speculating:
         for entry in catalog.entries(GraphKind.SPECULATIVE):
             desc = entry.descriptor
@@ -239,7 +246,9 @@ def _pairs(
         rows = follow.rows
         prompt = follow.prompt
         if prompt is not None:
-            tokens = min(prompt.available, follow.entry.descriptor.prompt_capacity)
+            tokens = fit_tokens(
+                prompt, min(prompt.available, follow.entry.descriptor.prompt_capacity)
+            )
             extra = prompt_lane_value(prompt, tokens, ctx.beta)
         if follow.enabled:  # the prompt row is the newly ready row that must participate
             choice = best_pair([_FORCED, *newly], ready, term, prereq.descriptor.batch_capacity,
