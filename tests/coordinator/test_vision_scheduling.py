@@ -70,10 +70,13 @@ def spans(*starts: int, length: int = 40, first_digest: int = 1) -> tuple[ImageS
 class Sim:
     """Drives the scheduler with measured costs; checks every image plan it runs."""
 
-    def __init__(self, window_rows: int = 40, window_slots: int = 4, measured: bool = True):
+    def __init__(
+        self, window_rows: int = 40, window_slots: int = 4, measured: bool = True,
+        snapshot_rows: int = 0, num_pages: int = 512,
+    ) -> None:  # fmt: skip
         config = SchedulerConfig(
-            max_slots=8, page_size=16, num_pages=512, debug_page_accounting=True,
-            vision=VisionStorage(window_slots, window_rows),
+            max_slots=8, page_size=16, num_pages=num_pages, debug_page_accounting=True,
+            vision=VisionStorage(window_slots, window_rows, snapshot_rows),
         )  # fmt: skip
         self.s = Scheduler(list(CATALOG), config)
         if measured:
@@ -233,6 +236,48 @@ def test_window_transition_stages_and_checks():
         (GraphKind.RESTORE, LanePhase.WINDOW_RESTORE),
     ]
     assert seen[4] == (GraphKind.VISION, LanePhase.VISION)
+
+
+def test_a_window_snapshot_waits_for_a_free_private_row():
+    """One private snapshot row, two requests of two windows each: the second
+    gets no row at residency, waits at its boundary until the first retires,
+    then takes the freed row; both complete."""
+    sim = Sim(window_rows=40, snapshot_rows=1)
+    a = sim.admit(120, 2, spans(10, 60), seed=1)
+    b = sim.admit(120, 2, spans(10, 60, first_digest=5), seed=2)
+    ra, rb = sim.s.request(a), sim.s.request(b)
+    assert ra.vision.snapshot_row == 0 and rb.vision.snapshot_row == -1
+    held = []
+    sim_requests = (a, b)
+    for _ in range(400):
+        if all(sim.s.request(h) is None for h in sim_requests):
+            break
+        sim.step()
+        rows = [
+            r.vision.snapshot_row
+            for r in map(sim.s.request, sim_requests)
+            if r is not None and r.vision.snapshot_row >= 0
+        ]
+        assert len(rows) <= 1
+        held.append(tuple(rows))
+    assert sim.out[a.id] == [7, 7] and sim.out[b.id] == [7, 7]
+    assert sim.s._windows.free_rows == [0]
+
+
+def test_preempted_image_requests_resume_and_release_their_windows():
+    """A small page pool: image requests are preempted, give back their window
+    slot and snapshot row, resume (their windows from what they reattach) and
+    complete; every plan still keeps spans atomic."""
+    sim = Sim(window_rows=64, window_slots=2, num_pages=24)
+    handles = [
+        sim.admit(150, 60, spans(10, 60, 110, length=30, first_digest=10 * i), seed=i)
+        for i in range(4)
+    ]
+    sim.run(4000)
+    assert all(len(sim.out[h.id]) == 60 for h in handles)
+    assert sim.s.memory_stats()["preemptions"] > 0
+    assert len(sim.s._windows.free_windows) == 2
+    assert len(sim.s._windows.free_rows) == sim.s._windows.snapshot_rows
 
 
 def test_admission_refuses_what_cannot_run():
