@@ -153,6 +153,14 @@ class SchedulerAdmission:
             count = len(windows(spec.images, rows))
         except ImageSpanError as exc:
             raise SchedulerError(str(exc)) from None
+        pkind = GraphKind.SCORED_PREFILL if spec.score_prompt else GraphKind.PREFILL
+        chunk = max((e.descriptor.prompt_capacity for e in self.catalog.entries(pkind)), default=0)
+        longest = max(span.length for span in spec.images)
+        if longest > chunk:
+            raise SchedulerError(
+                f"images: an image of {longest} feature rows exceeds the largest "
+                f"{pkind.value} chunk ({chunk} tokens); image spans are atomic"
+            )
         kinds = (GraphKind.SNAPSHOT, GraphKind.RESTORE)
         if count > 1 and not all(self.catalog.entries(k) for k in kinds):
             raise SchedulerError(
@@ -194,6 +202,7 @@ class SchedulerAdmission:
         self._res.retire(request)
         if request.vision is not None and self._windows is not None:
             self._windows.release(request.vision)  # its window slot and snapshot row
+            request.vision.reset(0)  # (a resumed request's windows start again)
         if not request.preempted or request.cancelled or request.finished:
             self._requests.pop(request.handle.id, None)
 
@@ -279,8 +288,8 @@ class SchedulerAdmission:
         restoring: list[Request] = []
         windowing: list[Request] = []
         for r in self._resident.values():
-            if r.vision is not None and r.runnable and not r.inflight_fences:
-                r.vision.sync(r.consumed_prompt)
+            if r.vision is not None and not r.inflight_fences:
+                r.vision.sync(r.consumed_prompt)  # (a prefix attached late, a text chunk)
             if r.runnable:
                 runnable.append(r)
             elif r.window_waiting:

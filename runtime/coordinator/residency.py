@@ -267,7 +267,8 @@ class Residency:
         if r.consumed_prompt < r.prefill_target:
             pos = r.consumed_prompt
             chunk = min(self.max_chunk, r.prefill_reach(pos))
-            return pos + chunk, pos + 1
+            least = 1 if r.vision is None else r.vision.least_chunk(pos)  # spans are atomic
+            return pos + chunk, pos + least
         start = r.spec.prompt_len + r.committed_output + r.inflight_output - 1
         rows = min(self.max_width, r.remaining_output - r.inflight_output)
         return start + max(rows, 1), start + 1

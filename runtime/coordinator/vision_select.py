@@ -110,7 +110,8 @@ def window_views(
         first = state.end  # the next window's
         end = state._window_end(first)
         stop = state.spans[end].start if end < len(state.spans) else _FAR
-        ready = replace(view, available=_reach(r, view.prompt_pos, stop, page_size))
+        # (pages come on demand: the lookahead's reach is not capped by those held now)
+        ready = replace(view, available=_reach(r, view.prompt_pos, stop, 0))
         (snapshot if state.stage.value == "snapshot" else restore).append((ready, end - first))
     return WindowViews(out, snapshot, restore, list(store.free_windows), len(store.free_rows))
 

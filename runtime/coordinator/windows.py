@@ -56,6 +56,7 @@ class VisionState:
         spans = self.spans
         first = next((i for i, s in enumerate(spans) if s.end > position), len(spans))
         self.first = self.encoded = first
+        self.encoding = 0
         self.end = self._window_end(first)
         self.origin = position
         self.stage = Stage.READY
@@ -94,6 +95,12 @@ class VisionState:
     def window_stop(self) -> int:
         """The following window's first span (prefill never passes it in this window)."""
         return self.spans[self.end].start if self.end < len(self.spans) else _FAR
+
+    def least_chunk(self, position: int) -> int:
+        """The shortest chunk from ``position``: an image span starting there is
+        atomic, so its whole length (what its pages must hold to run at all)."""
+        span = next((s for s in self.spans if s.start >= position), None)
+        return span.length if span is not None and span.start == position else 1
 
     def pending(self) -> range:
         """Span indices of the active window still to encode, in order."""

@@ -453,6 +453,41 @@ def test_no_chunk_splits_a_span_or_reads_an_unpopulated_window(seed):
     assert any(p.graph.kind is GraphKind.VISION for p in sim.plans)
 
 
+@pytest.mark.parametrize("seed", [0, 5, 13, 57, 77])
+def test_random_pools_windows_and_rows_never_stall(seed):
+    """Random page pools (preemption), window slots, window sizes, snapshot rows
+    and measured or unmeasured costs: every request completes and every window
+    slot and snapshot row comes back."""
+    rng = random.Random(seed)
+    pages = rng.choice([20, 24, 32, 48])
+    sim = Sim(
+        window_rows=rng.choice([48, 64, 128]), window_slots=rng.choice([1, 2, 4]),
+        num_pages=pages, snapshot_rows=rng.choice([0, 1, 2]), measured=False,
+    )  # fmt: skip
+    sim.s = Scheduler(list(STRESS_CATALOG), sim.s.config)
+    if rng.random() < 0.5:
+        for desc in STRESS_CATALOG:
+            sim.s.catalog.observe(desc, int(cost_ms(desc) * MS), 0)
+    handles = []
+    for i in range(rng.randrange(2, 7)):
+        prompt = rng.randrange(60, 250)
+        starts, pos = [], rng.randrange(0, 20)
+        while True:
+            length = rng.randrange(8, 45)
+            if pos + length > prompt:
+                break
+            starts.append((pos, length))
+            pos += length + rng.randrange(0, 30)
+        images = [ImageSpan(s, n, digest(100 * i + k)) for k, (s, n) in enumerate(starts)]
+        output = rng.randrange(1, 40)
+        handles.append(sim.admit(prompt, output, images if i % 3 else (), seed=seed * 10 + i))
+    sim.run(6000)
+    assert all(sim.out[h.id] for h in handles)
+    store = sim.s._windows
+    assert len(store.free_windows) == store.storage.window_slots
+    assert len(store.free_rows) == store.snapshot_rows
+
+
 # ---------------------------------------------------------------------------
 # (4) image digests in the prefix cache's page keys
 
