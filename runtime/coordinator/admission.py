@@ -221,6 +221,8 @@ class SchedulerAdmission:
             victim = self._victim()
             if victim is None:
                 return
+            if lacking == [victim] and victim.vision is not None:
+                return  # alone short of its image span's pages: freeing them serves no one
             res.preempt(victim)
             victim.terminal_since_ns = self.now_ns  # its retirement's age starts now
             if victim.inflight_fences:

@@ -292,6 +292,14 @@ def test_admission_refuses_what_cannot_run():
     with pytest.raises(SchedulerError, match="snapshot and restore programs"):
         s.admit(RequestSpec(200, 2, images=spans(20, 80)))
     s.admit(RequestSpec(200, 2, images=spans(20)))  # one window needs no transition
+    small = (
+        GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
+        GraphDescriptor(GraphKind.DECODE, 1),
+        GraphDescriptor(GraphKind.VISION, 1),
+    )
+    s = Scheduler(list(small), SchedulerConfig(vision=VisionStorage(2, 128)))
+    with pytest.raises(SchedulerError, match="exceeds the largest prefill chunk"):
+        s.admit(RequestSpec(200, 2, images=spans(20, length=80)))
 
 
 # ---------------------------------------------------------------------------
