@@ -4,7 +4,8 @@ the feature storage, vision frames populating the active window, prefill that
 never splits an image span nor crosses into a window not yet populated,
 window transitions through a private snapshot row (snapshot, then restore into
 a fresh generation), the vision/prefill pair search against running decoders,
-and image digests in the prefix cache's page keys."""
+and the commit checks of image rows (the cache keys and the cohort choice:
+test_vision_cache.py)."""
 
 from __future__ import annotations
 
@@ -18,155 +19,14 @@ import pytest
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import SchedulerConfig
 from runtime.coordinator.errors import CommitError, SchedulerError
-from runtime.coordinator.plan import LanePhase, ScheduledPlan
+from runtime.coordinator.plan import LanePhase
 from runtime.coordinator.policy import prompt_lane_value
 from runtime.coordinator.prerequisites import sequence_rate
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.scheduler import Scheduler
-from runtime.coordinator.vision_select import choose_cohort
 from runtime.image_spans import ImageSpan, VisionStorage, fit_chunk
-
-MS = 1_000_000
-CATALOG = (
-    GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=64),
-    GraphDescriptor(GraphKind.PREFILL, 1, prompt_capacity=256),
-    GraphDescriptor(GraphKind.PREFILL, 2, prompt_capacity=256),
-    GraphDescriptor(GraphKind.DECODE, 1),
-    GraphDescriptor(GraphKind.DECODE, 4),
-    GraphDescriptor(GraphKind.VISION, 1),
-    GraphDescriptor(GraphKind.VISION, 2),
-    GraphDescriptor(GraphKind.VISION, 4),
-    GraphDescriptor(GraphKind.SNAPSHOT, 1),
-    GraphDescriptor(GraphKind.RESTORE, 1),
-)
-COST_MS = {
-    (GraphKind.PREFILL, 1, 64): 2.0,
-    (GraphKind.PREFILL, 1, 256): 5.0,
-    (GraphKind.PREFILL, 2, 256): 5.5,
-    (GraphKind.DECODE, 1, 0): 2.0,
-    (GraphKind.DECODE, 4, 0): 3.0,
-    (GraphKind.VISION, 1, 0): 1.0,
-    (GraphKind.VISION, 2, 0): 1.5,
-    (GraphKind.VISION, 4, 0): 2.5,
-    (GraphKind.SNAPSHOT, 1, 0): 0.5,
-    (GraphKind.RESTORE, 1, 0): 0.5,
-}
-
-
-def cost_ms(desc: GraphDescriptor) -> float:
-    key = (desc.kind, desc.batch_capacity, desc.prompt_capacity)
-    return COST_MS[key] if key in COST_MS else 1.0 + desc.prompt_capacity / 64
-
-
-def digest(n: int) -> str:
-    return f"{n:064x}"
-
-
-def spans(*starts: int, length: int = 40, first_digest: int = 1) -> tuple[ImageSpan, ...]:
-    return tuple(ImageSpan(s, length, digest(first_digest + i)) for i, s in enumerate(starts))
-
-
-class Sim:
-    """Drives the scheduler with measured costs; checks every image plan it runs."""
-
-    def __init__(
-        self, window_rows: int = 40, window_slots: int = 4, measured: bool = True,
-        snapshot_rows: int = 0, num_pages: int = 512,
-    ) -> None:  # fmt: skip
-        config = SchedulerConfig(
-            max_slots=8, page_size=16, num_pages=num_pages, debug_page_accounting=True,
-            vision=VisionStorage(window_slots, window_rows, snapshot_rows),
-        )  # fmt: skip
-        self.s = Scheduler(list(CATALOG), config)
-        if measured:
-            for desc in CATALOG:
-                self.s.catalog.observe(desc, int(cost_ms(desc) * MS), 0)
-        self.now = 0
-        self.fence = 0
-        self.out: dict[int, list[int]] = {}
-        self.plans: list[ScheduledPlan] = []
-        self.cache_versions: list[tuple[LanePhase, int, int]] = []
-
-    def admit(self, prompt_len: int, max_tokens: int, images=(), seed: int = 0, tokens=None):
-        rng = random.Random(seed)
-        if tokens is None:
-            tokens = tuple(rng.randrange(50_000) for _ in range(prompt_len))
-        spec = RequestSpec(prompt_len, max_tokens, prompt_tokens=tokens, images=tuple(images))
-        handle = self.s.admit(spec)
-        self.out[handle.id] = []
-        return handle
-
-    def step(self):
-        self.now += MS // 10
-        self.s.advance_to(self.now)
-        plan = self.s.plan()
-        if plan is None:
-            return None
-        self.execute(plan)
-        return plan
-
-    def execute(self, plan: ScheduledPlan, cost: int | None = None) -> None:
-        s = self.s
-        check_image_plan(s, plan)
-        self.fence += 1
-        version = s._res.cache.version
-        s.commit(plan, self.fence)
-        self.plans.append(plan)
-        records = [
-            CompletionRecord(lane.slot, lane.generation, (7,) * lane.max_tokens)
-            for lane in plan.lanes
-        ]
-        cost = int(cost_ms(plan.graph) * MS) if cost is None else cost
-        self.now += cost
-        s.advance_to(self.now)
-        for g in s.complete(self.fence, records, ExecutionTiming((cost,), host_wall_ns=cost)):
-            self.out[g.handle.id] += g.tokens
-            if g.tokens:
-                s.published_output(g.handle, g.fence)
-        if plan.lanes[0].phase in (LanePhase.WINDOW_SNAPSHOT, LanePhase.WINDOW_RESTORE):
-            self.cache_versions.append((plan.lanes[0].phase, version, s._res.cache.version))
-
-    def run(self, limit: int = 2000) -> None:
-        for _ in range(limit):
-            idle = self.step() is None and not self.s.waiting and not self.s.running
-            if idle and not self.s._res.resident:
-                return
-        raise AssertionError("the run did not finish")
-
-    def prompt_chunks(self, handle) -> list[tuple[int, int]]:
-        return [
-            (lane.prompt_start, lane.prompt_tokens)
-            for plan in self.plans
-            for lane in plan.lanes
-            if lane.handle == handle and lane.phase is LanePhase.PREFILL
-        ]
-
-
-def check_image_plan(s: Scheduler, plan: ScheduledPlan) -> None:
-    """What every image plan must satisfy before it is committed (test 3)."""
-    for i, lane in enumerate(plan.lanes):
-        r = s.request(lane.handle)
-        if r is None or r.vision is None or lane.phase is not LanePhase.PREFILL:
-            continue
-        start, end = lane.prompt_start, lane.prompt_start + lane.prompt_tokens
-        assert plan.graph.kind is not GraphKind.MIXED
-        for k, span in enumerate(r.spec.images):
-            assert not (span.start < end < span.end), "a chunk splits an image span"
-            if span.start < end and span.end > start:  # read by this chunk
-                assert r.vision.first <= k < r.vision.encoded, "prefill crossed into unencoded"
-        reads = [(x.span, x.position, x.rows) for x in plan.image_reads if x.lane == i]
-        inside = [
-            (k, sp.start, sp.length)
-            for k, sp in enumerate(r.spec.images)
-            if sp.start >= start and sp.end <= end
-        ]
-        assert reads == inside
-        for x in plan.image_reads:
-            if x.lane == i:
-                assert x.window_slot == r.vision.window_slot >= 0
-                assert x.offset == r.vision.offset(x.span)
-
+from tests.coordinator.vision_rig import CATALOG, MS, Sim, cost_ms, digest, spans
 
 # ---------------------------------------------------------------------------
 # (1) a request spanning three windows
@@ -494,80 +354,3 @@ def test_random_pools_windows_and_rows_never_stall(seed):
     store = sim.s._windows
     assert len(store.free_windows) == store.storage.window_slots
     assert len(store.free_rows) == store.snapshot_rows
-
-
-# ---------------------------------------------------------------------------
-# (4) image digests in the prefix cache's page keys
-
-
-def test_the_same_tokens_with_different_images_share_no_cached_page():
-    tokens = tuple(random.Random(1).randrange(50_000) for _ in range(100))
-    sim = Sim(window_rows=64)
-    first = sim.admit(100, 2, spans(32, length=40, first_digest=1), tokens=tokens)
-    sim.run()
-    assert sim.s.request(first) is None  # retired: its pages are published
-    other = sim.admit(100, 2, spans(32, length=40, first_digest=2), tokens=tokens)
-    r = sim.s.request(other)
-    assert r is not None and r.consumed_prompt == 32  # the two pages before the image only
-    assert r.vision is not None and r.vision.first == 0  # its own image is encoded
-    sim.run()
-    same = sim.admit(100, 2, spans(32, length=40, first_digest=1), tokens=tokens)
-    r = sim.s.request(same)
-    assert r is not None and r.consumed_prompt == 99  # everything but its last token
-    assert r.vision is not None and r.vision.first == 1  # no image left to encode
-    sim.run()
-
-
-def test_a_cached_prefix_never_ends_inside_an_image_span():
-    """A sibling's full pages published mid-flight end inside an image span:
-    the match is cut back to the span's start, and the image is encoded again."""
-    tokens = tuple(random.Random(2).randrange(50_000) for _ in range(120))
-    sim = Sim(window_rows=64)
-    images = (ImageSpan(16, 40, digest(7)), ImageSpan(60, 30, digest(8)))
-    first = sim.admit(120, 4, images, tokens=tokens)
-    r = sim.s.request(first)
-    while r.consumed_prompt < 56:
-        sim.step()
-    published = r.consumed_prompt // 16 * 16
-    assert any(s.start < published < s.end for s in images)  # (the case under test)
-    sibling = sim.admit(120, 4, images, tokens=tokens)
-    q = sim.s.request(sibling)
-    cut = next(s.start for s in images if s.start < published < s.end)
-    assert q is not None and q.consumed_prompt == cut
-    assert q.vision is not None and q.vision.spans[q.vision.first].start == cut
-    sim.run()
-
-
-# ---------------------------------------------------------------------------
-# (5) the cohort choice against brute force
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_choose_cohort_is_exact(seed):
-    rng = random.Random(seed)
-    groups = []
-    for _ in range(rng.randrange(1, 6)):
-        options, images = [], 0
-        for _ in range(rng.randrange(1, 4)):
-            images += rng.randrange(1, 3)
-            options.append((images, round(rng.uniform(0.5, 50.0), 3)))
-        groups.append(options)
-    budget, rows = rng.randrange(1, 7), rng.randrange(1, 4)
-    best = None
-    for choice in itertools.product(*[[None, *range(len(g))] for g in groups]):
-        picked = [(g, o) for g, o in enumerate(choice) if o is not None]
-        images = sum(groups[g][o][0] for g, o in picked)
-        if not picked or len(picked) > rows or images > budget:
-            continue
-        value = sum(groups[g][o][1] for g, o in picked)
-        best = value if best is None else max(best, value)
-    got = choose_cohort(groups, budget, rows)
-    if best is None:
-        assert got is None
-        return
-    assert got is not None
-    value, picks = got
-    assert value == pytest.approx(best)
-    assert len(picks) <= rows and len({g for g, _ in picks}) == len(picks)
-    assert sum(groups[g][o][0] for g, o in picks) <= budget
-    assert value == pytest.approx(sum(groups[g][o][1] for g, o in picks))
