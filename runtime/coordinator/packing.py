@@ -96,11 +96,17 @@ class PromptRows:
             return held
         values = list(self.values)
         fit = [min(size, capacity) for size in sizes]
+        usable: range | list[int] = range(len(sizes))
         for i, size in enumerate(sizes):
             if size > capacity:  # ranked by what the capacity holds of it
-                fit[i] = max(1, fit_tokens(self.lanes[i], capacity))  # (image spans atomic)
+                fit[i] = fit_tokens(self.lanes[i], capacity)  # (image spans atomic)
                 values[i] = prompt_lane_value(self.lanes[i], fit[i], self.beta)
+        if not all(fit):  # an image span at its position longer than the capacity
+            usable = [i for i in usable if fit[i]]
         ties, price = self.ties, self.price
+        if not usable:
+            self._orders[key] = []
+            return []
         keys = (
             lambda i: (-values[i], ties[i]),  # total row value
             lambda i: (-values[i] / fit[i], ties[i]),  # value per token
@@ -108,7 +114,7 @@ class PromptRows:
         )
         held = []
         for rank in keys:
-            order = sorted(range(len(sizes)), key=rank)
+            order = sorted(usable, key=rank)
             if any(order == o for o, _, _ in held):
                 continue  # the same cohorts as an earlier ordering: never greater
             held.append((
@@ -138,7 +144,8 @@ class PromptRows:
                 value += prompt_lane_value(self.lanes[order[whole]], left, self.beta)
             if best is None or value > best_value:
                 best_value, best = value, (order, whole, left if partial else 0)
-        assert best is not None
+        if best is None:  # no row takes a token at this capacity (image spans)
+            return 0.0, [], []
         order, whole, left = best
         rows = order[: whole + 1] if left else order[:whole]
         chunks = [self.sizes[i] for i in order[:whole]]
@@ -201,6 +208,8 @@ def packed_prefill_candidates(
             if k and ladder[k - 1] >= sum(reach[:b]):
                 continue  # exploration: a smaller capacity of this batch holds it all
         value, cohort, chunks = rows.best(b, c)
+        if not cohort:
+            continue  # (only image spans longer than C stand at the rows' positions)
         if len(cohort) == 1:
             k = bisect_right(singles, c)
             if k and singles[k - 1] >= chunks[0]:

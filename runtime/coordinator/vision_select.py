@@ -270,6 +270,8 @@ def _packed(
     taken = {row.view.request.handle.id for row, _ in chosen}
     ready = [v for v in ctx.prompt_rows(kind) if v.request.handle.id not in taken]
     value, cohort, chunks = PromptRows(newly + ready, ctx.beta).best(batch, capacity)
+    if not cohort:
+        return None
     kept = [
         chosen[i] for i, chunk in zip(cohort, chunks)
         if i < len(newly) and chunk > chosen[i][0].reach[0]

@@ -16,6 +16,9 @@ schedulers the same way.
   and flare tracks copy acceptance); ``fixed_speculative_width`` is flare's
   ``SchedulerConfig.fixed_speculative_width`` (0 adaptive) and the width of the
   ``fixed-width`` baseline.
+* Vision (flare only): ``vision`` is the scheduler's feature storage; the
+  catalog adds :func:`vision_shapes`; requests with images come from
+  :func:`~.workload.vision_chat` (not part of the benchmark suite).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from runtime.catalog import GraphDescriptor
+from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import PolicyConfig, SchedulerConfig
 from runtime.coordinator.scheduler import Scheduler
+from runtime.image_spans import VisionStorage
 from runtime.ranks.capacity import padded_concurrency
 from scripts.scheduling_sim.baselines import (
     BASELINE_NAMES,
@@ -74,6 +78,11 @@ class RunConfig:
     speculative_widths: tuple[int, ...] = ()  # W of the SPECULATIVE shapes (D = W - 1)
     proposer: str = "draft"  # "draft" or "copy"
     fixed_speculative_width: int = 0  # flare: 0 adaptive; fixed-width baseline: its W
+    # flare only: the image-feature storage (docs/vision.md, "Scheduling"); the
+    # catalog then adds VISION shapes through ``max_vision_images`` and the
+    # snapshot and restore programs window transitions need.
+    vision: VisionStorage | None = None
+    max_vision_images: int = 4
 
     def __post_init__(self) -> None:
         known = (*SCHEDULERS, *SPECULATIVE_SCHEDULERS)
@@ -94,6 +103,8 @@ class RunConfig:
             raise ValueError(f"fixed_speculative_width must be an integer >= 0, got {width!r}")
         if self.scheduler == "fixed-width" and width < 1:
             raise ValueError("the fixed-width baseline needs fixed_speculative_width >= 1")
+        if self.vision is not None and self.scheduler != "flare":
+            raise ValueError(f"vision applies to flare, not {self.scheduler}")
         if width and self.scheduler not in ("flare", "fixed-width"):
             raise ValueError(
                 f"fixed_speculative_width applies to flare and fixed-width, not {self.scheduler}"
@@ -101,17 +112,29 @@ class RunConfig:
 
     def catalog(self) -> list[GraphDescriptor]:
         batches = self.decode_batches or decode_batches_for(self.max_slots)
-        return build_catalog(
+        catalog = build_catalog(
             self.prefill_buckets,
             batches,
             speculative_widths=self.speculative_widths,
             mixed=self.mixed_prefill,
             packed=self.packed_prefill and self.scheduler == "flare",
         )
+        if self.vision is not None:
+            catalog += vision_shapes(self.max_vision_images)
+        return catalog
 
     def duration_ns(self, desc: GraphDescriptor) -> int:
         """The cost of ``desc`` under ``profile`` for ``proposer``."""
         return profile_for(self.profile, self.proposer).duration_ns(desc)
+
+
+def vision_shapes(max_images: int) -> list[GraphDescriptor]:
+    """VISION programs at every power of two through ``max_images`` (as the
+    ranks capture them), and one snapshot and one restore program (window
+    transitions; every request then retires through a terminal snapshot).
+    Their costs are the profile's floor: the encoder is not modelled."""
+    out = [GraphDescriptor(GraphKind.VISION, 1 << i) for i in range(max_images.bit_length())]
+    return [*out, GraphDescriptor(GraphKind.SNAPSHOT, 1), GraphDescriptor(GraphKind.RESTORE, 1)]
 
 
 def make_scheduler(cfg: RunConfig, catalog: Sequence[GraphDescriptor]):
@@ -122,6 +145,7 @@ def make_scheduler(cfg: RunConfig, catalog: Sequence[GraphDescriptor]):
                 max_slots=cfg.max_slots,
                 fixed_speculative_width=cfg.fixed_speculative_width,
                 proposer=cfg.proposer,
+                vision=cfg.vision,
             ),
             PolicyConfig.preset(cfg.policy),
         )

@@ -43,6 +43,7 @@ import random
 from dataclasses import dataclass, fields, replace
 
 from runtime.coordinator.requests import RequestSpec
+from runtime.image_spans import ImageSpan
 
 
 @dataclass(frozen=True)
@@ -460,6 +461,39 @@ def chat_shared(
             message_endpoints=(len(systems[k]),),
             prompt_tokens=tokens,
         )
+        out.append(Arrival(t, spec))
+    return out
+
+
+@dataclass(frozen=True)
+class VisionChatConfig:
+    """Chat with images: each prompt is text around ``images`` images of
+    ``image_tokens`` positions each (one span per image, its digest random),
+    Poisson arrivals at ``rate_per_s``."""
+
+    requests: int = 16
+    rate_per_s: float = 4.0
+    images: tuple[int, int] = (1, 3)
+    image_tokens: int = 576
+    text_len: Lengths = (16, 256)  # before each image, and after the last
+    output_len: Lengths = CHAT_OUTPUT
+    seed: int = 0
+
+
+def vision_chat(cfg: VisionChatConfig | None = None, **overrides) -> list[Arrival]:
+    """Requests with images (docs/vision.md, "Scheduling"), for flare with a
+    feature storage (``RunConfig.vision``); not in :data:`SUITE`."""
+    cfg = _config(VisionChatConfig, cfg, overrides)
+    rng = random.Random(cfg.seed)
+    out: list[Arrival] = []
+    for t in _poisson(rng, cfg.requests, cfg.rate_per_s):
+        spans, pos = [], 0
+        for _ in range(rng.randint(*cfg.images)):
+            pos += sample_length(cfg.text_len, rng)
+            spans.append(ImageSpan(pos, cfg.image_tokens, f"{rng.getrandbits(256):064x}"))
+            pos += cfg.image_tokens
+        prompt = pos + sample_length(cfg.text_len, rng)
+        spec = RequestSpec(prompt, sample_length(cfg.output_len, rng), images=tuple(spans))
         out.append(Arrival(t, spec))
     return out
 

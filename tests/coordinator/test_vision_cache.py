@@ -9,9 +9,11 @@ import random
 
 import pytest
 
+from runtime.catalog import GraphDescriptor, GraphKind
+from runtime.coordinator.scheduler import Scheduler
 from runtime.coordinator.vision_select import choose_cohort
 from runtime.image_spans import ImageSpan
-from tests.coordinator.vision_rig import Sim, digest, spans
+from tests.coordinator.vision_rig import CATALOG, Sim, digest, spans
 
 # ---------------------------------------------------------------------------
 # (4) image digests in the prefix cache's page keys
@@ -88,3 +90,16 @@ def test_choose_cohort_is_exact(seed):
     assert len(picks) <= rows and len({g for g, _ in picks}) == len(picks)
     assert sum(groups[g][o][0] for g, o in picks) <= budget
     assert value == pytest.approx(sum(groups[g][o][1] for g, o in picks))
+
+
+def test_an_image_longer_than_a_packed_capacity_leaves_that_shape_out():
+    """A packed prefill shape whose capacity cannot hold the image span at a
+    row's position offers nothing for that row (no empty cohort), and the
+    request completes on a larger shape."""
+    catalog = (*CATALOG, GraphDescriptor(GraphKind.PREFILL, 2, prompt_capacity=64))
+    sim = Sim(window_rows=128)
+    sim.s = Scheduler(list(catalog), sim.s.config)
+    a = sim.admit(200, 3, spans(0, length=100), seed=1)
+    b = sim.admit(150, 3, spans(20, length=90, first_digest=9), seed=2)
+    sim.run()
+    assert sim.out[a.id] == [7] * 3 and sim.out[b.id] == [7] * 3
