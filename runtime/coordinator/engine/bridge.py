@@ -259,6 +259,7 @@ class FrontendBridge:
                 cache_salt=message.cache_salt,
                 message_endpoints=message.message_endpoints,
                 prompt_logprobs=message.prompt_logprobs,
+                images=message.images,
             )
         except ValueError as exc:  # the request does not fit (the frontend checked the rest)
             self._send(Output(rid, 0, finish_reason=REFUSED, error=str(exc)[:MAX_ERROR_CHARS]))

@@ -30,6 +30,7 @@ from runtime.coordinator.engine.frames import (
 )
 from runtime.coordinator.engine.inflight import InFlightFrames
 from runtime.coordinator.engine.stats import FrameStat
+from runtime.coordinator.engine.vision_frames import plan_records
 from runtime.coordinator.errors import CompletionError
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming, GeneratedToken
 from runtime.transport.catalog_report import CatalogReport
@@ -115,7 +116,7 @@ class CompletionHandling(InFlightFrames):
         if dispatch.plan.graph.kind is GraphKind.SCORED_PREFILL:  # the prompt's scores
             streams = [self._by_handle[lane.handle.id].stream for lane in dispatch.plan.lanes]
             prompt_scores(answers[0], dispatch.plan, streams, vocab)
-        records = completion_records(answers[0], dispatch.ignore_eos)
+        records = plan_records(dispatch.plan, completion_records(answers[0], dispatch.ignore_eos))
         try:
             generated = self._complete(dispatch, records, timing)
         except CompletionError as exc:

@@ -50,10 +50,11 @@ from runtime.coordinator.engine.config import EngineConfig, EngineError
 from runtime.coordinator.engine.frames import Live
 from runtime.coordinator.engine.ranks import RankAsk
 from runtime.coordinator.engine.stream import CANCELLED, ERROR, RequestStream, TokenEvent
-from runtime.coordinator.engine.submission import check_submission
+from runtime.coordinator.engine.submission import check_images, check_submission, spec_images
 from runtime.coordinator.errors import SchedulerError
 from runtime.coordinator.requests import RequestSpec
 from runtime.transport.control import Control
+from runtime.transport.images import SubmitImage
 from runtime.transport.inspection import RankStatus
 from runtime.transport.sampling import SamplingParams
 
@@ -97,6 +98,7 @@ class Engine(CompletionHandling):
         cache_salt: str = "",
         message_endpoints: Sequence[int] = (),
         prompt_logprobs: int = -1,
+        images: Sequence[SubmitImage] = (),
     ) -> RequestStream:
         """Queue a request; returns its stream at once (any thread).
 
@@ -120,6 +122,7 @@ class Engine(CompletionHandling):
         prompt, sampling = check_submission(
             prompt_token_ids, max_tokens, sampling, ignore_eos, facts, prompt_logprobs
         )
+        request_images = check_images(images, prompt, facts)
         if group is not None and (isinstance(group, bool) or not isinstance(group, int)):
             raise ValueError(f"group must be an integer or None, got {group!r}")
         if not isinstance(cache_salt, str):
@@ -145,6 +148,7 @@ class Engine(CompletionHandling):
             )
             stream.cache_salt, stream.message_endpoints = cache_salt, ends
             stream.prompt_logprobs = prompt_logprobs
+            stream.images = request_images
             self._commands.append(SubmitRequest(stream))
         self.stats.add(requests_submitted=1)
         self._wake.set()
@@ -362,6 +366,7 @@ class Engine(CompletionHandling):
             prompt_tokens=prompt,
             cache_salt=stream.cache_salt,
             score_prompt=stream.prompt_logprobs >= 0,
+            **spec_images(stream.images),
         )
         try:
             handle = scheduler.admit(spec)

@@ -10,6 +10,12 @@ from typing import cast
 from runtime.catalog import GraphKind
 from runtime.coordinator.engine.config import EngineError
 from runtime.coordinator.engine.stream import RequestStream
+from runtime.coordinator.engine.vision_frames import (
+    feature_rows,
+    restored_generation,
+    vision_frame,
+    window_restore_start,
+)
 from runtime.coordinator.plan import LanePhase, LaneWork, ScheduledPlan
 from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import GenerationStart, RequestHandle
@@ -30,6 +36,7 @@ RUNNABLE_KINDS = (
     GraphKind.SPECULATIVE,
     GraphKind.RESTORE,
     GraphKind.SNAPSHOT,
+    GraphKind.VISION,
 )
 
 
@@ -89,7 +96,13 @@ class Dispatch:
     probe: bool = False  # an empty frame of a round-trip probe (else, without plan: releases)
 
 
-def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release: set[int]) -> Frame:
+def build_frame(
+    plan: ScheduledPlan,
+    fence: int,
+    lives: Sequence[Live],
+    release: set[int],
+    window_rows: int = 0,
+) -> Frame:
     """``plan`` as the frame of ``fence``; ``lives`` in lane order.
 
     Columns are filled lane by lane.  Prefill: the prompt chunk, written from
@@ -115,10 +128,17 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
     plain): a restore record (its known tokens, where the output begins), so
     its lane may start past the cached prefix its first pages hold, and the
     copy-on-write page copies the ranks run before the program.
+
+    Images (``window_rows``: the ranks' feature-store window, docs/vision.md): a
+    vision plan is a vision frame, a prompt plan reading images carries their
+    ``feature_rows``, and window rows are state rows
+    (runtime/coordinator/engine/vision_frames.py).
     """
     kind = plan.graph.kind
     if kind not in RUNNABLE_KINDS:
         raise EngineError(f"fence {fence}: the engine cannot run {kind.value} programs yet")
+    if kind is GraphKind.VISION:
+        return vision_frame(plan, fence, lives, window_rows)
     columns = _FrameColumns()
     for i, (lane, live) in enumerate(zip(plan.lanes, lives, strict=True)):
         columns.add(i, lane, live, fence)
@@ -152,6 +172,7 @@ def build_frame(plan: ScheduledPlan, fence: int, lives: Sequence[Live], release:
         expected_ns=plan.estimated_duration_ns,
         copies=tuple(columns.copies),
         restores=tuple(columns.restores),
+        feature_rows=feature_rows(plan, window_rows),
         **scores,
     )
 
@@ -181,7 +202,10 @@ class _FrameColumns:
         self.slot.append(lane.slot)
         self.generation.append(lane.generation)
         self.prompt_start.append(lane.prompt_start)
-        if lane.phase in (LanePhase.RESTORE, LanePhase.TERMINAL):
+        if lane.phase is LanePhase.WINDOW_RESTORE:
+            self._window_restore(i, lane, live)
+            return
+        if lane.phase in (LanePhase.RESTORE, LanePhase.TERMINAL, LanePhase.WINDOW_SNAPSHOT):
             # A state program's row feeds and commits nothing.  A restore starts
             # the new generation: its record, settings and copies; a terminal
             # row drops a known generation.
@@ -219,11 +243,35 @@ class _FrameColumns:
         self.page_count.append(len(unsent))
         self.pages += unsent
 
+    def _window_restore(self, i: int, lane: LaneWork, live: Live) -> None:
+        """A window restore row: the fresh generation at the consumed prompt, every
+        page of the request, a restore record of its prompt (nothing emitted)."""
+        stream = live.stream
+        self.generation[-1] = restored_generation(lane.generation)
+        self.phase.append(PHASE_STATE)
+        self.position.append(lane.prompt_start)
+        self.query_len.append(0)
+        self.commits.append(0)
+        self.sampling.append((i, stream.sampling))
+        prompt = stream.prompt_token_ids
+        self.restores.append((i, Restore(tuple(prompt), len(prompt))))
+        self.page_count.append(len(live.pages))
+        self.pages += live.pages
 
-def mark_pages_sent(lives: Sequence[Live]) -> None:
+
+def mark_pages_sent(lives: Sequence[Live], plan: ScheduledPlan | None = None) -> None:
     """After a frame of ``lives`` is out: the ranks now hold every page of theirs
-    (and each generation's start)."""
-    for live in lives:
+    (and each generation's start).  A vision frame sends none; a window restore
+    row moves its request to the fresh generation, whose start it carried."""
+    if plan is not None and plan.graph.kind is GraphKind.VISION:
+        return
+    for i, live in enumerate(lives):
+        lane = plan.lanes[i] if plan is not None else None
+        if lane is not None and lane.phase is LanePhase.WINDOW_RESTORE:
+            generation = restored_generation(lane.generation)
+            start = window_restore_start(live.stream.prompt_token_ids, lane.prompt_start)
+            live.reside(lane.slot, generation, start)
+            live.stream.generation = generation
         live.pages_sent = len(live.pages)
         live.start_sent = True
 

@@ -57,7 +57,7 @@ class InFlightFrames(EngineLifecycle):
                 start_ns + plan.estimated_duration_ns,
             )
             channel.publish(frame)
-            mark_pages_sent(lives)
+            mark_pages_sent(lives, plan)
             self._inflight.append(dispatch)
             self._by_fence[fence] = dispatch
             self.stats.add(frames_sent=1)
@@ -95,7 +95,8 @@ class InFlightFrames(EngineLifecycle):
                 live.stream.slot, live.stream.generation = lane.slot, lane.generation
             live.pages = scheduler.page_table(lane.handle)  # pages on demand: it grows
             lives.append(live)
-        return build_frame(plan, fence, lives, self._release), lives
+        window_rows = self.facts.window_rows if self.facts is not None else 0
+        return build_frame(plan, fence, lives, self._release, window_rows), lives
 
     def _await_message(self, wait_ms: int) -> object | None:
         """The next message from the ranks within ``wait_ms``, or None.

@@ -35,6 +35,7 @@ from runtime.coordinator.engine.trace import FrameTrace
 from runtime.coordinator.interface import EngineScheduler
 from runtime.coordinator.scheduler import Scheduler
 from runtime.direct.scheduler import DirectScheduler
+from runtime.image_spans import VisionStorage
 from runtime.trace.writer import TraceOptions
 from runtime.transport.channels import ChannelEndpoints, HandshakeTimeout, TransportError
 from runtime.transport.coordinator_channel import CoordinatorChannel
@@ -45,6 +46,16 @@ from runtime.transport.security import ClientKeys, DeploymentKeys, per_run_keys
 log = logging.getLogger("runtime.coordinator.engine")
 
 _Self = TypeVar("_Self", bound="EngineLifecycle")
+
+
+def vision_storage(facts: ModelFacts) -> VisionStorage | None:
+    """The scheduler's view of the ranks' image-feature store (None: text-only).
+    Snapshot rows: one per request slot (0); a window snapshot keeps the request's
+    KV pages and drops its slot rows, which the window restore rebuilds from the
+    consumed prompt (docs/vision.md, "Window transitions on the ranks")."""
+    if not facts.vision_windows or not facts.window_rows:
+        return None
+    return VisionStorage(facts.vision_windows, facts.window_rows)
 
 
 def make_scheduler(cfg: EngineConfig, facts: ModelFacts, max_slots: int) -> EngineScheduler:
@@ -59,6 +70,7 @@ def make_scheduler(cfg: EngineConfig, facts: ModelFacts, max_slots: int) -> Engi
         speculative_token_capacity=cfg.speculative_token_capacity,
         enable_prefix_caching=cfg.enable_prefix_caching,
         debug_page_accounting=cfg.debug_page_accounting,
+        vision=vision_storage(facts),
     )
     if cfg.direct:
         return DirectScheduler(facts.descriptors, scheduler_config)

@@ -44,6 +44,9 @@ AGREED_FIELDS = (
     "page_size",
     "num_pages",
     "kv_page_bytes",
+    "vision_windows",
+    "window_rows",
+    "image_tokens",
 )
 # "" in these is "not computed" (no tokenizer files; no --verify-weights): not compared.
 OPTIONAL_FIELDS = frozenset({"tokenizer_digest", "weights_full_digest"})
@@ -66,6 +69,11 @@ class ModelFacts:
     code_version: str = ""
     config_digest: str = ""
     weights_digest: str = ""
+    # The ranks' image-feature store (docs/vision.md): windows of window_rows
+    # feature rows for images of image_tokens rows each; zeros: a text-only model.
+    vision_windows: int = 0
+    window_rows: int = 0
+    image_tokens: int = 0
 
     @property
     def max_decode_batch(self) -> int:
@@ -235,4 +243,7 @@ def agree(
         code_version=ref.code_version,
         config_digest=ref.config_digest,
         weights_digest=ref.weights_digest,
+        vision_windows=ref.vision_windows,
+        window_rows=ref.window_rows,
+        image_tokens=ref.image_tokens,
     )

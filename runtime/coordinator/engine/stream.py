@@ -8,8 +8,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from runtime.transport.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.coordinator.engine.submission import RequestImages
 
 log = logging.getLogger("runtime.coordinator.engine")
 
@@ -85,6 +89,8 @@ class RequestStream:
         self.prompt_logprobs = -1
         self.prompt_scores: dict[int, object] = {}
         self.prompt_scores_sent = False
+        # Its images (None: none): the spans and the pixels the vision frames send.
+        self.images: RequestImages | None = None
         # Prompt tokens its first residency found in the prefix cache (set with
         # its first output).
         self.cached_tokens = 0

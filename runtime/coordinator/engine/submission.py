@@ -11,7 +11,6 @@ from typing import Any
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.engine.startup import ModelFacts
-from runtime.coordinator.requests import RequestSpec
 from runtime.image_spans import ImageSpan
 from runtime.transport.fields import ProtocolError
 from runtime.transport.images import SubmitImage
@@ -128,8 +127,7 @@ def check_images(
 ) -> RequestImages | None:
     """A submission's images (None without any), checked against its prompt (spans
     in order, disjoint, inside it, over one repeated image token; digests
-    recomputed) and the deployment: it must have vision programs, and the
-    scheduler must take image spans (``RequestSpec.images``).  A ValueError
+    recomputed) and the deployment: it must have vision programs.  A ValueError
     naming ``images`` otherwise: never run without its images."""
     if isinstance(images, (str, bytes)) or not hasattr(images, "__len__"):
         raise ValueError(f"images must be a sequence of SubmitImage, got {type(images).__name__}")
@@ -143,11 +141,6 @@ def check_images(
         raise ValueError(
             "images: the deployment has no vision programs (the served model "
             f"{facts.model_name!r} does not take images)"
-        )
-    if "images" not in RequestSpec.__dataclass_fields__:
-        raise ValueError(
-            "images: this coordinator's scheduler takes no image spans yet "
-            "(RequestSpec.images): the request is refused rather than run without its images"
         )
     return RequestImages(checked)
 
