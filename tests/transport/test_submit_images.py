@@ -14,7 +14,6 @@ import pytest
 
 from runtime.catalog import GraphKind
 from runtime.coordinator.engine.submission import RequestImages, check_images, spec_images
-from runtime.coordinator.requests import RequestSpec
 from runtime.image_spans import ImageSpan
 from runtime.transport.api import Submit
 from runtime.transport.codec import decode, encode
@@ -131,10 +130,6 @@ def facts(*kinds: GraphKind):
 
 def test_the_engine_keeps_the_pixels_and_hands_the_spans_to_the_scheduler():
     images = submit([image(1), image(6, seed=1)]).images
-    if "images" not in RequestSpec.__dataclass_fields__:  # the scheduler's side not there yet
-        with pytest.raises(ValueError, match=r"^images: this coordinator's scheduler"):
-            check_images(images, PROMPT, facts(GraphKind.VISION))
-        return
     kept = check_images(images, PROMPT, facts(GraphKind.PREFILL, GraphKind.VISION))
     assert isinstance(kept, RequestImages) and kept.images == images
     assert kept.spans == tuple(i.span for i in images)
