@@ -13,7 +13,7 @@ from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.scheduler import Scheduler
 from runtime.coordinator.vision_select import choose_cohort
 from runtime.image_spans import ImageSpan
-from tests.coordinator.vision_rig import CATALOG, Sim, digest, spans
+from tests.support.vision_rig import CATALOG, Sim, digest, spans
 
 # ---------------------------------------------------------------------------
 # (4) image digests in the prefix cache's page keys

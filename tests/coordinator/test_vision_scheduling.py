@@ -26,7 +26,7 @@ from runtime.coordinator.records import CompletionRecord, ExecutionTiming
 from runtime.coordinator.requests import RequestSpec
 from runtime.coordinator.scheduler import Scheduler
 from runtime.image_spans import ImageSpan, VisionStorage, fit_chunk
-from tests.coordinator.vision_rig import CATALOG, MS, Sim, cost_ms, digest, spans
+from tests.support.vision_rig import CATALOG, MS, Sim, cost_ms, digest, spans
 
 # ---------------------------------------------------------------------------
 # (1) a request spanning three windows
