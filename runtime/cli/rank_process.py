@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from runtime.cli.converters import LOG_LEVELS, device, kv_bytes
 from runtime.cli.flags.liveness import (
@@ -23,7 +24,13 @@ from runtime.cli.flags.liveness import (
 from runtime.cli.flags.security import add_rank_transport_flags, rank_keys
 from runtime.deploy.config import DTYPES
 from runtime.ranks import memory
-from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY, CapacityConfig, CapacityError
+from runtime.ranks.capacity import (
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MAX_VISION_IMAGES,
+    DEFAULT_VISION_WINDOWS,
+    CapacityConfig,
+    CapacityError,
+)
 from runtime.ranks.proposals import ProposerConfig
 
 DESCRIPTION = "Rank process entry point: ``torchrun --nproc-per-node N -m runtime.ranks ...``."
@@ -57,6 +64,50 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
         type=float,
         default=memory.DEFAULT_GPU_MEMORY_UTILIZATION,
         help="CUDA: the device fraction for weights, activations, graphs and the KV cache",
+    )
+    _add_vision_flags(p)
+
+
+def _add_vision_flags(p: argparse.ArgumentParser) -> None:
+    """A vision model's feature store and vision programs (text-only models ignore them)."""
+    p.add_argument(
+        "--vision-windows",
+        type=int,
+        default=DEFAULT_VISION_WINDOWS,
+        help="feature store windows (one per request encoding images at a time)",
+    )
+    p.add_argument(
+        "--vision-window-rows",
+        type=int,
+        default=0,
+        help="feature rows per window (0: four images' tokens)",
+    )
+    p.add_argument(
+        "--max-vision-images",
+        type=int,
+        default=DEFAULT_MAX_VISION_IMAGES,
+        help="the most images one vision frame encodes (programs at every power of two)",
+    )
+
+
+# CapacityConfig's field names in a refusal, as the rank's flags.
+CAPACITY_FLAGS = {
+    "max_concurrency": "--max-concurrency",
+    "min_prefill_tokens": "--min-prefill-tokens",
+    "max_prefill_tokens": "--max-prefill-tokens",
+    "speculative_widths": "--speculative-widths",
+    "speculative_token_capacity": "--speculative-token-capacity",
+    "device_allocation": "--device-allocation",
+    "vision_windows": "--vision-windows",
+    "window_rows": "--vision-window-rows",
+    "max_vision_images": "--max-vision-images",
+}
+
+
+def capacity_message(text: str) -> str:
+    """A CapacityError's text with each field named as its flag."""
+    return re.sub(
+        r"\b(" + "|".join(CAPACITY_FLAGS) + r")\b", lambda m: CAPACITY_FLAGS[m.group(1)], text
     )
 
 
@@ -233,9 +284,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             speculative_widths=widths,
             speculative_token_capacity=args.speculative_token_capacity,
             device_allocation=args.device_allocation,
+            vision_windows=args.vision_windows,
+            window_rows=args.vision_window_rows,
+            max_vision_images=args.max_vision_images,
         )
     except CapacityError as exc:
-        p.error(str(exc).replace("max_", "--max-").replace("min_", "--min-").replace("_", "-"))
+        p.error(capacity_message(str(exc)))
     return args
 
 

@@ -18,7 +18,13 @@ from runtime.coordinator.engine.config import (
 )
 from runtime.deploy.devices import is_device
 from runtime.deploy.external import ExternalRanks
-from runtime.ranks.capacity import DEFAULT_MAX_CONCURRENCY
+from runtime.ranks.capacity import (
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_MAX_VISION_IMAGES,
+    DEFAULT_VISION_WINDOWS,
+    CapacityConfig,
+    CapacityError,
+)
 from runtime.ranks.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from runtime.speculation import SpeculationConfig
 from runtime.transport.liveness import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, LivenessConfig
@@ -100,6 +106,12 @@ class DeploymentConfig:
     transport: str = "ipc"
     transport_keys: ServerKeys | None = None
     insecure_transport: bool = False
+    # A vision model's feature store and vision programs (the ranks' CapacityConfig;
+    # text-only models ignore them, docs/vision.md "Rank programs"): windows, feature
+    # rows per window (0: four images' tokens), the most images one vision frame encodes.
+    vision_windows: int = DEFAULT_VISION_WINDOWS
+    vision_window_rows: int = 0
+    max_vision_images: int = DEFAULT_MAX_VISION_IMAGES
 
     def __post_init__(self) -> None:
         if not 1 <= self.tensor_parallel_size <= 64:
@@ -162,6 +174,22 @@ class DeploymentConfig:
         if spin is not None and (not isinstance(spin, int) or not 0 <= spin <= 100_000):
             raise ValueError(f"poll_spin_us must be None or in 0..100000, got {spin!r}")
         self._check_transport()
+        self.vision_capacity()  # validates the vision fields
+
+    def vision_capacity(self) -> CapacityConfig:
+        """The ranks' vision capacity (the other CapacityConfig fields at their
+        defaults); ValueError naming the DeploymentConfig field."""
+        try:
+            return CapacityConfig(
+                vision_windows=self.vision_windows,
+                window_rows=self.vision_window_rows,
+                max_vision_images=self.max_vision_images,
+            )
+        except CapacityError as exc:
+            text = str(exc)
+            if text.startswith("window_rows"):
+                text = "vision_" + text
+            raise ValueError(text) from None
 
     def _check_transport(self) -> None:
         if self.transport not in ("ipc", "tcp"):
@@ -239,4 +267,9 @@ class DeploymentConfig:
             args += ["--profile-dir", os.path.abspath(self.profile_dir)]
         if self.speculation is not None:
             args += self.speculation.rank_args()
+        args += [
+            "--vision-windows", str(self.vision_windows),
+            "--vision-window-rows", str(self.vision_window_rows),
+            "--max-vision-images", str(self.max_vision_images),
+        ]  # fmt: skip
         return args

@@ -7,11 +7,13 @@ import argparse
 import logging
 import sys
 import time
+from collections.abc import Sequence
 
 from runtime.catalog import describe_counts
 from runtime.cli.flags.debugging import trace_options
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
+from runtime.transport.images import SubmitImage
 
 log = logging.getLogger("runtime.cli")
 
@@ -47,6 +49,16 @@ def describe_summary(summary: dict) -> str:
     return "; ".join(parts)
 
 
+def describe_prompt(ids: list[int], args: argparse.Namespace) -> str:
+    """``N tokens``, and with ``--image`` ``, K images: FILE, ...``."""
+    paths = getattr(args, "image", None) or []
+    if not paths:
+        return f"{len(ids)} tokens"
+    return f"{len(ids)} tokens, {len(paths)} image{'s' if len(paths) != 1 else ''}: " + ", ".join(
+        paths
+    )
+
+
 # --prompt prints labelled blocks: the labels, the prompt and the figures on
 # stderr, the completion alone on stdout (so `> FILE` keeps only the completion).
 LABEL = "==>"
@@ -57,11 +69,18 @@ def _say(text: str) -> None:
 
 
 def generate_once(
-    args: argparse.Namespace, config: DeploymentConfig, sampling, tokenizer, ids: list[int]
+    args: argparse.Namespace,
+    config: DeploymentConfig,
+    sampling,
+    tokenizer,
+    ids: list[int],
+    images: Sequence[SubmitImage] = (),
 ) -> int:
     """``--prompt``: one completion in this process, printed apart from the prompt.
+    ``images``: ``--image``'s, in the prompt ``ids`` (commands/image_prompt.py).
 
-    On stderr the start-up summary, ``==> prompt (N tokens)`` and the prompt, then
+    On stderr the start-up summary, ``==> prompt (N tokens)`` (``N tokens, K images:
+    FILE, ...`` with ``--image``) and the prompt, then
     ``==> completion (N generated tokens in T ms, finish: REASON)``; on stdout the
     completion alone; last, on stderr, ``==> figures: ...`` (:func:`describe_summary`).
     """
@@ -87,12 +106,12 @@ def generate_once(
             f"ready in {time.monotonic() - started:.1f} s"
         )
         t0 = time.monotonic()
-        stream = engine.submit(ids, args.max_tokens, sampling)
+        stream = engine.submit(ids, args.max_tokens, sampling, images=tuple(images))
         out: list[int] = []
         for event in stream:
             out += event.token_ids
         seconds = time.monotonic() - t0
-        _say(f"{LABEL} prompt ({len(ids)} tokens)")
+        _say(f"{LABEL} prompt ({describe_prompt(ids, args)})")
         _say(args.prompt)
         _say(
             f"{LABEL} completion ({len(out)} generated tokens in {seconds * 1e3:.0f} ms, "

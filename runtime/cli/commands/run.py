@@ -18,6 +18,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from runtime.cli.commands.image_prompt import image_prompt, read_images
 from runtime.cli.commands.prompt import generate_once
 from runtime.cli.config_file import apply_config_file
 from runtime.cli.flags.debugging import (
@@ -55,9 +56,17 @@ from runtime.cli.flags.serving import (
     add_reliability_flags,
     add_server_flags,
     check_chat_template,
+    image_limits,
     serving_options,
 )
 from runtime.cli.flags.speculation import add_speculation_flags, speculation_config
+from runtime.cli.flags.vision import (
+    add_image_flag,
+    add_vision_flags,
+    check_vision,
+    flag_message,
+    vision_config,
+)
 from runtime.cli.parsing import HelpFormatter, explicit, run_parser
 from runtime.coordinator.config import PolicyConfig
 from runtime.deploy.config import DeploymentConfig
@@ -107,10 +116,12 @@ def add_run_flags(run: argparse.ArgumentParser) -> None:
     )
     add_server_flags(run)
     add_generation_flags(run)
+    add_image_flag(run)
     add_model_flags(run)
     add_kv_flags(run)
     add_prefix_cache_flags(run)
     add_scheduling_flags(run)
+    add_vision_flags(run)
     add_speculation_flags(run)
     add_deployment_flags(run)
     add_api_key_flag(run)
@@ -142,6 +153,7 @@ def _checked_flags(
     if not 0 < args.startup_timeout < float("inf"):
         parser.error("--startup-timeout must be a finite number of seconds > 0")
     args.chat_template = check_chat_template(args.chat_template, parser)
+    args.image_files = read_images(args, parser, image_limits(args))
     args.api_key = api_keys(args, parser)
     try:
         args.trace = check_trace_path(args.trace)
@@ -152,9 +164,9 @@ def _checked_flags(
 
 def _checked_model(
     args: argparse.Namespace, parser: argparse.ArgumentParser, external: ExternalRanks | None
-) -> tuple[str, ModelConfig]:
-    """The model directory and its config, checked against the tensor-parallel
-    size, the devices and ``--max-model-len``."""
+) -> tuple[str, str, ModelConfig]:
+    """The model directory, how the command line named it, and its config,
+    checked against the tensor-parallel size, the devices and ``--max-model-len``."""
     directory, named = model_dir(args, parser)
     if not os.path.exists(directory):
         parser.error(f"{named}: no such directory")
@@ -188,7 +200,7 @@ def _checked_model(
             f"{named}: max_position_embeddings {limit} is below {MIN_CONTEXT}, the shortest "
             "context flare serves"
         )
-    return directory, model
+    return directory, named, model
 
 
 def checked_run(
@@ -204,7 +216,7 @@ def checked_run(
     parser = run_parser(parser)  # errors read "flare run: error: ..."
     argv = argv or []
     scheduling, external = _checked_flags(args, parser, argv)
-    directory, model = _checked_model(args, parser, external)
+    directory, named, model = _checked_model(args, parser, external)
     try:
         config = DeploymentConfig(
             model=directory,
@@ -233,10 +245,12 @@ def checked_run(
             **transport_config(args, parser),
             **liveness_config(args, parser),
             **identity_config(args),
+            **vision_config(args),
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        parser.error(flag_message(str(exc)))
         raise  # unreachable
+    check_vision(parser, config, model, named, bool(args.image_files))
     pool = kv_pool(config, model)
     try:
         if pool is not None:  # else the ranks check theirs at start-up
@@ -272,14 +286,18 @@ def cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: lis
     tokenizer = load_tokenizer(config.model, parser)
     context = min(model.max_position_embeddings, config.max_model_len or 1 << 62)
     pool = kv_pool(config, model)
-    if args.prompt is not None:
+    images = ()
+    if args.image_files:  # a chat request, prepared as the HTTP server's chat route does
+        ids, images = image_prompt(args, parser, config, model, pool, context)
+    elif args.prompt is not None:
         ids = tokenizer.encode(args.prompt).ids
+    if args.prompt is not None:
         check_prompt(args, parser, config, pool, context, ids)
     shortfall = pool.shortfall(context) if pool is not None else None
     if shortfall is not None:  # every check passed: a warning, then the start
         log.warning(shortfall)
     if args.prompt is not None:
-        return generate_once(args, config, params, tokenizer, ids)
+        return generate_once(args, config, params, tokenizer, ids, images)
     from runtime.frontend.serve import ServeOptions, serve
 
     return serve(

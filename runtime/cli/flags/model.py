@@ -48,7 +48,8 @@ def add_model_flags(run: argparse.ArgumentParser) -> None:
 
 
 def model_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str]:
-    """The model directory and how the command line named it (for messages)."""
+    """The model directory and how the command line named it (for messages); with
+    ``--image`` and no directory, the embedded vision model."""
     positional, flag = args.model_dir, args.model
     if (
         positional is not None
@@ -63,6 +64,11 @@ def model_dir(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tupl
         return positional, f"MODEL_DIR {positional}"
     if flag is not None:
         return flag, f"--model {flag}"
+    if getattr(args, "image", None):  # --image: the embedded vision model
+        from runtime.cli.flags.vision import default_vision_dir
+
+        path = default_vision_dir()
+        return path, f"the default vision model {path}"
     from runtime.ranks.model import default_model_dir
 
     path = str(default_model_dir())

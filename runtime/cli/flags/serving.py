@@ -183,10 +183,15 @@ def serving_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         "max_connections": args.max_connections,
         "header_timeout_s": float(args.header_timeout),
         "preprocess_workers": args.preprocess_workers,
-        "image_limits": ImageLimits(
-            max_images_per_prompt=args.limit_mm_per_prompt,
-            max_image_bytes=args.max_image_bytes,
-            max_image_pixels=args.max_image_pixels,
-            max_image_frames=args.max_image_frames,
-        ),
+        "image_limits": image_limits(args),
     }
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The image flags as the frontend's limits (the server's and ``--image``'s)."""
+    return ImageLimits(
+        max_images_per_prompt=args.limit_mm_per_prompt,
+        max_image_bytes=args.max_image_bytes,
+        max_image_pixels=args.max_image_pixels,
+        max_image_frames=args.max_image_frames,
+    )
