@@ -267,3 +267,11 @@ def test_flare_run_with_a_text_only_model_and_an_image_exits_naming_it(tmp_path)
     assert "does not accept images (it is a text-only model)" in err, err
     assert "Traceback" not in err
     assert left == []  # nothing started
+
+
+def test_the_config_file_names_an_image_too(llava, tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    missing = tmp_path / "gone.png"
+    path.write_text(f'[run]\nimage = "{missing}"\nprompt = "hi"\nmodel = "{llava}"\n')
+    err = refused(["--config", str(path)], capsys)
+    assert f"--image {missing}: cannot be read" in err, err

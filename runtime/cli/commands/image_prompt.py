@@ -49,6 +49,8 @@ def read_images(
     and the path for a file that cannot be read or is over ``--max-image-bytes``
     (checked from its size, before reading it)."""
     paths = getattr(args, "image", None) or []
+    if isinstance(paths, str):  # --config's [run] image = "FILE"
+        paths = args.image = [paths]
     if paths and args.prompt is None:
         parser.error(
             "--image needs --prompt TEXT (the text after the images); the HTTP server takes "
