@@ -6,6 +6,7 @@ real processes); a text-only model or a missing file fails naming the flag."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from runtime.cli.app import build_parser
-from runtime.cli.commands.run import deployment_config
+from runtime.cli.commands.run import cmd_run, deployment_config
 from runtime.cli.rank_process import parse_args as rank_args
 from runtime.deploy.config import DeploymentConfig
 from runtime.ranks.capacity import (
@@ -26,7 +27,7 @@ from runtime.ranks.capacity import (
     VisionCapacity,
 )
 from runtime.ranks.model import default_model_dir
-from tests.support.images import png, truncated_png
+from tests.support.images import animated_gif, png, png_header, truncated_png
 
 ROOT = Path(__file__).resolve().parents[2]
 RANK_BASE = ["--frames-endpoint", "ipc:///x/f", "--completions-endpoint", "ipc:///x/c"]
@@ -204,6 +205,60 @@ def test_a_text_only_model_refuses_images_naming_a_vision_model(tmp_path, capsys
     assert "give a vision model" in err, err
 
 
+def prepared_refusal(argv: list[str], capsys) -> str:
+    """``flare run ARGV``'s refusal while preparing the prompt (before any process)."""
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    with pytest.raises(SystemExit) as info:
+        cmd_run(args, parser, argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("data", "flags", "words"),
+    [
+        (png_header(100_000, 100_000), [], "declares an image of 100000 x 100000"),
+        (truncated_png(), [], "cannot be decoded as a PNG image"),
+        (b"just text, no picture", [], "is not a PNG, JPEG, WebP or GIF image"),
+        (animated_gif(5), ["--max-image-frames", "2"], "more than 2 frames"),
+        (png(1, 2000), ["--max-image-pixels", "40000"], "would be resized to"),
+    ],
+)
+def test_a_hostile_image_gets_the_servers_refusal_naming_the_file(
+    llava, tmp_path, capsys, data, flags, words
+):
+    image = tmp_path / "hostile.png"
+    image.write_bytes(data)
+    argv = ["--model", str(llava), "--prompt", "hi", "--image", str(image), *flags]
+    err = prepared_refusal(argv, capsys)
+    assert f"--image {image} " in err and words in err, err
+
+
+def test_the_image_limit_and_the_typed_placeholder_name_their_flags(llava, tmp_path, capsys):
+    image = tmp_path / "a.png"
+    image.write_bytes(png(40, 30))
+    base = ["--model", str(llava), "--image", str(image)]
+    err = prepared_refusal([*base, "--image", str(image), "--prompt", "hi",
+                            "--limit-mm-per-prompt", "image=1"], capsys)  # fmt: skip
+    assert "--image: messages has at least 2 images" in err and "--limit-mm-per-prompt" in err
+    err = prepared_refusal([*base, "--prompt", "look: <image>"], capsys)
+    assert "--prompt contains '<image>'" in err, err
+
+
+def test_image_without_a_model_runs_the_embedded_vision_model(tmp_path, capsys):
+    from runtime.cli.flags.vision import default_vision_dir
+
+    image = tmp_path / "a.png"
+    image.write_bytes(png(40, 30))
+    argv = ["--prompt", "hi", "--image", str(image)]
+    if os.path.isdir(default_vision_dir()):
+        assert configure(argv).model == default_vision_dir()
+    else:  # not committed yet: the error names it
+        err = refused(argv, capsys)
+        assert f"the default vision model {default_vision_dir()}: no such directory" in err
+
+
 # -- end to end (real processes) ------------------------------------------------------------
 
 
@@ -229,21 +284,51 @@ RUN = ["--device", "cpu", "--max-tokens", "6", "--num-pages", "64", "--max-concu
        "--max-prefill-tokens", "128", "--log-level", "warning"]  # fmt: skip
 
 
+def transformers_completion(model_dir: Path, argv: list[str]) -> str:
+    """The completion transformers' greedy ``generate`` gives for ``flare run ARGV``'s
+    prepared prompt (the chat route's ids and pixels), as ``flare run`` prints it."""
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import LlavaForConditionalGeneration
+
+    from runtime.cli.commands.image_prompt import image_request
+    from runtime.cli.commands.prompt import completion_text
+    from runtime.cli.commands.run import checked_run
+
+    parser = build_parser()
+    args = parser.parse_args(["run", *argv])
+    config, model = checked_run(args, parser, argv)
+    request = image_request(args, parser, config, model, None, model.max_position_embeddings)
+    ids = list(request.prompt_token_ids)
+    pixels = torch.stack([torch.from_numpy(image.array().copy()) for image in request.images])
+    hf = LlavaForConditionalGeneration.from_pretrained(str(model_dir)).eval()
+    with torch.no_grad():
+        out = hf.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            pixel_values=pixels, do_sample=False, max_new_tokens=args.max_tokens, pad_token_id=0,
+        )  # fmt: skip
+    new = out[0, len(ids) :].tolist()
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return completion_text(tokenizer, ids, new)
+
+
 @pytest.mark.process
-def test_flare_run_with_images_prints_a_completion(llava, tmp_path):
+def test_flare_run_with_images_prints_transformers_completion(llava, tmp_path):
     first, second = tmp_path / "a.png", tmp_path / "b.jpg"
     first.write_bytes(png(40, 30, seed=1))
     second.write_bytes(png(20, 50, seed=2))  # PNG bytes under a .jpg name: sniffed, not named
+    trace = tmp_path / "trace.jsonl"
+    argv = [str(llava), "--prompt", "What is in these pictures?", "--image", str(first),
+            "--image", str(second), *RUN]  # fmt: skip
     started = time.monotonic()
-    code, out, err, _ = flare(
-        ["run", str(llava), "--prompt", "What is in these pictures?", "--image", str(first),
-         "--image", str(second), *RUN],
-    )  # fmt: skip
+    code, out, err, _ = flare(["run", *argv, "--trace", str(trace)])
     assert code == 0, err
-    assert f"2 images: {first}, {second}" in err, err
-    assert "==> completion (" in err and "generated tokens" in err, err
-    assert out.endswith("\n") and len(out) > 1, (out, err)
     print(f"flare run --image: {time.monotonic() - started:.1f} s\n{err}{out}")
+    assert f"2 images: {first}, {second}" in err, err
+    assert "==> completion (6 generated tokens" in err, err
+    kinds = [json.loads(line).get("kind") for line in trace.read_text().splitlines()]
+    assert "vision" in kinds and "prefill" in kinds, kinds  # the images were encoded
+    assert out == transformers_completion(llava, argv) + "\n"
 
 
 @pytest.mark.process
