@@ -35,12 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.catalog import GraphDescriptor, GraphKind
-from runtime.coordinator.engine.frames import (
-    Live,
-    build_frame,
-    completion_records,
-    mark_pages_sent,
-)
+from runtime.coordinator.engine.answers import completion_records
+from runtime.coordinator.engine.frames import Live, build_frame, mark_pages_sent
 from runtime.coordinator.engine.stream import RequestStream
 from runtime.coordinator.plan import (
     LanePhase,

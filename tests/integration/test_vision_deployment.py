@@ -19,7 +19,7 @@ import torch
 from runtime.deploy.config import DeploymentConfig
 from runtime.deploy.local import LocalDeployment
 from runtime.transport.images import SubmitImage, pixel_digest
-from tests.ranks.test_vision_programs import IMAGE, N, hf_model, until_eos
+from tests.support.llava import IMAGE, N, hf_model, until_eos
 
 pytestmark = pytest.mark.process
 

@@ -38,13 +38,12 @@ from runtime.transport.frame import Frame
 from runtime.transport.frame_lane import FrameLane
 from runtime.transport.sampling import SamplingParams
 from tests.support.checkpoints import write_tiny
+from tests.support.llava import IMAGE, N, hf_model, until_eos
 from tests.support.rank_state import changed, snapshot
 from tests.support.tp_runs import tp1_and_tp2
 
 PAGE = 16
 PAGES_PER_SLOT = 4  # 64 tokens per request
-IMAGE = 120  # the image token
-N = 16  # feature rows per image: (32 / 8) ** 2 patches, the CLS row dropped
 NEW = 6
 IMG = [IMAGE] * N
 # (prompt, its images' indices into the pixels); slots are the indices here.
@@ -73,35 +72,6 @@ def prefill(b: int, c: int) -> GraphDescriptor:
 def pixels(count: int = 4) -> torch.Tensor:
     """(count, 3, 32, 32) float32 images, the same in every process."""
     return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(7))
-
-
-def hf_model():
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-    from transformers import LlavaForConditionalGeneration as HFLlava
-
-    text = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        eos_token_id=127, bos_token_id=1,
-    )  # fmt: skip
-    encoder = CLIPVisionConfig(
-        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2,
-        image_size=32, patch_size=8, projection_dim=32,
-    )  # fmt: skip
-    torch.manual_seed(3)
-    config = LlavaConfig(vision_config=encoder, text_config=text, image_token_index=IMAGE)
-    model = HFLlava(config).eval()
-    with torch.no_grad():  # away from the initializer's unit norms and zero biases
-        for name, param in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                param.copy_(1 + torch.randn_like(param) * 0.1)
-            else:
-                param.copy_(torch.randn_like(param) * 0.1)
-    return model
-
-
-def until_eos(tokens: list[int]) -> list[int]:
-    return tokens[: tokens.index(127) + 1] if 127 in tokens else tokens
 
 
 @pytest.fixture(scope="module")

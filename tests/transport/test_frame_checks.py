@@ -297,8 +297,11 @@ def test_build_frame_refuses_two_prompt_rows_and_unrunnable_kinds():
     lanes = (work(0, LanePhase.PREFILL, 4), work(1, LanePhase.PREFILL, 4))
     with pytest.raises(EngineError, match="2 prefill lanes"):
         build_frame(plan(MIXED, lanes), 7, [live(0), live(1)], set())
-    vision = GraphDescriptor(GraphKind.VISION, 1)
-    with pytest.raises(EngineError, match="cannot run vision"):
+    init = GraphDescriptor(GraphKind.INIT, 1)
+    with pytest.raises(EngineError, match="cannot run init"):
+        build_frame(plan(init, lanes[:1]), 7, [live(0)], set())
+    vision = GraphDescriptor(GraphKind.VISION, 1)  # a vision plan names its images
+    with pytest.raises(EngineError, match="a vision plan with no images"):
         build_frame(plan(vision, lanes[:1]), 7, [live(0)], set())
 
 

@@ -16,10 +16,7 @@ import logging
 import time
 
 from runtime.catalog import GraphKind
-from runtime.coordinator.engine.config import EngineError
-from runtime.coordinator.engine.frames import (
-    Dispatch,
-    Live,
+from runtime.coordinator.engine.answers import (
     check_token_ids,
     completion_records,
     execution_timing,
@@ -28,6 +25,8 @@ from runtime.coordinator.engine.frames import (
     sidecar_rows,
     token_logprobs,
 )
+from runtime.coordinator.engine.config import EngineError
+from runtime.coordinator.engine.frames import Dispatch, Live
 from runtime.coordinator.engine.inflight import InFlightFrames
 from runtime.coordinator.engine.stats import FrameStat
 from runtime.coordinator.engine.vision_frames import plan_records

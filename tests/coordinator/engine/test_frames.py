@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runtime.coordinator.engine.answers import lane_logprobs
 from runtime.coordinator.engine.config import EngineError
-from runtime.coordinator.engine.frames import lane_logprobs
 from runtime.ranks.sampling import token_logprobs
 from runtime.transport.completion import Completion
 from runtime.transport.tensor import tensor_from_torch
