@@ -94,11 +94,9 @@ def _check_prompt_row(lane: LaneWork, r: Request, graph: GraphDescriptor) -> Non
         raise CommitError(f"request {lane.handle.id}: prompt extent out of range")
     if lane.prompt_tokens > graph.prompt_capacity:
         raise CommitError(f"request {lane.handle.id}: chunk exceeds prompt capacity")
-    if r.vision is not None:  # image spans: atomic, and never on a mixed prompt row
-        if graph.kind is GraphKind.MIXED:
-            raise CommitError(f"request {lane.handle.id}: a prompt with images on a mixed row")
-        if fit_chunk(r.spec.images, lane.prompt_start, lane.prompt_tokens) != lane.prompt_tokens:
-            raise CommitError(f"request {lane.handle.id}: the chunk splits an image span")
+    spans = r.spec.images  # atomic on any prompt row (prefill or a mixed program's)
+    if spans and fit_chunk(spans, lane.prompt_start, lane.prompt_tokens) != lane.prompt_tokens:
+        raise CommitError(f"request {lane.handle.id}: the chunk splits an image span")
     ends = lane.prompt_start + lane.prompt_tokens == r.prefill_target
     ends = ends and r.spec.max_output_tokens > 0  # (a request of no output commits none)
     if lane.max_tokens != (1 if ends else 0):

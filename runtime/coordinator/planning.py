@@ -97,7 +97,7 @@ class SchedulerPlanning(SchedulerAdmission):
             packed_prefill_candidates(ctx, cands, kind)
         fixed = self._fixed_width
         if ctx.vision is not None:
-            vision_candidates(ctx, cands)
+            vision_candidates(ctx, cands, fixed)
         if ctx.states is not None:
             rounds = self.speculation is not None and fixed != 1
             state_candidates(

@@ -83,8 +83,9 @@ class SelectionContext:
     # Prompt rows of requests whose prompt is scored (RequestSpec.score_prompt):
     # they run on SCORED_PREFILL programs only (docs/scored-prefill.md).
     scored: list[LaneView] = field(default_factory=list)
-    # Unscored prompt rows of requests with images: prefill programs only, never
-    # a mixed prompt row; the vision population (runtime.coordinator.vision_select).
+    # Unscored prompt rows of requests with images (prefill programs and a mixed
+    # program's prompt row, spans kept whole); the vision population
+    # (runtime.coordinator.vision_select).
     imaged: list[LaneView] = field(default_factory=list)
     vision: Any = None
 
@@ -383,7 +384,8 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
     already reaches the row's next endpoint.
     """
     layout = ctx.catalog.derived("mixed", lambda: MixedLayout(ctx.catalog), per_version=False)
-    if not layout.batches or not (ctx.decode or ctx.prefill):
+    prompts = ctx.prefill + ctx.imaged if ctx.imaged else ctx.prefill
+    if not layout.batches or not (ctx.decode or prompts):
         return
     prefix_value, prefix_lru = ctx.sort_decoders()
     n_dec = len(ctx.decode)
@@ -411,7 +413,7 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
         if batch >= n_dec:
             break
 
-    if not ctx.prefill:
+    if not prompts:
         return
     # Prompt row + decoders.  A row's prompt value does not depend on the batch,
     # so batches whose ladders look alike (same capacities, same measured state)
@@ -428,9 +430,9 @@ def mixed_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
         if batch < cover or (batch == cover and kept is None):
             rows = shared.get(signature[batch])
             if rows is None:
-                rows = shared[signature[batch]] = _best_rows(ladder, ctx.prefill, beta, None)
+                rows = shared[signature[batch]] = _best_rows(ladder, prompts, beta, None)
         elif batch == cover or batch in beyond:
-            rows = _best_rows(ladder, ctx.prefill, beta, kept)
+            rows = _best_rows(ladder, prompts, beta, kept)
         else:
             continue  # the same rows, work and decoders as on `cover`: dominated
         n = min(batch - 1, n_dec)
@@ -468,6 +470,7 @@ def _best_rows(
     best: list[tuple[float, int, LaneView, int] | None] = [None] * len(ladder)
     for i, lane in enumerate(lanes):
         avail, to_end = lane.available, lane.to_endpoint
+        images = getattr(lane.request, "vision", None) is not None  # spans kept whole
         done = None if kept is None else kept.setdefault(i, {})
         previous = 0  # largest smaller capacity of this ladder seen, kept or not
         for pos, (_, entry) in enumerate(ladder):
@@ -477,6 +480,10 @@ def _best_rows(
                 continue  # exploration: a smaller capacity reaches the endpoint
             previous = capacity
             tokens = capacity if capacity < avail else avail
+            if images:
+                tokens = fit_tokens(lane, tokens)
+                if tokens <= 0:
+                    continue  # the capacity ends inside the span at its position
             if done is not None:
                 held = done.get(tokens)
                 if held is not None and held <= capacity:

@@ -60,7 +60,13 @@ from runtime.coordinator.lanes import (
     LaneTable,
     SurvivalFn,
 )
-from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
+from runtime.coordinator.policy import (
+    Candidate,
+    LaneView,
+    SelectionContext,
+    fit_tokens,
+    prompt_lane_value,
+)
 
 
 # Survival means s_1..s_n of a request's current proposal source.
@@ -323,7 +329,8 @@ def wide_mixed_candidates(
     prompt row the row plus the best B - 1 decoders, every decoder on its
     complete prefix (host allocation within P)."""
     entries = [e for e in ctx.catalog.entries(GraphKind.MIXED) if e.descriptor.token_capacity > 1]
-    if not entries or not (ctx.decode or ctx.prefill):
+    prompts = ctx.prefill + ctx.imaged if ctx.imaged else ctx.prefill
+    if not entries or not (ctx.decode or prompts):
         return
     if table is None:
         table = LaneTable(ctx, survival, alpha, _deepest(entries, fixed_width), None)
@@ -339,8 +346,10 @@ def wide_mixed_candidates(
         decoders = _fit(lanes[:b], p)
         if decoders:
             found.append(_mixed(entry, index, ctx, None, 0, 0.0, decoders))
-        for view in ctx.prefill:
-            tokens = min(c, view.available)
+        for view in prompts:
+            tokens = fit_tokens(view, min(c, view.available))  # (image spans whole)
+            if tokens <= 0:
+                continue
             others = _fit([x for x in lanes if x.view is not view][: b - 1], p)
             value = prompt_lane_value(view, tokens, ctx.beta)
             found.append(_mixed(entry, index, ctx, view, tokens, value, others))

@@ -201,8 +201,11 @@ def _best_ready_row(ctx: SelectionContext, capacity: int) -> LaneView | None:
     prompt tokens (its value does not depend on the decoders beside it; ties: the
     less recently served, then the first resident)."""
     best, best_key = None, None
-    for lane in ctx.prefill:
-        key = (prompt_lane_value(lane, min(lane.available, capacity), ctx.beta), -lane.lru)
+    for lane in ctx.prefill + ctx.imaged if ctx.imaged else ctx.prefill:
+        tokens = fit_tokens(lane, min(lane.available, capacity))  # (image spans whole)
+        if tokens <= 0:
+            continue
+        key = (prompt_lane_value(lane, tokens, ctx.beta), -lane.lru)
         if best_key is None or key > best_key:
             best, best_key = lane, key
     return best

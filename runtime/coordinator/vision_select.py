@@ -40,7 +40,13 @@ from runtime.coordinator.cost import CostEntry
 from runtime.coordinator.packing import PromptRows
 from runtime.coordinator.plan import VisionImage
 from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
-from runtime.coordinator.prerequisites import chain_score, continuation_contribution, sequence_rate
+from runtime.coordinator.prerequisites import (
+    best_pair,
+    chain_score,
+    continuation_contribution,
+    following_contribution,
+    sequence_rate,
+)
 from runtime.coordinator.requests import Request
 from runtime.coordinator.vision import VisionState, WindowStore, WindowViews
 from runtime.image_spans import fit_chunk
@@ -176,19 +182,29 @@ def _ms(entry: CostEntry) -> float:
     return entry.estimate_ns / 1e6 if entry.known else 0.0
 
 
-def vision_candidates(ctx: SelectionContext, out: list[Candidate]) -> None:
-    """Per vision shape, its best pair with a following prefill shape
-    (module docstring); then the window transition candidates."""
+def vision_candidates(ctx: SelectionContext, out: list[Candidate], fixed_width: int = 0) -> None:
+    """Per vision shape, its best pair with a following prefill or width-one
+    mixed shape (module docstring); then the window transition candidates.
+    ``fixed_width`` > 1: a width-one mixed shape carries its prompt row alone
+    (fixed-width execution runs no width-one decode row)."""
     views: WindowViews | None = ctx.vision
     if views is None:
         return
     if views.rows:
         follows = [(kind, entry) for kind in PREFILL_KINDS for entry in ctx.catalog.entries(kind)]
+        follows += [
+            (GraphKind.MIXED, entry)
+            for entry in ctx.catalog.entries(GraphKind.MIXED)
+            if entry.descriptor.token_capacity == 1
+        ]
         for index, entry in enumerate(ctx.catalog.entries(GraphKind.VISION)):
             rows = _eligible(views, entry.descriptor.batch_capacity, ctx.beta)
             best: VisionCandidate | None = None
             for kind, follow in follows:
-                cand = _pair(ctx, views, rows, entry, index, kind, follow)
+                if kind is GraphKind.MIXED:
+                    cand = _mixed_pair(ctx, views, rows, entry, index, follow, fixed_width)
+                else:
+                    cand = _pair(ctx, views, rows, entry, index, kind, follow)
                 if cand is not None and (best is None or cand.rank_key() > best.rank_key()):
                     best = cand
             if best is not None:
@@ -243,6 +259,22 @@ def _pair(
         if packed is None:
             return None
         total, chosen = packed
+    return _candidate(ctx, views, rows, entry, index, follow, chosen, total)
+
+
+def _candidate(
+    ctx: SelectionContext,
+    views: WindowViews,
+    rows: list[VisionRow],
+    entry: CostEntry,
+    index: int,
+    follow: CostEntry,
+    chosen: list[tuple[VisionRow, int]],
+    total: float,
+) -> VisionCandidate:
+    """The vision frame's candidate serving ``chosen`` (rows, images) and
+    advancing others on spare image rows; its sequence worth ``total``."""
+    budget = entry.descriptor.batch_capacity
     images, lanes = _assign(views, rows, chosen, budget)
     lru = max(v.lru for v in lanes)
     cand = VisionCandidate(entry, index, lanes, total, 0.0, budget - len(images), lru, 0, ctx)
@@ -254,6 +286,64 @@ def _pair(
         cand.unknown = False
         cand.score = sequence_rate(total, t_ms, f_ms, ctx.active_age_price)
     return cand
+
+
+def mixed_cohort(
+    groups: list[list[tuple[int, float]]], decoders: list[float], rows: int
+) -> tuple[float, tuple[int, int], tuple[int, ...]] | None:
+    """The following cohort of a mixed shape of ``rows`` rows after a vision
+    frame: one newly ready prompt row (group ``g``'s option ``o``; every option
+    ``(images, value)`` already within the image budget) and, on the other
+    ``rows - 1`` rows, the already ready decoders (their contributions, any
+    order): ``(value, (g, o), decoder indices)``, None when no option exists.
+    Exact: :func:`~runtime.coordinator.prerequisites.best_pair` with one
+    newly ready row (the prompt row; per group its best option, ties to fewer
+    images) and the decoders as the ready rows (positive ones only)."""
+    newly: list[float] = []
+    picks: list[tuple[int, int]] = []
+    for g, options in enumerate(groups):
+        if options:
+            o = max(range(len(options)), key=lambda k: (options[k][1], -options[k][0]))
+            newly.append(options[o][1])
+            picks.append((g, o))
+    choice = best_pair(newly, decoders, [], 1, rows, advance_spare=False)
+    if choice is None:
+        return None
+    return choice.value, picks[choice.newly_ready[0]], choice.ready
+
+
+def _mixed_pair(
+    ctx: SelectionContext,
+    views: WindowViews,
+    rows: list[VisionRow],
+    entry: CostEntry,
+    index: int,
+    follow: CostEntry,
+    fixed_width: int,
+) -> VisionCandidate | None:
+    """Vision shape ``entry`` followed by width-one mixed shape ``follow``: its
+    prompt row a newly ready (unscored) row, its decode rows the running
+    decoders, the decoders' ages resetting at ``T + F`` (:func:`mixed_cohort`)."""
+    budget = entry.descriptor.batch_capacity
+    desc = follow.descriptor
+    served = [row for row in rows if row.kind is GraphKind.PREFILL]
+    groups = [_options(row, budget, desc.prompt_capacity, ctx.beta) for row in served]
+    if not any(groups):
+        return None
+    t_ms, f_ms = _ms(entry), _ms(follow)
+    decoders: list[float] = []
+    if fixed_width <= 1:
+        ctx.sort_decoders()  # (best first: the rows - 1 best are all that can join)
+        slope = ctx.decode_age_slope
+        decoders = [
+            following_contribution(v.decode_value, slope, t_ms, f_ms)
+            for v in ctx.decode[: desc.batch_capacity - 1]
+        ]
+    choice = mixed_cohort(groups, decoders, desc.batch_capacity)
+    if choice is None:
+        return None
+    total, (g, o), _ = choice
+    return _candidate(ctx, views, rows, entry, index, follow, [(served[g], groups[g][o][0])], total)
 
 
 def _packed(
