@@ -56,6 +56,12 @@ Checks, each printed as PASS/FAIL with its figures, on the embedded model:
    log probabilities (1e-4) and top-k ids, packed frames give single frames'
    scores, first tokens equal plain prefill's, and the scored programs'
    replay times beside the prefill programs of the same shapes.
+14. vision programs (``scripts/gpu_vision.py``): a LLaVA model (the embedded
+   vision model, else a tiny random one) with its VISION programs captured: a
+   vision frame of 2 images, a packed prefill reading their features and
+   decode frames give the eager tokens and transformers' greedy ``generate``;
+   one image padded in the B = 2 program writes only its rows; and each image
+   bucket's vision frame time beside the prefill that reads its images.
 
 ``--device cpu`` runs the same script without capture or NCCL (a dry run of
 the script itself).  The last line is one JSON object with every figure; the
@@ -80,6 +86,7 @@ import gpu_packed
 import gpu_realistic
 import gpu_scored
 import gpu_speculative
+import gpu_vision
 import torch
 from gpu_timing import event_us
 
@@ -476,6 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     ok &= check_penalties(eager, graphs, prompts)
     ok &= gpu_packed.run(check, RESULTS, args.device)
     ok &= gpu_scored.run(check, RESULTS, args.device)
+    ok &= gpu_vision.run(check, RESULTS, args.device)
 
     if cuda:
         import torch.distributed as dist
