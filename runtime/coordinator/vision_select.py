@@ -72,10 +72,12 @@ class VisionRow:
 
 
 class VisionCandidate(Candidate):
-    """A vision frame's candidate: its images, each in its window slot and offset."""
+    """A vision frame's candidate: its images, each in its window slot and
+    offset; ``follow`` the following shape of its best pair (lookahead only)."""
 
-    __slots__ = ("images",)
+    __slots__ = ("follow", "images")
     images: list[VisionImage]
+    follow: CostEntry
 
 
 def _base_limit(r: Request, pos: int, page_size: int) -> int:
@@ -278,7 +280,7 @@ def _candidate(
     images, lanes = _assign(views, rows, chosen, budget)
     lru = max(v.lru for v in lanes)
     cand = VisionCandidate(entry, index, lanes, total, 0.0, budget - len(images), lru, 0, ctx)
-    cand.images = images
+    cand.images, cand.follow = images, follow
     t_ms, f_ms = _ms(entry), _ms(follow)
     if t_ms <= 0.0 or f_ms <= 0.0:
         cand.unknown, cand.score = True, total  # unknown durations: by useful value
