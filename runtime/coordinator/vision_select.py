@@ -1,12 +1,12 @@
-"""Vision candidates: the pair search of a vision frame and the prefill it
-enables, and the window transition rows (spec, "Prerequisites and
+"""Vision candidates: the pair search of a vision frame and the prefill or
+mixed program it enables, and the window transition rows (spec, "Prerequisites and
 completion"; docs/vision.md, "Scheduling").
 
 * **Vision pairs.**  A vision frame is a prerequisite that immediately enables
   inference: for every pair of a VISION shape (``B_v`` images, ``T`` ms) and a
-  following prefill shape (PREFILL or SCORED_PREFILL, single or packed, ``B_f``
-  rows, ``C`` tokens, ``F`` ms) the cohorts are chosen jointly.  A prompt row
-  with images still to encode in its active window offers, per ``j`` more
+  following shape (PREFILL or SCORED_PREFILL, single or packed, ``B_f`` rows,
+  ``C`` tokens, ``F`` ms; or a width-one MIXED shape) the cohorts are chosen
+  jointly.  A prompt row with images still to encode in its active window offers, per ``j`` more
   images, the chunk its prefill may then take on ``C`` (up to the next image
   not encoded, a hard boundary, the pages it holds, never splitting a span),
   worth :func:`~runtime.coordinator.policy.prompt_lane_value`.  The newly
@@ -16,9 +16,14 @@ completion"; docs/vision.md, "Scheduling").
   one); on a packed shape the already ready prompt rows join them through the
   packing search (runtime.coordinator.packing: ``C`` shared), which must keep
   a newly ready row.  Spare image rows advance further images at no extra
-  physical cost.  The sequence scores ``total / (T + F) - (T + F)/2 * sum c``
-  (no decoder rides a prefill); unknown durations score the value.  Per vision
-  shape the best pair is its candidate; only the vision frame executes.
+  physical cost.  A width-one MIXED following shape serves one newly ready
+  row as its prompt row and the running decoders on its other rows, their
+  ages resetting at ``T + F`` (:func:`mixed_cohort`: exact, by
+  :func:`~runtime.coordinator.prerequisites.best_pair` with one newly ready
+  row).  The sequence scores ``total / (T + F) - (T + F)/2 * sum c`` (the
+  decoders riding a mixed program are in ``total``); unknown durations score
+  the value.  Per vision shape the best pair is its candidate; only the vision
+  frame executes.
 * **Window transitions.**  A request between two windows needs a window
   snapshot row (SNAPSHOT program), then a window restore row (RESTORE
   program), then the next window's vision before its prefill produces value:

@@ -293,7 +293,7 @@ def test_no_chunk_splits_a_span_or_reads_an_unpopulated_window(seed):
     """Random prompts with random images (several windows each), text requests
     beside them, a mixed shape in the catalog: every plan passes
     ``check_image_plan`` (no chunk splits a span, reads only encoded images of
-    the active window, never on a mixed row), every request completes, and each
+    the active window, its reads at its prompt row), every request completes, and each
     prompt is consumed exactly once."""
     rng = random.Random(seed)
     sim = Sim(window_rows=64, window_slots=2, measured=False)
