@@ -11,8 +11,9 @@ setup(
     ),
     python_requires=">=3.10",
     packages=find_packages(include=["runtime", "runtime.*", "kernels", "kernels.*"]),
-    # The embedded default model and its draft (scripts/train_default.py).
-    package_data={"runtime.ranks.model": ["weights/*"]},
+    # The embedded default model and its draft (scripts/train_default.py), and the
+    # default vision model (scripts/train_vision_default.py).
+    package_data={"runtime.ranks.model": ["weights/*", "weights/vision/*"]},
     include_package_data=True,
     install_requires=[
         # A range, not a pin: GPU users get their CUDA build. CI installs the
