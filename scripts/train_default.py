@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.iterdir():
-        stale.unlink()
+        if stale.is_file():  # keep vision/ (scripts/train_vision_default.py)
+            stale.unlink()
     for stem, config, state in (
         ("target", DEFAULT_CONFIG, target_state),
         ("draft", DRAFT_CONFIG, draft_state),
@@ -368,10 +369,10 @@ Draft against target on the same held-out prefixes:
 - draft: `{sample_draft!r}`
 """
     (out / "TRAINING.md").write_text(report, encoding="utf-8")
-    files = sorted(p for p in out.iterdir() if p.name != "SHA256SUMS")
+    files = sorted(p for p in out.iterdir() if p.is_file() and p.name != "SHA256SUMS")
     sums = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n" for p in files)
     (out / "SHA256SUMS").write_text(sums, encoding="utf-8")
-    total = sum(p.stat().st_size for p in out.iterdir())
+    total = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     print(f"params: target {n_t:,} ({b_t:,} bytes), draft {n_d:,} ({b_d:,} bytes)")
     print(f"wrote {out}: {total:,} bytes in all; wall time {wall_s / 60:.1f} min")
     assert total <= MAX_BYTES, total
