@@ -51,7 +51,8 @@ from runtime.transport.sampling import SamplingParams
 PAGE = 16
 PAGES_PER_SLOT = 32  # 512 tokens per request
 NEW = 8  # tokens generated per prompt
-REPEAT = 20  # frames timed per bucket
+REPEAT = 20  # frames timed per bucket (CUDA; a CPU dry run times CPU_REPEAT)
+CPU_REPEAT = 3
 EMBEDDED = WEIGHTS_DIR / "vision"
 CAPACITY = CapacityConfig(
     max_concurrency=4, min_prefill_tokens=64, max_prefill_tokens=512, packed_prefill=True,
@@ -277,13 +278,14 @@ def time_buckets(results, w: RankWorker) -> None:
     pixels = torch.randn(4, 3, size, size, generator=torch.Generator().manual_seed(13))
     table = {}
     buckets = sorted(p.desc.batch_capacity for p in w.vision.values())
+    repeat = REPEAT if w.device.type == "cuda" else CPU_REPEAT
     for b in buckets:
         bases = [k * n for k in range(b)]
-        vision = [d.vision(pixels[:b], bases, b).device_ns for _ in range(REPEAT)]
+        vision = [d.vision(pixels[:b], bases, b).device_ns for _ in range(repeat)]
         ids = [1, 5]
         for k in range(b):
             ids += [d.image] * n + [17 + k]
-        prefill = [d.prefill([(ids, bases)]).device_ns for _ in range(REPEAT)]
+        prefill = [d.prefill([(ids, bases)]).device_ns for _ in range(repeat)]
         program = smallest(w, GraphKind.PREFILL, 1, len(ids)).describe()
         table[f"B={b}"] = {
             "vision_us": round(statistics.median(vision) / 1e3, 1),
@@ -292,7 +294,7 @@ def time_buckets(results, w: RankWorker) -> None:
             "prompt_tokens": len(ids),
         }
     results["vision_replay_us"] = table
-    print(f"vision frames beside the prefill reading them (median us of {REPEAT}):")
+    print(f"vision frames beside the prefill reading them (median us of {repeat}):")
     for bucket, row in table.items():
         print(f"  vision {bucket:<5} {row['vision_us']:>10.1f}   {row['prefill_program']:<20}"
               f" ({row['prompt_tokens']} tokens) {row['prefill_us']:>10.1f}")  # fmt: skip

@@ -106,7 +106,7 @@ def test_gpu_check_dry_runs_on_cpu(tmp_path):
     """The prepared CUDA check must work when a GPU session finally runs it."""
     done = subprocess.run(
         [sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
