@@ -11,8 +11,13 @@ On the CPU default (the embedded vision model, runtime/ranks/model/weights/visio
   and TTFT p50/p99 (submission to first token);
 * **vision frames' share of device time** over those runs (the engine's
   per-kind device time);
-* **a text-only request beside them**: its TTFT and inter-token gaps p50/p99
-  alone, then while image requests run at 4 concurrent.
+* **text-only requests beside them** (``--text-repeats``, one at a time):
+  their median TTFT and their inter-token gaps' p50/p99, alone, then while
+  image requests run at 4 concurrent, then while their
+  *text twins* run (the same prompts with each image's tokens replaced by
+  text: the same lengths and prefill work, no vision), to separate what the
+  images cost from what any arriving prompt costs (``--trace FILE`` writes
+  the run's plan trace; ``--mixed-prefill`` also captures mixed programs).
 
 Prints a table; the last line is one JSON object with every figure.
 """
@@ -133,21 +138,51 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))]
 
 
-def image_load(engine, requests: Requests, concurrency: int, total: int, args, rng) -> dict:
-    """``total`` one-image requests kept ``concurrency`` in flight."""
-    timed: list[Timed] = []
-    lock = threading.Lock()
+def text_twin(ids: list[int], images, rng: random.Random) -> tuple[list[int], tuple]:
+    """The same prompt with each image's tokens replaced by text tokens (drawn
+    from the prompt's own text tokens, so twins share no more of the prefix
+    cache than the images did): the same length, no vision work."""
+    ids = list(ids)
+    inside = {i for image in images for i in range(image.start, image.start + image.length)}
+    words = sorted({t for i, t in enumerate(ids) if i not in inside})
+    for image in images:
+        ids[image.start : image.start + image.length] = rng.choices(words, k=image.length)
+    return ids, ()
+
+
+def prepared(requests: Requests, total: int, args, rng, text_only: bool = False) -> list:
+    """``total`` one-image requests, prepared (``text_only``: their text twins)."""
     queue = [requests.prepare(QUESTION, drawn_image(rng), args.max_tokens) for _ in range(total)]
+    if text_only:
+        queue = [text_twin(ids, images, rng) for ids, images in queue]
+    return queue
+
+
+def image_load(
+    engine, requests: Requests, concurrency: int, total: int, args, rng,
+    queue: list | None = None, stop: threading.Event | None = None,
+) -> dict:  # fmt: skip
+    """``total`` one-image requests kept ``concurrency`` in flight (``queue``:
+    those already :func:`prepared`; ``stop``: no new request once set)."""
+    timed: list[Timed] = []
+    failures: list[BaseException] = []
+    lock = threading.Lock()
+    if queue is None:
+        queue = prepared(requests, total, args, rng)
 
     def worker() -> None:
         while True:
             with lock:
-                if not queue:
+                if not queue or (stop is not None and stop.is_set()):
                     return
                 ids, images = queue.pop()
                 t = Timed()
                 timed.append(t)
-            engine.submit(ids, args.max_tokens, listener=t.listener, images=images)
+            try:
+                engine.submit(ids, args.max_tokens, listener=t.listener, images=images)
+            except BaseException as exc:  # a refused request fails the benchmark
+                failures.append(exc)
+                return
             t.done.wait(600)
 
     start = time.perf_counter()
@@ -157,6 +192,8 @@ def image_load(engine, requests: Requests, concurrency: int, total: int, args, r
     for th in threads:
         th.join()
     seconds = time.perf_counter() - start
+    if failures:
+        raise RuntimeError(f"{len(failures)} request(s) failed") from failures[0]
     ttft = [t.ttft_ms for t in timed]
     return {
         "images_per_s": total / seconds,
@@ -166,29 +203,60 @@ def image_load(engine, requests: Requests, concurrency: int, total: int, args, r
     }
 
 
-def text_stream(engine, requests: Requests, args) -> Timed:
-    ids, _ = requests.prepare("Describe a blue circle in detail.", None, args.text_tokens)
-    t = Timed()
-    engine.submit(ids, args.text_tokens, ignore_eos=True, listener=t.listener)
-    t.done.wait(600)
-    return t
+TEXT_PROMPTS = (
+    "Describe a blue circle in detail.",
+    "Describe a red square in detail.",
+    "Describe a green triangle in detail.",
+    "Describe a yellow cross in detail.",
+)
 
 
-def text_figures(t: Timed) -> dict:
-    gaps = t.gaps_ms()
-    return {"ttft_ms": t.ttft_ms, "gap_ms_p50": pct(gaps, 50), "gap_ms_p99": pct(gaps, 99)}
+def text_stream(engine, requests: Requests, args) -> list[Timed]:
+    """``--text-repeats`` text-only requests of ``--text-tokens`` tokens, one
+    after another (each its own prompt)."""
+    out = []
+    for i in range(args.text_repeats):
+        text = TEXT_PROMPTS[i % len(TEXT_PROMPTS)]
+        ids, _ = requests.prepare(text, None, args.text_tokens)
+        t = Timed()
+        engine.submit(ids, args.text_tokens, ignore_eos=True, listener=t.listener)
+        t.done.wait(600)
+        out.append(t)
+    return out
 
 
-def text_beside_images(engine, requests: Requests, args, rng) -> dict:
-    """The text stream while image requests run at 4 concurrent."""
+def text_figures(timed: list[Timed]) -> dict:
+    """The requests' median TTFT and their pooled gaps' p50/p99."""
+    gaps = [g for t in timed for g in t.gaps_ms()]
+    return {
+        "ttft_ms": pct([t.ttft_ms for t in timed], 50),
+        "gap_ms_p50": pct(gaps, 50),
+        "gap_ms_p99": pct(gaps, 99),
+    }
+
+
+def text_beside_images(engine, requests: Requests, args, rng, text_only: bool = False) -> dict:
+    """The text stream while image requests (``text_only``: their text twins,
+    the same prompt lengths without images) run at 4 concurrent, from before
+    it starts until it ends."""
+    stop = threading.Event()
+    queue = prepared(requests, 64, args, rng, text_only)
     box: dict = {}
-    load = threading.Thread(
-        target=lambda: box.update(image_load(engine, requests, 4, 4 * args.rounds, args, rng))
-    )
+
+    def load_run() -> None:
+        try:
+            image_load(engine, requests, 4, 64, args, rng, queue, stop)
+        except BaseException as exc:
+            box["error"] = exc
+
+    load = threading.Thread(target=load_run)
     load.start()
     time.sleep(args.text_delay_s)  # the image requests are running
     t = text_stream(engine, requests, args)
+    stop.set()
     load.join()
+    if "error" in box:
+        raise box["error"]
     return text_figures(t)
 
 
@@ -199,12 +267,17 @@ def run(args: argparse.Namespace) -> dict:
     config = DeploymentConfig(
         model=args.model, tensor_parallel_size=1, device="cpu", max_concurrency=16,
         max_prefill_tokens=args.max_prefill_tokens, startup_timeout_s=300,
+        mixed_prefill=args.mixed_prefill,
     )  # fmt: skip
     rng = random.Random(args.seed)
     out: dict = {}
     with LocalDeployment(config) as d:
         engine = d.engine
         requests = Requests(args.model, model.vocab_size, engine.facts.max_context)
+        if args.trace:  # the whole run's plan trace (flare trace timeline FILE)
+            from runtime.trace.writer import TraceOptions
+
+            engine.enable_trace(TraceOptions(path=args.trace, max_bytes=1 << 30))
         image_load(engine, requests, 4, 8, args, rng)  # warm-up: every shape measured
         text_stream(engine, requests, args)
         before = engine.stats.by_kind()
@@ -221,6 +294,8 @@ def run(args: argparse.Namespace) -> dict:
             out[f"text_alone_{key}"] = value
         for key, value in text_beside_images(engine, requests, args, rng).items():
             out[f"text_with_images_{key}"] = value
+        for key, value in text_beside_images(engine, requests, args, rng, True).items():
+            out[f"text_with_text_twins_{key}"] = value
     return out
 
 
@@ -236,8 +311,8 @@ def report(out: dict, args: argparse.Namespace) -> None:
         )
     print(f"vision frames' share of device time: {out['vision_device_share']:.1%}")
     print(f"frames by kind: {out['frames_by_kind']}")
-    print(f"{'text-only request':<22} {'TTFT ms':>8} {'gap p50 ms':>11} {'gap p99 ms':>11}")
-    for name in ("text_alone", "text_with_images"):
+    print(f"{'text-only requests':<22} {'TTFT ms':>8} {'gap p50 ms':>11} {'gap p99 ms':>11}")
+    for name in ("text_alone", "text_with_images", "text_with_text_twins"):
         print(
             f"{name:<22} {out[f'{name}_ttft_ms']:>8.1f} {out[f'{name}_gap_ms_p50']:>11.1f} "
             f"{out[f'{name}_gap_ms_p99']:>11.1f}"
@@ -251,9 +326,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="requests per slot of concurrency")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--text-tokens", type=int, default=48)
+    parser.add_argument(
+        "--text-repeats", type=int, default=3, help="text-only requests per phase, one at a time"
+    )
     parser.add_argument("--text-delay-s", type=float, default=0.2)
     parser.add_argument("--max-prefill-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--mixed-prefill", action="store_true", help="also capture mixed prefill/decode programs"
+    )
+    parser.add_argument("--trace", help="write the plan trace of the text-beside-images phase")
     args = parser.parse_args(argv)
     if not Path(args.model, "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json (a LLaVA directory is needed)")

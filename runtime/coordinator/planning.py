@@ -50,12 +50,8 @@ from runtime.coordinator.state_ops import state_candidates
 from runtime.coordinator.utility import log_scale_for
 from runtime.coordinator.vision import image_reads
 from runtime.coordinator.vision_checks import WINDOW_PHASES, check_image_plan, commit_windows
-from runtime.coordinator.vision_select import (
-    WINDOW_RESTORE,
-    WINDOW_SNAPSHOT,
-    VisionCandidate,
-    vision_candidates,
-)
+from runtime.coordinator.vision_select import VisionCandidate, vision_candidates
+from runtime.coordinator.window_select import WINDOW_RESTORE, WINDOW_SNAPSHOT
 
 
 class SchedulerPlanning(SchedulerAdmission):

@@ -22,8 +22,17 @@
   the two-stage sequence is scored over T + F (or its productive first stage
   over T).  Following shapes: decode; every mixed shape with the prompt row
   absent, the best already ready one, or one enabled by the restore (a
-  prompt-ready request); prefill of a prompt-ready request; and, when the
+  prompt-ready request); prefill of a prompt-ready request; a packed prefill
+  serving k >= 1 prompt-ready requests beside the already ready prompt rows
+  (C shared: the packing search, :func:`_packed_pair`); and, when the
   deployment speculates, the rectangular host-allocated speculative programs.
+  An unmeasured following shape whose cohort a smaller shape of its family
+  holds does not follow (:mod:`runtime.coordinator.exploration`).  A
+  prompt-ready request with images still to encode is a longer chain: F adds
+  its chunk's vision frames (:func:`~runtime.coordinator.window_select.chunk_encode_ms`).
+  The restore's spare rows restore further prompt-ready requests at no extra
+  physical cost (worth nothing in this lookahead, like decode-ready rows
+  advanced).
   On a round program (speculative, or mixed wider than one) a decoder is worth
   its complete prefix (``RoundValue``).  Ragged and device-allocated programs
   do not follow: their lanes share a row budget P, so lane values are not
@@ -45,6 +54,8 @@ from dataclasses import dataclass
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.cost import CostEntry
+from runtime.coordinator.exploration import dominated_unmeasured
+from runtime.coordinator.packing import PromptRows
 from runtime.coordinator.policy import (
     Candidate,
     LaneView,
@@ -62,6 +73,7 @@ from runtime.coordinator.prerequisites import (
     terminal_sequence_contribution,
 )
 from runtime.coordinator.utility import reference_interval_ms
+from runtime.coordinator.window_select import chunk_encode_ms, encode_ms, pending_images
 
 TERMINAL = "terminal"
 RESTORE = "restore"
@@ -157,6 +169,7 @@ class _Follow:
     prompt: LaneView | None = None
     enabled: bool = False  # the prompt row is made ready by the restore
     rounds: bool = False  # its decoders run complete prefixes (RoundValue)
+    packed: bool = False  # a packed prefill: restored prompt rows and ready ones share C
 
 
 def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed_width: int):
@@ -189,11 +202,19 @@ def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed
                 continue  # a shared row budget: lane values are not additive
             if not fixed_width or w == fixed_width:
                 yield _Follow(entry, b, True, rounds=True)
+    packable = len(_packable(states)) + len(ctx.prompt_rows(GraphKind.PREFILL)) >= 2
     for entry in catalog.entries(GraphKind.PREFILL):
         if entry.descriptor.batch_capacity > 1:
-            continue  # one enabled row: a packed program would be padding
+            if packable and _packable(states):  # k restored rows (and ready ones) share C
+                yield _Follow(entry, entry.descriptor.batch_capacity, False, packed=True)
+            continue
         for lane in states.prompt_ready:
             yield _Follow(entry, 1, False, lane, True)
+
+
+def _packable(states: StateViews) -> list[LaneView]:
+    """The prompt-ready rows a packed PREFILL program may serve (unscored)."""
+    return [v for v in states.prompt_ready if not v.request.spec.score_prompt]
 
 
 def _best_ready_row(ctx: SelectionContext, capacity: int) -> LaneView | None:
@@ -229,7 +250,24 @@ def _pairs(
     tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
     slope = ctx.decode_age_slope
     for follow in follows:
+        if follow.packed:
+            cand = _packed_pair(ctx, states, policy, prereq, index, follow.entry, t_ms)
+            if cand is not None:
+                yield cand
+            continue
         f_ms = follow.entry.estimate_ns / 1e6 if follow.entry.known else 0.0
+        extra = 0.0
+        rows = follow.rows
+        prompt = follow.prompt
+        tokens = 0
+        if prompt is not None:
+            tokens = fit_tokens(
+                prompt, min(prompt.available, follow.entry.descriptor.prompt_capacity)
+            )
+            extra = prompt_lane_value(prompt, tokens, ctx.beta)
+            if follow.enabled and f_ms > 0.0:  # a chain: its images are encoded first
+                encode = chunk_encode_ms(ctx.catalog.entries(GraphKind.VISION), prompt, tokens)
+                f_ms = 0.0 if encode is None else f_ms + encode
         newly: list[float] = []
         ready: list[float] = []
         if follow.decoders:
@@ -245,14 +283,6 @@ def _pairs(
             ready = [following_contribution(x, slope, t_ms, f_ms) for x in ready]
         term = [terminal_sequence_contribution(tv, p, sigma, age, t_ms, f_ms)
                 for _, age in states.terminal]  # fmt: skip
-        extra = 0.0
-        rows = follow.rows
-        prompt = follow.prompt
-        if prompt is not None:
-            tokens = fit_tokens(
-                prompt, min(prompt.available, follow.entry.descriptor.prompt_capacity)
-            )
-            extra = prompt_lane_value(prompt, tokens, ctx.beta)
         if follow.enabled:  # the prompt row is the newly ready row that must participate
             choice = best_pair([_FORCED, *newly], ready, term, prereq.descriptor.batch_capacity,
                                rows)  # fmt: skip
@@ -264,6 +294,10 @@ def _pairs(
             offset = 0
         if choice is None:
             continue
+        family = ctx.catalog.entries(follow.entry.descriptor.kind)
+        served = choice.following_rows + (prompt is not None and not follow.enabled)
+        if dominated_unmeasured(family, follow.entry, served, tokens):
+            continue  # (runtime.coordinator.exploration)
         restored: list[LaneView] = []
         for i in (*choice.newly_ready, *choice.advanced):
             if offset and i == 0:
@@ -271,8 +305,77 @@ def _pairs(
                 restored.append(prompt)
             else:
                 restored.append(states.decode_ready[i - offset])
+        restored += _spare_prompt_rows(states, restored, spare(prereq, restored, choice))
         total = choice.value - (_FORCED if offset else 0.0) + extra
         yield _candidate(ctx, prereq, index, t_ms, f_ms, states, choice, restored, total, policy)
+
+
+def _packed_pair(
+    ctx: SelectionContext,
+    states: StateViews,
+    policy: PolicyConfig,
+    prereq: CostEntry,
+    index: int,
+    follow: CostEntry,
+    t_ms: float,
+) -> Candidate | None:
+    """The restore ``prereq`` followed by the packed prefill ``follow``: ``k >= 1``
+    restored prompt rows (at most the restore's rows, the most valuable on C)
+    and already ready prompt rows share its C tokens, chosen by the packing
+    search (``packing.PromptRows``, as packed prefill itself); the restore's
+    other rows finish the terminal rows worth most.  F is the prefill's time
+    plus the vision frames of the restored rows' images its chunks read."""
+    desc = follow.descriptor
+    batch, capacity = desc.batch_capacity, desc.prompt_capacity
+    cap = prereq.descriptor.batch_capacity
+    newly = _packable(states)
+    if len(newly) > cap:
+        worth = [(prompt_lane_value(v, fit_tokens(v, min(v.available, capacity)), ctx.beta), v)
+                 for v in newly]  # fmt: skip
+        worth.sort(key=lambda item: (-item[0], item[1].lru, item[1].request.handle.id))
+        newly = [v for _, v in worth[:cap]]
+    value, cohort, chunks = PromptRows(newly + ctx.prompt_rows(GraphKind.PREFILL), ctx.beta).best(
+        batch, capacity
+    )
+    picked = [(i, chunk) for i, chunk in zip(cohort, chunks) if i < len(newly)]
+    if not picked:
+        return None
+    family = ctx.catalog.entries(GraphKind.PREFILL)
+    if dominated_unmeasured(family, follow, len(cohort), sum(chunks)):
+        return None  # (runtime.coordinator.exploration)
+    f_ms = follow.estimate_ns / 1e6 if follow.known else 0.0
+    if f_ms > 0.0:  # the restored rows' images are encoded first
+        images = sum(pending_images(newly[i], chunk) for i, chunk in picked)
+        encode = encode_ms(ctx.catalog.entries(GraphKind.VISION), images)
+        f_ms = 0.0 if encode is None else f_ms + encode
+    tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
+    term = sorted(
+        ((terminal_sequence_contribution(tv, p, sigma, age, t_ms, f_ms), i)
+         for i, (_, age) in enumerate(states.terminal)),
+        key=lambda item: (-item[0], item[1]),
+    )  # fmt: skip
+    term = [(x, i) for x, i in term if x > 0.0][: cap - len(picked)]
+    total = value + sum(x for x, _ in term)
+    choice = PairChoice(len(picked), (), (), tuple(i for _, i in term), (), total)
+    restored = [newly[i] for i, _ in picked]
+    restored += _spare_prompt_rows(states, restored, spare(prereq, restored, choice))
+    return _candidate(ctx, prereq, index, t_ms, f_ms, states, choice, restored, total, policy)
+
+
+def spare(prereq: CostEntry, restored: list[LaneView], choice: PairChoice) -> int:
+    """The restore's rows left after its restored and terminal rows."""
+    return prereq.descriptor.batch_capacity - len(restored) - len(choice.terminal)
+
+
+def _spare_prompt_rows(states: StateViews, restored: list[LaneView], rows: int) -> list[LaneView]:
+    """Prompt-ready rows the restore's spare rows advance at no extra physical
+    cost (spec: "Unused prerequisite capacity can advance additional rows";
+    worth nothing in this lookahead, like ``PairChoice.advanced``): those not
+    restored already, in resident order."""
+    if rows <= 0 or not states.prompt_ready:
+        return []
+    taken = {view.request.handle.id for view in restored}
+    return [v for v in states.prompt_ready if v.request.handle.id not in taken][:rows]
 
 
 def _candidate(

@@ -22,16 +22,12 @@ completion"; docs/vision.md, "Scheduling").
   :func:`~runtime.coordinator.prerequisites.best_pair` with one newly ready
   row).  The sequence scores ``total / (T + F) - (T + F)/2 * sum c`` (the
   decoders riding a mixed program are in ``total``); unknown durations score
-  the value.  Per vision shape the best pair is its candidate; only the vision
-  frame executes.
-* **Window transitions.**  A request between two windows needs a window
-  snapshot row (SNAPSHOT program), then a window restore row (RESTORE
-  program), then the next window's vision before its prefill produces value:
-  a longer chain, ranked by the continuation index ``V * T / (T + F)`` with
-  ``F`` the remaining operations (restore, the next window's vision frames,
-  the prefill) and ``V`` that prefill chunk's value
-  (:func:`~runtime.coordinator.prerequisites.chain_score`).  Unknown
-  durations compare optimistically (``V``).
+  the value.  An unmeasured following shape whose cohort a smaller shape of
+  its family holds does not follow (:mod:`runtime.coordinator.exploration`).
+  Per vision shape the best pair is its candidate; only the vision frame
+  executes.
+* **Window transitions** (:mod:`runtime.coordinator.window_select`): the
+  window snapshot and restore rows, ranked by the continuation index.
 
 Pure Python: no torch, sockets or clocks.
 """
@@ -42,22 +38,20 @@ from dataclasses import dataclass, replace
 
 from runtime.catalog import PREFILL_KINDS, GraphKind
 from runtime.coordinator.cost import CostEntry
+from runtime.coordinator.exploration import dominated_unmeasured
 from runtime.coordinator.packing import PromptRows
 from runtime.coordinator.plan import VisionImage
 from runtime.coordinator.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
 from runtime.coordinator.prerequisites import (
     best_pair,
-    chain_score,
-    continuation_contribution,
     following_contribution,
     sequence_rate,
 )
 from runtime.coordinator.requests import Request
-from runtime.coordinator.vision import VisionState, WindowStore, WindowViews
+from runtime.coordinator.vision import WindowStore, WindowViews
+from runtime.coordinator.window_select import window_candidates
 from runtime.image_spans import fit_chunk
 
-WINDOW_SNAPSHOT = "window-snapshot"
-WINDOW_RESTORE = "window-restore"
 _FAR = 1 << 62
 
 
@@ -265,8 +259,18 @@ def _pair(
         packed = _packed(ctx, kind, chosen, rows_f, capacity)
         if packed is None:
             return None
-        total, chosen = packed
+        total, chosen, work = packed
+    else:
+        work = (1, _chunk(chosen[0], capacity))
+    if dominated_unmeasured(ctx.catalog.entries(kind), follow, *work):
+        return None  # (runtime.coordinator.exploration)
     return _candidate(ctx, views, rows, entry, index, follow, chosen, total)
+
+
+def _chunk(chosen: tuple[VisionRow, int], capacity: int) -> int:
+    """The chunk a newly ready row takes on ``capacity`` after its ``j`` images."""
+    row, j = chosen
+    return fit_chunk(row.view.request.spec.images, row.view.prompt_pos, min(capacity, row.reach[j]))
 
 
 def _candidate(
@@ -349,8 +353,12 @@ def _mixed_pair(
     choice = mixed_cohort(groups, decoders, desc.batch_capacity)
     if choice is None:
         return None
-    total, (g, o), _ = choice
-    return _candidate(ctx, views, rows, entry, index, follow, [(served[g], groups[g][o][0])], total)
+    total, (g, o), riders = choice
+    chosen = (served[g], groups[g][o][0])
+    work = (1 + len(riders), _chunk(chosen, desc.prompt_capacity))
+    if dominated_unmeasured(ctx.catalog.entries(GraphKind.MIXED), follow, *work):
+        return None  # (runtime.coordinator.exploration)
+    return _candidate(ctx, views, rows, entry, index, follow, [chosen], total)
 
 
 def _packed(
@@ -359,10 +367,11 @@ def _packed(
     chosen: list[tuple[VisionRow, int]],
     batch: int,
     capacity: int,
-) -> tuple[float, list[tuple[VisionRow, int]]] | None:
+) -> tuple[float, list[tuple[VisionRow, int]], tuple[int, int]] | None:
     """The newly ready rows (at their reach after their images) and the ready
-    prompt rows of ``kind`` packed on (``batch``, ``capacity``); None unless a
-    newly ready row keeps a chunk longer than it had without the vision frame."""
+    prompt rows of ``kind`` packed on (``batch``, ``capacity``), with the
+    following program's work (rows, prompt tokens); None unless a newly ready
+    row keeps a chunk longer than it had without the vision frame."""
     newly = [replace(row.view, available=row.reach[j]) for row, j in chosen]
     taken = {row.view.request.handle.id for row, _ in chosen}
     ready = [v for v in ctx.prompt_rows(kind) if v.request.handle.id not in taken]
@@ -373,7 +382,7 @@ def _packed(
         chosen[i] for i, chunk in zip(cohort, chunks)
         if i < len(newly) and chunk > chosen[i][0].reach[0]
     ]  # fmt: skip
-    return (value, kept) if kept else None
+    return (value, kept, (len(cohort), sum(chunks))) if kept else None
 
 
 def _assign(
@@ -413,80 +422,3 @@ def _assign(
             )
         lanes.append(row.view)
     return images, lanes
-
-
-# ---------------------------------------------------------------------------
-# Window transitions
-
-
-def window_candidates(ctx: SelectionContext, views: WindowViews, out: list[Candidate]) -> None:
-    """Window snapshot candidates (SNAPSHOT programs) and window restore
-    candidates (RESTORE programs): per shape, the B requests of the stage with
-    the largest continuation contributions (module docstring)."""
-    stages = (
-        (GraphKind.SNAPSHOT, WINDOW_SNAPSHOT, _with_rows(views)),
-        (GraphKind.RESTORE, WINDOW_RESTORE, views.restore),
-    )
-    for kind, role, cohort in stages:
-        if not cohort:
-            continue
-        chains = [(view, *_chain(ctx, view, n, kind)) for view, n in cohort]
-        for index, entry in enumerate(ctx.catalog.entries(kind)):
-            t_ms = _ms(entry)
-            scored = sorted(
-                ((continuation_contribution(v, t_ms, f), view) for view, v, f in chains),
-                key=lambda item: (-item[0], item[1].lru, item[1].request.handle.id),
-            )[: entry.descriptor.batch_capacity]
-            lanes = [view for _, view in scored]
-            value = sum(c for c, _ in scored)
-            cand = Candidate(
-                entry, index, lanes, value, 0.0, entry.descriptor.batch_capacity - len(lanes),
-                max(v.lru for v in lanes), 0, ctx,
-            )  # fmt: skip
-            cand.roles = [role] * len(lanes)
-            score = chain_score([c for c, _ in scored], t_ms, ctx.active_age_price)
-            cand.unknown, cand.score = score.unknown, score.score
-            out.append(cand)
-
-
-def _with_rows(views: WindowViews) -> list[tuple[LaneView, int]]:
-    """The requests awaiting a window snapshot that hold a private snapshot row,
-    and as many others as rows are free."""
-    held = [item for item in views.snapshot if _row(item[0].request.vision) >= 0]
-    others = [item for item in views.snapshot if _row(item[0].request.vision) < 0]
-    return held + others[: views.rows_free]
-
-
-def _row(state: VisionState | None) -> int:
-    assert state is not None
-    return state.snapshot_row
-
-
-def _chain(
-    ctx: SelectionContext, view: LaneView, images: int, kind: GraphKind
-) -> tuple[float, float]:
-    """(V, T_further) of a window transition's continuation: the value of the
-    prefill chunk its next window enables, and the time of the operations
-    still to run after this stage (0: some duration unknown)."""
-    r = view.request
-    pkind = GraphKind.SCORED_PREFILL if r.spec.score_prompt else GraphKind.PREFILL
-    singles = [e for e in ctx.catalog.entries(pkind) if e.descriptor.batch_capacity == 1]
-    fits = [e for e in singles if e.descriptor.prompt_capacity >= view.available]
-    prefill = fits[0] if fits else (singles[-1] if singles else None)
-    if prefill is None or view.available <= 0:
-        return 0.0, 0.0
-    capacity = prefill.descriptor.prompt_capacity
-    tokens = fit_chunk(r.spec.images, view.prompt_pos, min(capacity, view.available))
-    value = prompt_lane_value(view, tokens, ctx.beta)
-    parts = [_ms(prefill)]
-    if kind is GraphKind.SNAPSHOT:  # the restore is still to run
-        restores = [_ms(e) for e in ctx.catalog.entries(GraphKind.RESTORE)]
-        parts.append(min(restores) if restores and min(restores) > 0 else 0.0)
-    visions = [e for e in ctx.catalog.entries(GraphKind.VISION)]
-    if images and visions:
-        largest = visions[-1]
-        frames = -(-images // largest.descriptor.batch_capacity)
-        parts.append(frames * _ms(largest))
-    if any(p <= 0.0 for p in parts):
-        return value, 0.0
-    return value, sum(parts)

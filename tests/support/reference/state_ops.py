@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from runtime.catalog import GraphDescriptor, GraphKind
 from runtime.coordinator.config import PolicyConfig
 from runtime.coordinator.cost import CostEntry
+from runtime.coordinator.exploration import dominated_unmeasured
 from runtime.coordinator.prerequisites import (
     PairChoice,
     best_pair,
@@ -58,6 +59,7 @@ from runtime.coordinator.prerequisites import (
     terminal_sequence_contribution,
 )
 from runtime.coordinator.utility import reference_interval_ms
+from tests.support.reference.packing import _fill, _orderings
 from tests.support.reference.policy import Candidate, LaneView, SelectionContext, prompt_lane_value
 
 TERMINAL = "terminal"
@@ -154,6 +156,7 @@ class _Follow:
     prompt: LaneView | None = None
     enabled: bool = False  # the prompt row is made ready by the restore
     rounds: bool = False  # its decoders run complete prefixes (RoundValue)
+    packed: bool = False  # a packed prefill: restored prompt rows and ready ones share C
 
 
 def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed_width: int):
@@ -185,8 +188,14 @@ def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed
                 continue  # a shared row budget: lane values are not additive
             if not fixed_width or w == fixed_width:
                 yield _Follow(entry, b, True, rounds=True)
+    # A spec-exactness fix (2026-12): k >= 1 restored prompt rows on a packed
+    # prefill ("Enumerate the number k of newly ready rows served by the
+    # following graph"); before, one enabled row on a single prefill only.
+    packable = [v for v in states.prompt_ready if not v.request.spec.score_prompt]
     for entry in catalog.entries(GraphKind.PREFILL):
         if entry.descriptor.batch_capacity > 1:
+            if packable and len(packable) + len(ctx.prefill) >= 2:
+                yield _Follow(entry, entry.descriptor.batch_capacity, False, packed=True)
             continue
         for lane in states.prompt_ready:
             yield _Follow(entry, 1, False, lane, True)
@@ -222,6 +231,11 @@ def _pairs(
     tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
     slope = ctx.decode_age_slope
     for follow in follows:
+        if follow.packed:
+            cand = _packed_pair(ctx, states, policy, prereq, index, follow.entry, t_ms)
+            if cand is not None:
+                yield cand
+            continue
         f_ms = follow.entry.estimate_ns / 1e6 if follow.entry.known else 0.0
         newly: list[float] = []
         ready: list[float] = []
@@ -241,6 +255,7 @@ def _pairs(
         extra = 0.0
         rows = follow.rows
         prompt = follow.prompt
+        tokens = 0
         if prompt is not None:
             tokens = min(prompt.available, follow.entry.descriptor.prompt_capacity)
             extra = prompt_lane_value(prompt, tokens, ctx.beta)
@@ -255,6 +270,13 @@ def _pairs(
             offset = 0
         if choice is None:
             continue
+        # An unmeasured following shape a smaller one of its family does the work of
+        # never runs: the pair would stay indeterminate (docs/prerequisites.md,
+        # "Unmeasured following shapes"; a spec-exactness fix, 2026-12).
+        family = ctx.catalog.entries(follow.entry.descriptor.kind)
+        served = choice.following_rows + (prompt is not None and not follow.enabled)
+        if dominated_unmeasured(family, follow.entry, served, tokens):
+            continue
         restored: list[LaneView] = []
         for i in (*choice.newly_ready, *choice.advanced):
             if offset and i == 0:
@@ -262,8 +284,72 @@ def _pairs(
                 restored.append(prompt)
             else:
                 restored.append(states.decode_ready[i - offset])
+        restored += _spare_prompt_rows(states, restored, spare(prereq, restored, choice))
         total = choice.value - (_FORCED if offset else 0.0) + extra
         yield _candidate(ctx, prereq, index, t_ms, f_ms, states, choice, restored, total, policy)
+
+
+def _packed_pair(ctx, states, policy, prereq, index, follow, t_ms):
+    """Restore, then a packed prefill serving k >= 1 restored prompt rows (the
+    restore's rows at most, the most valuable on C) beside the ready prompt
+    rows: every ordering of the reference packing search, each cohort summed
+    from scratch; the restore's other rows finish the terminal rows worth most."""
+    desc = follow.descriptor
+    batch, capacity = desc.batch_capacity, desc.prompt_capacity
+    cap = prereq.descriptor.batch_capacity
+    newly = [v for v in states.prompt_ready if not v.request.spec.score_prompt]
+    newly = sorted(
+        newly,
+        key=lambda v: (
+            -prompt_lane_value(v, min(v.available, capacity), ctx.beta),
+            v.lru,
+            v.request.handle.id,
+        ),
+    )[:cap] if len(newly) > cap else newly  # fmt: skip
+    ids = {v.request.handle.id for v in newly}
+    best = None
+    for order in _orderings(newly + ctx.prefill, capacity, ctx.beta):
+        value, cohort, chunks = _fill(order, batch, capacity, ctx.beta)
+        if cohort and (best is None or value > best[0]):
+            best = (value, cohort, chunks)
+    if best is None:
+        return None
+    value, cohort, chunks = best
+    restored = [v for v in cohort if v.request.handle.id in ids]
+    if not restored:
+        return None
+    family = ctx.catalog.entries(GraphKind.PREFILL)
+    if dominated_unmeasured(family, follow, len(cohort), sum(chunks)):
+        return None
+    f_ms = follow.estimate_ns / 1e6 if follow.known else 0.0
+    tv, p, sigma = policy.terminal_value, policy.terminal_age_price, states.sigma_ms
+    term = sorted(
+        ((terminal_sequence_contribution(tv, p, sigma, age, t_ms, f_ms), i)
+         for i, (_, age) in enumerate(states.terminal)),
+        key=lambda item: (-item[0], item[1]),
+    )  # fmt: skip
+    term = [(x, i) for x, i in term if x > 0.0][: cap - len(restored)]
+    total = value + sum(x for x, _ in term)
+    choice = PairChoice(len(restored), (), (), tuple(i for _, i in term), (), total)
+    restored += _spare_prompt_rows(states, restored, spare(prereq, restored, choice))
+    return _candidate(ctx, prereq, index, t_ms, f_ms, states, choice, restored, total, policy)
+
+
+def spare(prereq: CostEntry, restored: list[LaneView], choice: PairChoice) -> int:
+    """The restore's rows left after its restored and terminal rows."""
+    return prereq.descriptor.batch_capacity - len(restored) - len(choice.terminal)
+
+
+def _spare_prompt_rows(states: StateViews, restored: list[LaneView], rows: int) -> list[LaneView]:
+    """Prompt-ready rows the restore's spare rows advance at no extra physical
+    cost (a spec-exactness fix, 2026-12: "Unused prerequisite capacity can
+    advance additional rows";
+    worth nothing in this lookahead, like ``PairChoice.advanced``): those not
+    restored already, in resident order."""
+    if rows <= 0 or not states.prompt_ready:
+        return []
+    taken = {view.request.handle.id for view in restored}
+    return [v for v in states.prompt_ready if v.request.handle.id not in taken][:rows]
 
 
 def _candidate(
