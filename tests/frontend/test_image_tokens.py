@@ -132,6 +132,28 @@ def test_a_saved_llava_config_gives_its_image_tokens(tmp_path, strategy, per_ima
     assert ImageTokens(32000, 336, 14, "full").tokens_per_image == 577
 
 
+def test_processor_config_must_count_image_tokens_as_the_encoder_writes_them(tmp_path):
+    model_dir = llava_dir(tmp_path, "full")
+    hf_llava_processor(model_dir, "full").save_pretrained(model_dir)  # transformers' own file
+    saved = json.loads((tmp_path / "processor_config.json").read_text())
+    assert saved["num_additional_image_tokens"] == 1
+    vision = load_vision(model_dir)
+    assert vision is not None and vision[0].tokens_per_image == 5
+    for field, value, message in (
+        ("num_additional_image_tokens", 0, "tokens is 0, but the CLIP encoder's CLS row gives 1"),
+        ("patch_size", 7, "patch_size is 7, but config.json gives 14"),
+        ("vision_feature_select_strategy", "default", "vision_feature_select_strategy is"),
+    ):
+        (tmp_path / "processor_config.json").write_text(json.dumps({**saved, field: value}))
+        with pytest.raises(ValueError, match=message):
+            load_vision(model_dir)
+    (tmp_path / "processor_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"processor_config\.json: cannot read JSON"):
+        load_vision(model_dir)
+    (tmp_path / "processor_config.json").unlink()  # absent: config.json alone decides
+    assert load_vision(model_dir) is not None
+
+
 def test_a_text_only_model_takes_no_images(tmp_path):
     assert read_image_tokens(default_model_dir()) is None
     assert load_vision(default_model_dir()) is None

@@ -17,7 +17,12 @@ reader (``runtime.ranks.model.vision_config.is_llava``).  Fields read:
 Each refusal is a ValueError naming ``config.json`` and the field.  vLLM counts an
 image's tokens the same way (one per patch, plus CLS with ``"full"``); transformers'
 ``LlavaProcessor`` does with ``num_additional_image_tokens=1`` (llava-hf's
-``processor_config.json``).
+``processor_config.json``).  A ``processor_config.json`` beside it is checked by
+:func:`check_processor_config`: its ``num_additional_image_tokens`` must be 1 (the
+CLIP encoder's one CLS row), and its ``patch_size`` and
+``vision_feature_select_strategy``, when given, those of ``config.json``; a
+processor that counted otherwise would expand a different number of image
+tokens than the encoder writes features.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from runtime.frontend.preprocess.image_processor import (
 )
 
 CONFIG = "config.json"
+PROCESSOR_CONFIG = "processor_config.json"  # transformers' LlavaProcessor settings
 LLAVA_ARCHITECTURE = "LlavaForConditionalGeneration"
 SELECT_STRATEGIES = ("default", "full")
 MAX_IMAGE_TOKENS = 1 << 16  # one image's tokens: beyond this, not a LLaVA encoder's
@@ -144,6 +150,7 @@ def load_vision(model_dir: str | Path) -> tuple[ImageTokens, ImageProcessorConfi
     tokens = read_image_tokens(model_dir)
     if tokens is None:
         return None
+    check_processor_config(model_dir, tokens)
     processor = load_processor_config(str(model_dir))
     if processor is None:
         raise ValueError(
@@ -158,3 +165,31 @@ def load_vision(model_dir: str | Path) -> tuple[ImageTokens, ImageProcessorConfi
             f"vision_config.image_size is {size} (crop_size must be {size} x {size})"
         )
     return tokens, processor
+
+
+def check_processor_config(model_dir: str | Path, tokens: ImageTokens) -> None:
+    """``processor_config.json`` (transformers' ``LlavaProcessor`` settings), when
+    the directory has one, agrees with ``config.json`` on how many tokens an image
+    becomes (module docstring); a ValueError naming the file and field otherwise."""
+    path = Path(model_dir) / PROCESSOR_CONFIG
+    if not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    expected = {
+        "num_additional_image_tokens": 1,
+        "patch_size": tokens.patch_size,
+        "vision_feature_select_strategy": tokens.select_strategy,
+    }
+    for name, want in expected.items():
+        got = config.get(name)
+        if got is not None and (got != want or type(got) is not type(want)):
+            why = CONFIG if name != "num_additional_image_tokens" else "the CLIP encoder's CLS row"
+            raise ValueError(
+                f"{PROCESSOR_CONFIG}: {name} is {got!r}, but {why} gives {want!r} "
+                f"({tokens.tokens_per_image} image tokens per image)"
+            )
