@@ -122,7 +122,12 @@ def image_tokens_from_config(config: dict[str, Any]) -> ImageTokens | None:
 def read_image_tokens(model_dir: str | Path) -> ImageTokens | None:
     """The model directory's :class:`ImageTokens` (module docstring); None when
     the model is text-only or has no ``config.json``."""
-    path = Path(model_dir) / CONFIG
+    config = _json_object(Path(model_dir) / CONFIG)
+    return None if config is None else image_tokens_from_config(config)
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when there is no such file."""
     if not path.is_file():
         return None
     try:
@@ -131,7 +136,7 @@ def read_image_tokens(model_dir: str | Path) -> ImageTokens | None:
         raise ValueError(f"{path}: cannot read JSON ({exc})") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    return image_tokens_from_config(config)
+    return config
 
 
 def fixed_output_size(processor: ImageProcessorConfig) -> tuple[int, int] | None:
@@ -171,15 +176,9 @@ def check_processor_config(model_dir: str | Path, tokens: ImageTokens) -> None:
     """``processor_config.json`` (transformers' ``LlavaProcessor`` settings), when
     the directory has one, agrees with ``config.json`` on how many tokens an image
     becomes (module docstring); a ValueError naming the file and field otherwise."""
-    path = Path(model_dir) / PROCESSOR_CONFIG
-    if not path.is_file():
+    config = _json_object(Path(model_dir) / PROCESSOR_CONFIG)
+    if config is None:
         return
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object")
     expected = {
         "num_additional_image_tokens": 1,
         "patch_size": tokens.patch_size,
