@@ -202,10 +202,11 @@ def _follows(ctx: SelectionContext, states: StateViews, speculating: bool, fixed
                 continue  # a shared row budget: lane values are not additive
             if not fixed_width or w == fixed_width:
                 yield _Follow(entry, b, True, rounds=True)
-    packable = len(_packable(states)) + len(ctx.prompt_rows(GraphKind.PREFILL)) >= 2
+    restored = len(_packable(states))  # (k >= 1 of them, with the ready prompt rows >= 2)
+    packable = restored >= 1 and restored + len(ctx.prompt_rows(GraphKind.PREFILL)) >= 2
     for entry in catalog.entries(GraphKind.PREFILL):
         if entry.descriptor.batch_capacity > 1:
-            if packable and _packable(states):  # k restored rows (and ready ones) share C
+            if packable:  # k restored rows (and ready ones) share C
                 yield _Follow(entry, entry.descriptor.batch_capacity, False, packed=True)
             continue
         for lane in states.prompt_ready:
